@@ -1,0 +1,32 @@
+"""The exception hierarchy. Every error the daemon raises on purpose is a DevicePluginError."""
+
+from __future__ import annotations
+
+
+class DevicePluginError(Exception):
+    """Base of every error vgpu raises on purpose."""
+
+
+class ConfigError(DevicePluginError):
+    """The config file is invalid. `problems` lists every finding, each naming the key path."""
+
+    def __init__(self, problems: list[str], source: str = "config") -> None:
+        self.problems = list(problems)
+        self.source = source
+        super().__init__(f"{source}: " + "; ".join(self.problems))
+
+
+class BackendError(DevicePluginError):
+    """The GPU backend cannot answer (driver missing, state file unreadable at start, ...)."""
+
+
+class StateFileError(BackendError):
+    """The fake backend's state file is malformed; the message names the field and the fix."""
+
+
+class AllocationError(DevicePluginError):
+    """A request names devices we cannot hand out; the servicer maps it to INVALID_ARGUMENT."""
+
+
+class RegistrationError(DevicePluginError):
+    """The kubelet refused our registration (wrong version, bad resource name)."""

@@ -1,0 +1,177 @@
+"""Plain values passed between the parts of the daemon: frozen, slotted, with units in their names.
+
+Nothing here does I/O. Every other module speaks in these types.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+SLICE_SEPARATOR = "::"
+MAX_DEVICE_ID_LENGTH = 63  # the kubelet's limit for Device.ID
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class SliceId:
+    """One slice of a GPU: `<GPU-UUID>::<n>` on the wire (DESIGN 2, a contract)."""
+
+    gpu_uuid: str
+    n: int
+
+    def __str__(self) -> str:
+        return f"{self.gpu_uuid}{SLICE_SEPARATOR}{self.n}"
+
+    @classmethod
+    def parse(cls, text: str) -> SliceId:
+        """Parse a device ID; ValueError (naming the ID) if it is not `<uuid>::<n>`."""
+        uuid, sep, number = text.rpartition(SLICE_SEPARATOR)
+        if not sep or not uuid or not number.isdigit() or (len(number) > 1 and number[0] == "0"):
+            raise ValueError(f"device ID {text!r} is not of the form <GPU-UUID>::<n>")
+        return cls(uuid, int(number))
+
+
+def allocation_id(slice_ids: Iterable[str]) -> str:
+    """VGPU_ALLOCATION_ID (DESIGN 3, a contract): the first 16 hex digits of the SHA-256 of the
+    container's slice IDs, sorted and joined with commas. Recomputable from pod-resources."""
+    joined = ",".join(sorted(slice_ids))
+    return hashlib.sha256(joined.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class GpuInfo:
+    """What the driver says about one physical GPU. Static while the GPU is present."""
+
+    uuid: str
+    index: int
+    name: str
+    memory_total_bytes: int
+    minor: int
+    numa_node: int | None = None
+    pci_bus_id: str | None = None
+    mig_enabled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessSample:
+    """One process using a GPU, as measured over the interval since the previous poll.
+
+    `used_memory_bytes` is None where the driver does not report it; `sm_util_percent` is None
+    where no utilisation sample exists for the process."""
+
+    pid: int
+    used_memory_bytes: int | None
+    sm_util_percent: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReading:
+    """One GPU in one poll: its facts, health and usage."""
+
+    info: GpuInfo
+    healthy: bool = True
+    health_reason: str = ""
+    memory_used_bytes: int | None = None
+    sm_util_percent: float | None = None
+    processes: tuple[ProcessSample, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class NodeReading:
+    """Everything a backend saw in one poll, in GPU index order."""
+
+    timestamp_s: float
+    gpus: tuple[GpuReading, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GpuPlan:
+    """How one GPU is sliced. `excluded_reason` is set for a GPU left out of slicing (MIG)."""
+
+    gpu: GpuInfo
+    replicas: int
+    memory_per_slice_bytes: int
+    compute_share_ratio: float
+    excluded_reason: str = ""
+
+    @property
+    def sliced(self) -> bool:
+        return not self.excluded_reason and self.replicas > 0
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """One advertised device."""
+
+    id: SliceId
+    gpu_index: int
+    numa_node: int | None
+    memory_limit_bytes: int
+    compute_share_ratio: float
+    healthy: bool
+
+    @property
+    def device_id(self) -> str:
+        return str(self.id)
+
+
+@dataclass(frozen=True, slots=True)
+class Inventory:
+    """The slices this node advertises, and the plan they come from. Immutable: a change is a new
+    Inventory. `slices` is ordered by GPU index, then slice number."""
+
+    plans: tuple[GpuPlan, ...] = ()
+    slices: tuple[Slice, ...] = ()
+    by_id: Mapping[str, Slice] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, plans: Iterable[GpuPlan], slices: Iterable[Slice]) -> Inventory:
+        ordered = tuple(sorted(slices, key=lambda s: (s.gpu_index, s.id.n)))
+        return cls(tuple(plans), ordered, {s.device_id: s for s in ordered})
+
+    def plan_for(self, gpu_uuid: str) -> GpuPlan | None:
+        for plan in self.plans:
+            if plan.gpu.uuid == gpu_uuid:
+                return plan
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class MountSpec:
+    container_path: str
+    host_path: str
+    read_only: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceNodeSpec:
+    container_path: str
+    host_path: str
+    permissions: str = "rw"
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerAllocation:
+    """What Allocate hands one container (DESIGN 3), before it becomes protobuf."""
+
+    allocation_id: str
+    slice_ids: tuple[str, ...]
+    gpu_uuids: tuple[str, ...]
+    envs: Mapping[str, str]
+    mounts: tuple[MountSpec, ...] = ()
+    devices: tuple[DeviceNodeSpec, ...] = ()
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    cdi_devices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class AllocationRecord:
+    """An allocation this daemon made or recovered, and who holds it when known."""
+
+    allocation_id: str
+    slice_ids: tuple[str, ...]
+    allocated_at_s: float
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
