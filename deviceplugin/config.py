@@ -1,0 +1,1087 @@
+"""The versioned config file (DESIGN 7): types, defaults, loading and validation, in one place.
+
+Loading is implemented below the types. Every error names the key path and the bad value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from fractions import Fraction
+from typing import Any, TypeVar
+
+import yaml
+
+from deviceplugin.errors import ConfigError
+
+DEFAULT_RESOURCE_NAME = "nvidia.com/vgpu"
+DEFAULT_REPLICAS = 4
+
+
+class AllocationPolicy(StrEnum):
+    PACK = "pack"
+    SPREAD = "spread"
+
+
+class DeviceListStrategy(StrEnum):
+    ENVVAR = "envvar"
+    VOLUME_MOUNTS = "volume-mounts"
+    CDI_ANNOTATIONS = "cdi-annotations"
+    CDI_CRI = "cdi-cri"
+    DEVICE_SPECS = "device-specs"
+
+
+class MemoryAction(StrEnum):
+    KILL = "kill"
+    MONITOR = "monitor"
+
+
+class ComputeAction(StrEnum):
+    THROTTLE = "throttle"
+    MONITOR = "monitor"
+
+
+@dataclass(frozen=True, slots=True)
+class GpuMatch:
+    """Selects GPUs for an override. Every field given must match; `model` is a glob on the name."""
+
+    model: str | None = None
+    index: int | None = None
+    uuid: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SliceRule:
+    """Exactly one of replicas and memory_per_slice_bytes is set."""
+
+    replicas: int | None = None
+    memory_per_slice_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SliceOverride:
+    match: GpuMatch
+    rule: SliceRule
+
+
+@dataclass(frozen=True, slots=True)
+class SlicingConfig:
+    default: SliceRule = field(default_factory=lambda: SliceRule(replicas=DEFAULT_REPLICAS))
+    # The first override that matches a GPU wins.
+    overrides: tuple[SliceOverride, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class AllocationConfig:
+    policy: AllocationPolicy = AllocationPolicy.PACK
+    device_list_strategy: tuple[DeviceListStrategy, ...] = (DeviceListStrategy.ENVVAR,)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEnforcement:
+    action: MemoryAction = MemoryAction.KILL
+    grace_period_s: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeEnforcement:
+    action: ComputeAction = ComputeAction.THROTTLE
+    window_s: float = 5.0
+    period_s: float = 0.25
+    work_conserving: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class EnforcementConfig:
+    poll_interval_s: float = 0.5
+    memory: MemoryEnforcement = field(default_factory=MemoryEnforcement)
+    compute: ComputeEnforcement = field(default_factory=ComputeEnforcement)
+
+
+@dataclass(frozen=True, slots=True)
+class MpsConfig:
+    enabled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    version: str = "v1"
+    resource_name: str = DEFAULT_RESOURCE_NAME
+    slicing: SlicingConfig = field(default_factory=SlicingConfig)
+    allocation: AllocationConfig = field(default_factory=AllocationConfig)
+    enforcement: EnforcementConfig = field(default_factory=EnforcementConfig)
+    mps: MpsConfig = field(default_factory=MpsConfig)
+    # Non-fatal findings, e.g. NVIDIA keys that parse but that vgpu does not act on.
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+
+
+# --- Loading and validation -------------------------------------------------------------------
+#
+# parse_config() checks the YAML-loaded data against the schema below and collects every problem
+# before it raises, so that one run of `check-config` shows everything that is wrong. Each problem
+# starts with the key path (`slicing.overrides[1].match`) and shows the bad value.
+
+_DURATION_HINT = "use e.g. 500ms, 2s"
+_SIZE_HINT = "use e.g. 10Gi, 512Mi, 1G or a whole number of bytes"
+
+_DURATION_UNITS_S: dict[str, float] = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "µs": 1e-6,  # the micro sign, as Go's time.ParseDuration accepts it
+    "μs": 1e-6,  # the Greek mu, the same
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_BARE_NUMBER = re.compile(r"[+-]?(\d+(?:\.\d*)?|\.\d+)")
+
+_SIZE_UNITS: dict[str, int] = {
+    "": 1,
+    "B": 1,
+    "k": 1000,
+    "K": 1000,
+    "KB": 1000,
+    "M": 1000**2,
+    "MB": 1000**2,
+    "G": 1000**3,
+    "GB": 1000**3,
+    "T": 1000**4,
+    "TB": 1000**4,
+    "Ki": 1024,
+    "KiB": 1024,
+    "Mi": 1024**2,
+    "MiB": 1024**2,
+    "Gi": 1024**3,
+    "GiB": 1024**3,
+    "Ti": 1024**4,
+    "TiB": 1024**4,
+}
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)")
+
+# Extended resource names, as the kubelet's IsExtendedResourceName checks them.
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS_SUBDOMAIN = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
+_QUALIFIED_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_MAX_NAME_LENGTH = 63
+_MAX_SUBDOMAIN_LENGTH = 253
+_QUOTA_PREFIX = "requests."
+
+_POLICIES: dict[str, AllocationPolicy] = {
+    "pack": AllocationPolicy.PACK,
+    "spread": AllocationPolicy.SPREAD,
+    # NVIDIA k8s-device-plugin's names for the same policies.
+    "packed": AllocationPolicy.PACK,
+    "distributed": AllocationPolicy.SPREAD,
+}
+_STRATEGIES: dict[str, DeviceListStrategy] = {s.value: s for s in DeviceListStrategy}
+_MEMORY_ACTIONS: dict[str, MemoryAction] = {a.value: a for a in MemoryAction}
+_COMPUTE_ACTIONS: dict[str, ComputeAction] = {a.value: a for a in ComputeAction}
+
+MIN_POLL_INTERVAL_S = 0.05
+MIN_COMPUTE_PERIOD_S = 0.02
+
+_T = TypeVar("_T")
+
+_TOP_KEYS = ("version", "resourceName", "slicing", "allocation", "enforcement", "mps")
+_SLICING_KEYS = ("replicas", "memoryPerSlice", "overrides")
+_OVERRIDE_KEYS = ("match", "replicas", "memoryPerSlice")
+_MATCH_KEYS = ("model", "index", "uuid")
+_ALLOCATION_KEYS = ("policy", "deviceListStrategy")
+_ENFORCEMENT_KEYS = ("pollInterval", "memory", "compute")
+_MEMORY_KEYS = ("action", "gracePeriod")
+_COMPUTE_KEYS = ("action", "window", "period", "workConserving")
+_MPS_KEYS = ("enabled",)
+
+
+def _show(value: object) -> str:
+    """A value as the user wrote it in YAML, for messages."""
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(value)
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return f"a {type(value).__name__}"
+
+
+def _kind(value: object) -> str:
+    return "a string" if isinstance(value, str) else _show(value)
+
+
+def parse_duration(value: str | int | float) -> float:
+    """Seconds from a duration such as `500ms`, `2s`, `1.5s`, `1m30s` or `250us`.
+
+    Units: ns, us, ms, s, m, h. A bare number is refused (is `2` seconds or milliseconds?), except
+    0. A leading sign is accepted, so that range checks can report negative values as such."""
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ValueError(f"{_show(value)} is not a duration ({_DURATION_HINT})")
+    if not isinstance(value, str):
+        if value == 0:
+            return 0.0
+        raise ValueError(
+            f"{_show(value)} has no unit: durations need one (use e.g. {value}s or {value}ms)"
+        )
+    text = value.strip()
+    if _BARE_NUMBER.fullmatch(text):
+        if float(text) == 0:
+            return 0.0
+        raise ValueError(
+            f"{_show(value)} has no unit: durations need one (use e.g. {text}s or {text}ms)"
+        )
+    sign = 1.0
+    if text[:1] in ("+", "-"):
+        sign = -1.0 if text[0] == "-" else 1.0
+        text = text[1:]
+    total = 0.0
+    position = 0
+    while position < len(text):
+        part = _DURATION_PART.match(text, position)
+        if part is None:
+            break
+        total += float(part.group(1)) * _DURATION_UNITS_S[part.group(2)]
+        position = part.end()
+    if not text or position != len(text):
+        raise ValueError(f"{_show(value)} is not a duration ({_DURATION_HINT})")
+    return sign * total
+
+
+def format_duration(seconds: float) -> str:
+    """The shortest way to write `seconds` that parse_duration reads back: 2s, 500ms, 1m, 1.5s."""
+    if seconds == 0:
+        return "0s"
+    micros = round(seconds * 1_000_000)
+    if abs(micros - seconds * 1_000_000) > 1e-6 * abs(seconds * 1_000_000):
+        return f"{seconds:.9f}".rstrip("0") + "s"
+    for unit, size_us in (("h", 3_600_000_000), ("m", 60_000_000), ("s", 1_000_000)):
+        if micros % size_us == 0:
+            return f"{micros // size_us}{unit}"
+    if abs(micros) >= 1_000_000:
+        return f"{micros / 1_000_000:.6f}".rstrip("0") + "s"
+    if micros % 1000 == 0:
+        return f"{micros // 1000}ms"
+    return f"{micros}us"
+
+
+def parse_size(value: str | int) -> int:
+    """Bytes from a size such as `10Gi`, `512Mi`, `80GiB`, `1G` (decimal) or `1024` (bytes).
+
+    Binary units Ki Mi Gi Ti (KiB ...), decimal units K M G T (k, KB ...). A fraction is accepted
+    when the result is a whole number of bytes (`1.5Gi`)."""
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise ValueError(f"{_show(value)} is not a size ({_SIZE_HINT})")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{value} is not a size: sizes cannot be negative")
+        return value
+    found = _SIZE.fullmatch(value.strip())
+    if found is None or found.group(2) not in _SIZE_UNITS:
+        raise ValueError(f"{_show(value)} is not a size ({_SIZE_HINT})")
+    size = Fraction(found.group(1)) * _SIZE_UNITS[found.group(2)]
+    if size.denominator != 1:
+        raise ValueError(f"{_show(value)} is not a whole number of bytes ({_SIZE_HINT})")
+    return int(size)
+
+
+def _resource_name_problem(name: str) -> str | None:
+    """Why `name` is not an extended resource name the kubelet accepts, or None if it is."""
+    expected = "expected <domain>/<name>, e.g. nvidia.com/vgpu"
+    domain, slash, short = name.partition("/")
+    if not slash:
+        return f"{_show(name)} has no domain ({expected})"
+    if "kubernetes.io/" in name:
+        return f"{_show(name)} is in the kubernetes.io domain, which is reserved for Kubernetes"
+    if name.startswith(_QUOTA_PREFIX):
+        return f'{_show(name)} starts with "{_QUOTA_PREFIX}", which Kubernetes reserves for quotas'
+    if not _DNS_SUBDOMAIN.fullmatch(domain) or len(_QUOTA_PREFIX + domain) > _MAX_SUBDOMAIN_LENGTH:
+        return f"{_show(name)}: the domain {_show(domain)} is not a DNS subdomain ({expected})"
+    if not _QUALIFIED_NAME.fullmatch(short) or len(short) > _MAX_NAME_LENGTH:
+        return (
+            f"{_show(name)}: the name {_show(short)} must be at most {_MAX_NAME_LENGTH} letters,"
+            " digits, '-', '_' or '.', starting and ending with a letter or digit"
+        )
+    return None
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+class _Reader:
+    """Typed access to YAML-loaded data that records a problem, with its key path, for every
+    value that does not fit and returns None for it. parse_config raises once, at the end."""
+
+    def __init__(
+        self, *, null_is_absent: bool = False, top_level_hints: Mapping[str, str] | None = None
+    ) -> None:
+        self.problems: list[str] = []
+        self.warnings: list[str] = []
+        # NVIDIA's files (and its "Running with config" dumps) write unset settings as null.
+        self._null_is_absent = null_is_absent
+        # Extra words for an unknown top-level key, by key.
+        self._top_level_hints = top_level_hints or {}
+
+    def error(self, path: str, message: str) -> None:
+        self.problems.append(f"{path or 'top level'}: {message}")
+
+    def warn(self, sentence: str) -> None:
+        """A finding that does not stop the config from loading; it names its key path."""
+        self.warnings.append(sentence)
+
+    def section(self, value: object, path: str, keys: Sequence[str]) -> dict[str, object]:
+        """The known keys of a mapping; unknown keys are problems. A missing or null section is
+        empty."""
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            self.error(path, f"expected a mapping with keys {', '.join(keys)}, got {_kind(value)}")
+            return {}
+        known: dict[str, object] = {}
+        for key, item in value.items():
+            if key not in keys:
+                hint = "" if path else self._top_level_hints.get(str(key), "")
+                self.error(
+                    path,
+                    f"unknown key {_show(key)} (expected one of: {', '.join(sorted(keys))}){hint}",
+                )
+            elif not (self._null_is_absent and item is None):
+                known[key] = item
+        return known
+
+    def integer(self, value: object, path: str, minimum: int) -> int | None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.error(path, f"{_show(value)} is not an integer")
+            return None
+        if value < minimum:
+            self.error(path, f"{value} is too small (must be >= {minimum})")
+            return None
+        return value
+
+    def boolean(self, value: object, path: str) -> bool | None:
+        if not isinstance(value, bool):
+            self.error(path, f"{_show(value)} is not a boolean (use true or false)")
+            return None
+        return value
+
+    def string(self, value: object, path: str) -> str | None:
+        if not isinstance(value, str):
+            self.error(path, f"{_show(value)} is not a string")
+            return None
+        if not value:
+            self.error(path, "is empty")
+            return None
+        return value
+
+    def choice(self, value: object, path: str, options: Mapping[str, _T], shown: str) -> _T | None:
+        if isinstance(value, str) and value in options:
+            return options[value]
+        self.error(path, f"{_show(value)} is not one of {shown}")
+        return None
+
+    def duration(self, value: object, path: str, minimum_s: float) -> float | None:
+        try:
+            if not isinstance(value, str | int | float):
+                raise ValueError(f"{_show(value)} is not a duration ({_DURATION_HINT})")
+            seconds = parse_duration(value)
+        except ValueError as e:
+            self.error(path, str(e))
+            return None
+        if seconds < minimum_s:
+            self.error(
+                path, f"{_show(value)} is too short (must be >= {format_duration(minimum_s)})"
+            )
+            return None
+        return seconds
+
+    def size(self, value: object, path: str) -> int | None:
+        try:
+            if not isinstance(value, str | int):
+                raise ValueError(f"{_show(value)} is not a size ({_SIZE_HINT})")
+            size = parse_size(value)
+        except ValueError as e:
+            self.error(path, str(e))
+            return None
+        if size <= 0:
+            self.error(path, f"{_show(value)} is too small (must be more than 0 bytes)")
+            return None
+        return size
+
+    def items(self, value: object, path: str) -> list[object]:
+        """A list; null is empty."""
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            self.error(path, f"expected a list, got {_kind(value)}")
+            return []
+        return value
+
+    def resource_name(self, value: object, path: str) -> str | None:
+        name = self.string(value, path)
+        if name is None:
+            return None
+        problem = _resource_name_problem(name)
+        if problem is not None:
+            self.error(path, problem)
+            return None
+        return name
+
+    def strategies(self, value: object, path: str) -> tuple[DeviceListStrategy, ...] | None:
+        """deviceListStrategy: one name or a non-empty list of distinct names."""
+        shown = ", ".join(_STRATEGIES)
+        if isinstance(value, str):
+            one = self.choice(value, path, _STRATEGIES, shown)
+            return None if one is None else (one,)
+        if not isinstance(value, list):
+            self.error(path, f"expected a strategy or a list of them ({shown}), got {_kind(value)}")
+            return None
+        if not value:
+            self.error(path, f"is empty (list at least one of {shown})")
+            return None
+        chosen: list[DeviceListStrategy] = []
+        valid = True
+        for i, item in enumerate(value):
+            strategy = self.choice(item, f"{path}[{i}]", _STRATEGIES, shown)
+            if strategy is None:
+                valid = False
+            elif strategy in chosen:
+                self.error(f"{path}[{i}]", f"{_show(item)} is listed twice")
+                valid = False
+            else:
+                chosen.append(strategy)
+        return tuple(chosen) if valid else None
+
+    def version(self, value: object, path: str) -> str | None:
+        if value != "v1":
+            self.error(path, f'{_show(value)} is not supported (expected "v1")')
+            return None
+        return "v1"
+
+
+def _slice_rule(r: _Reader, section: Mapping[str, object], path: str) -> SliceRule | None:
+    """replicas or memoryPerSlice (exactly one) of a slicing section or an override; None if
+    neither is set or a value is invalid."""
+    has_replicas = "replicas" in section
+    has_memory = "memoryPerSlice" in section
+    replicas = r.integer(section["replicas"], _join(path, "replicas"), 1) if has_replicas else None
+    memory = (
+        r.size(section["memoryPerSlice"], _join(path, "memoryPerSlice")) if has_memory else None
+    )
+    if has_replicas and has_memory:
+        r.error(path, "set either replicas or memoryPerSlice, not both")
+        return None
+    if replicas is not None:
+        return SliceRule(replicas=replicas)
+    if memory is not None:
+        return SliceRule(memory_per_slice_bytes=memory)
+    return None
+
+
+def _gpu_match(r: _Reader, value: object, path: str) -> GpuMatch | None:
+    section = r.section(value, path, _MATCH_KEYS)
+    if not section:
+        if value is None or value == {}:
+            r.error(path, f"needs at least one of {', '.join(_MATCH_KEYS)}")
+        return None
+    model = r.string(section["model"], _join(path, "model")) if "model" in section else None
+    index = r.integer(section["index"], _join(path, "index"), 0) if "index" in section else None
+    uuid = r.string(section["uuid"], _join(path, "uuid")) if "uuid" in section else None
+    return GpuMatch(model=model, index=index, uuid=uuid)
+
+
+def _slicing(r: _Reader, value: object) -> SlicingConfig:
+    path = "slicing"
+    section = r.section(value, path, _SLICING_KEYS)
+    default = SlicingConfig().default
+    if "replicas" in section or "memoryPerSlice" in section:
+        default = _slice_rule(r, section, path) or default
+    overrides: list[SliceOverride] = []
+    for i, item in enumerate(r.items(section.get("overrides"), _join(path, "overrides"))):
+        item_path = f"{path}.overrides[{i}]"
+        override = r.section(item, item_path, _OVERRIDE_KEYS)
+        if not isinstance(item, dict):
+            continue
+        match: GpuMatch | None = None
+        if "match" in override:
+            match = _gpu_match(r, override["match"], _join(item_path, "match"))
+        else:
+            r.error(item_path, 'needs a match, e.g. match: {model: "*A100*"}')
+        if "replicas" not in override and "memoryPerSlice" not in override:
+            r.error(item_path, "needs replicas or memoryPerSlice")
+        rule = _slice_rule(r, override, item_path)
+        if match is not None and rule is not None:
+            overrides.append(SliceOverride(match=match, rule=rule))
+    return SlicingConfig(default=default, overrides=tuple(overrides))
+
+
+def _allocation(r: _Reader, value: object) -> AllocationConfig:
+    path = "allocation"
+    section = r.section(value, path, _ALLOCATION_KEYS)
+    defaults = AllocationConfig()
+    policy = defaults.policy
+    if "policy" in section:
+        shown = "pack, spread (NVIDIA's packed, distributed are accepted too)"
+        policy = r.choice(section["policy"], _join(path, "policy"), _POLICIES, shown) or policy
+    strategies = defaults.device_list_strategy
+    if "deviceListStrategy" in section:
+        parsed = r.strategies(section["deviceListStrategy"], _join(path, "deviceListStrategy"))
+        strategies = parsed or strategies
+    return AllocationConfig(policy=policy, device_list_strategy=strategies)
+
+
+def _enforcement(r: _Reader, value: object) -> EnforcementConfig:
+    path = "enforcement"
+    section = r.section(value, path, _ENFORCEMENT_KEYS)
+    defaults = EnforcementConfig()
+
+    poll = defaults.poll_interval_s
+    if "pollInterval" in section:
+        parsed = r.duration(
+            section["pollInterval"], _join(path, "pollInterval"), MIN_POLL_INTERVAL_S
+        )
+        poll = defaults.poll_interval_s if parsed is None else parsed
+
+    memory_path = _join(path, "memory")
+    memory = r.section(section.get("memory"), memory_path, _MEMORY_KEYS)
+    memory_action = defaults.memory.action
+    if "action" in memory:
+        shown = ", ".join(_MEMORY_ACTIONS)
+        action_path = _join(memory_path, "action")
+        memory_action = r.choice(memory["action"], action_path, _MEMORY_ACTIONS, shown) or (
+            memory_action
+        )
+    grace = defaults.memory.grace_period_s
+    if "gracePeriod" in memory:
+        parsed = r.duration(memory["gracePeriod"], _join(memory_path, "gracePeriod"), 0.0)
+        grace = grace if parsed is None else parsed
+
+    compute_path = _join(path, "compute")
+    compute = r.section(section.get("compute"), compute_path, _COMPUTE_KEYS)
+    compute_action = defaults.compute.action
+    if "action" in compute:
+        shown = ", ".join(_COMPUTE_ACTIONS)
+        action_path = _join(compute_path, "action")
+        compute_action = r.choice(compute["action"], action_path, _COMPUTE_ACTIONS, shown) or (
+            compute_action
+        )
+    window: float | None = defaults.compute.window_s
+    if "window" in compute:
+        window = r.duration(compute["window"], _join(compute_path, "window"), 0.0)
+    period: float | None = defaults.compute.period_s
+    if "period" in compute:
+        period = r.duration(compute["period"], _join(compute_path, "period"), MIN_COMPUTE_PERIOD_S)
+    if window is not None and period is not None and window < period:
+        r.error(
+            _join(compute_path, "window"),
+            f"{format_duration(window)} is shorter than period {format_duration(period)}"
+            " (the window must hold at least one duty cycle)",
+        )
+    work_conserving = defaults.compute.work_conserving
+    if "workConserving" in compute:
+        parsed_bool = r.boolean(compute["workConserving"], _join(compute_path, "workConserving"))
+        work_conserving = work_conserving if parsed_bool is None else parsed_bool
+
+    return EnforcementConfig(
+        poll_interval_s=poll,
+        memory=MemoryEnforcement(action=memory_action, grace_period_s=grace),
+        compute=ComputeEnforcement(
+            action=compute_action,
+            window_s=defaults.compute.window_s if window is None else window,
+            period_s=defaults.compute.period_s if period is None else period,
+            work_conserving=work_conserving,
+        ),
+    )
+
+
+def _mps(r: _Reader, value: object) -> MpsConfig:
+    section = r.section(value, "mps", _MPS_KEYS)
+    if "enabled" not in section:
+        return MpsConfig()
+    enabled = r.boolean(section["enabled"], "mps.enabled")
+    return MpsConfig(enabled=bool(enabled))
+
+
+def _parse_vgpu(r: _Reader, data: object) -> Config:
+    top = r.section(data, "", _TOP_KEYS)
+    defaults = Config()
+    version = defaults.version
+    if "version" in top:
+        version = r.version(top["version"], "version") or version
+    resource_name = defaults.resource_name
+    if "resourceName" in top:
+        resource_name = r.resource_name(top["resourceName"], "resourceName") or resource_name
+    return Config(
+        version=version,
+        resource_name=resource_name,
+        slicing=_slicing(r, top.get("slicing")),
+        allocation=_allocation(r, top.get("allocation")),
+        enforcement=_enforcement(r, top.get("enforcement")),
+        mps=_mps(r, top.get("mps")),
+    )
+
+
+# --- NVIDIA k8s-device-plugin's config format -------------------------------------------------
+#
+# Users bring the file they already have (api/config/v1 of NVIDIA/k8s-device-plugin). What vgpu
+# can act on is mapped; settings it does not act on are accepted and reported as warnings when they
+# differ from NVIDIA's defaults, so that a default-valued dump of NVIDIA's config reads quietly.
+
+_NVIDIA_PREFIX = "nvidia.com"
+_NVIDIA_SHARED_SUFFIX = ".shared"
+_NV_TOP_KEYS = ("version", "flags", "resources", "sharing", "imex", "health")
+_NV_FLAGS_KEYS = (
+    "migStrategy",
+    "failOnInitError",
+    "restartOnDeviceUnhealthy",
+    "nvidiaDriverRoot",
+    "nvidiaDevRoot",
+    "mpsRoot",
+    "gdsEnabled",
+    "gdrcopyEnabled",
+    "mofedEnabled",
+    "useNodeFeatureAPI",
+    "deviceDiscoveryStrategy",
+    "plugin",
+    "gfd",
+)
+_NV_PLUGIN_KEYS = (
+    "passDeviceSpecs",
+    "deviceListStrategy",
+    "deviceIDStrategy",
+    "containerDriverRoot",
+    "cdiAnnotationPrefix",
+    "nvidiaCTKPath",
+    "nvidiaDevRoot",
+    "sharedDevicesAllocationPolicy",
+)
+_NV_RESOURCES_KEYS = ("gpus", "mig")
+_NV_SHARING_KEYS = ("timeSlicing", "mps")
+_NV_REPLICATED_KEYS = ("renameByDefault", "failRequestsGreaterThanOne", "resources")
+_NV_RESOURCE_KEYS = ("name", "replicas", "rename", "devices")
+
+
+@dataclass(frozen=True, slots=True)
+class _IgnoredSetting:
+    """An NVIDIA setting vgpu accepts but does not act on. `choices` limits a string's values."""
+
+    key: str
+    nvidia_default: bool | str
+    instead: str
+    choices: tuple[str, ...] = ()
+
+
+_DRIVER_INSTEAD = "vgpu uses the NVIDIA driver and device nodes visible in its own container"
+_NV_IGNORED_FLAGS = (
+    _IgnoredSetting(
+        "migStrategy",
+        "none",
+        "vgpu leaves GPUs in MIG mode out of slicing and does not advertise MIG devices",
+        ("none", "single", "mixed"),
+    ),
+    _IgnoredSetting(
+        "failOnInitError",
+        True,
+        "vgpu always exits with an error when it cannot start its GPU backend",
+    ),
+    _IgnoredSetting(
+        "restartOnDeviceUnhealthy",
+        False,
+        "vgpu marks the slices of an unhealthy GPU unhealthy and keeps running",
+    ),
+    _IgnoredSetting("nvidiaDriverRoot", "/", _DRIVER_INSTEAD),
+    _IgnoredSetting("nvidiaDevRoot", "/", _DRIVER_INSTEAD),
+    _IgnoredSetting(
+        "mpsRoot",
+        "",
+        "vgpu does not run an MPS control daemon; with MPS it only sets each container's limits",
+    ),
+    _IgnoredSetting(
+        "gdsEnabled",
+        False,
+        "vgpu does not pass GPUDirect Storage devices to containers",
+    ),
+    _IgnoredSetting(
+        "gdrcopyEnabled",
+        False,
+        "vgpu does not pass GDRCopy devices to containers",
+    ),
+    _IgnoredSetting(
+        "mofedEnabled",
+        False,
+        "vgpu does not pass MOFED devices to containers",
+    ),
+    _IgnoredSetting(
+        "useNodeFeatureAPI",
+        False,
+        "vgpu does not label nodes; that is gpu-feature-discovery's job",
+    ),
+    _IgnoredSetting(
+        "deviceDiscoveryStrategy",
+        "auto",
+        "vgpu always discovers GPUs through NVML",
+        ("auto", "nvml", "tegra"),
+    ),
+)
+_NV_IGNORED_PLUGIN = (
+    _IgnoredSetting(
+        "deviceIDStrategy",
+        "uuid",
+        "vgpu always passes GPUs by UUID",
+        ("uuid", "index"),
+    ),
+    _IgnoredSetting("containerDriverRoot", "/driver-root", _DRIVER_INSTEAD),
+    _IgnoredSetting(
+        "cdiAnnotationPrefix",
+        "cdi.k8s.io/",
+        "vgpu always uses the cdi.k8s.io/ annotation prefix",
+    ),
+    _IgnoredSetting(
+        "nvidiaCTKPath",
+        "/usr/bin/nvidia-ctk",
+        "vgpu does not run nvidia-ctk",
+    ),
+    _IgnoredSetting("nvidiaDevRoot", "/", _DRIVER_INSTEAD),
+)
+
+
+def _ignored_settings(
+    r: _Reader, section: Mapping[str, object], path: str, settings: Sequence[_IgnoredSetting]
+) -> None:
+    """Type-check NVIDIA settings vgpu does not act on; warn about those set to a non-default."""
+    for setting in settings:
+        if setting.key not in section:
+            continue
+        value = section[setting.key]
+        key_path = _join(path, setting.key)
+        if isinstance(setting.nvidia_default, bool):
+            parsed: object = r.boolean(value, key_path)
+        elif setting.choices:
+            shown = ", ".join(setting.choices)
+            parsed = r.choice(value, key_path, {c: c for c in setting.choices}, shown)
+        elif isinstance(value, str):
+            parsed = value
+        else:
+            r.error(key_path, f"{_show(value)} is not a string")
+            parsed = None
+        if parsed is not None and parsed != setting.nvidia_default:
+            r.warn(f"{key_path}: {_show(parsed)} is ignored: {setting.instead}.")
+
+
+def _nvidia_resource_name(r: _Reader, value: object, path: str, suffix: str = "") -> str | None:
+    """NVIDIA's resource names get the nvidia.com/ prefix when they have no domain."""
+    name = r.string(value, path)
+    if name is None:
+        return None
+    full = (name if "/" in name else f"{_NVIDIA_PREFIX}/{name}") + suffix
+    problem = _resource_name_problem(full)
+    if problem is not None:
+        r.error(path, problem)
+        return None
+    return full
+
+
+def _nvidia_devices(r: _Reader, value: object, path: str) -> None:
+    """`devices`: "all", a positive count, or a list of GPU indices and UUIDs. vgpu slices every
+    GPU, so anything but "all" is a warning."""
+    ignored = (
+        f"{path} is ignored: vgpu slices every GPU of the node (vgpu's own slicing.overrides"
+        " can give GPUs different replicas)."
+    )
+    if value == "all":
+        return
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value <= 0:
+            r.error(path, f"{value} is too small (a count of devices must be >= 1)")
+        else:
+            r.warn(ignored)
+        return
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            if isinstance(item, bool) or not isinstance(item, int | str):
+                r.error(f"{path}[{i}]", f"{_show(item)} is not a GPU index or UUID")
+        r.warn(ignored)
+        return
+    r.error(path, f'{_show(value)} is not "all", a count or a list of GPU indices and UUIDs')
+
+
+@dataclass(frozen=True, slots=True)
+class _NvidiaSharing:
+    resource_name: str | None
+    replicas: int | None
+
+
+def _nvidia_replicated(r: _Reader, value: object, path: str) -> _NvidiaSharing | None:
+    """sharing.timeSlicing or sharing.mps; None when it lists no resource."""
+    section = r.section(value, path, _NV_REPLICATED_KEYS)
+    rename_by_default = False
+    if "renameByDefault" in section:
+        rename_by_default = bool(
+            r.boolean(section["renameByDefault"], _join(path, "renameByDefault"))
+        )
+    if "failRequestsGreaterThanOne" in section:
+        key_path = _join(path, "failRequestsGreaterThanOne")
+        if r.boolean(section["failRequestsGreaterThanOne"], key_path):
+            r.warn(
+                f"{key_path}: true is ignored:"
+                " vgpu accepts requests for several slices and gives the container"
+                " the memory and compute of all of them.",
+            )
+    resources_path = _join(path, "resources")
+    resources = r.items(section.get("resources"), resources_path)
+    if len(resources) > 1:
+        r.error(
+            resources_path,
+            f"lists {len(resources)} resources; vgpu advertises a single resource, so keep one",
+        )
+    chosen: _NvidiaSharing | None = None
+    for i, item in enumerate(resources):
+        item_path = f"{resources_path}[{i}]"
+        resource = r.section(item, item_path, _NV_RESOURCE_KEYS)
+        if not isinstance(item, dict):
+            continue
+        name: str | None = None
+        if "rename" in resource:
+            name = _nvidia_resource_name(r, resource["rename"], _join(item_path, "rename"))
+        if "name" not in resource:
+            r.error(item_path, "needs a name, e.g. name: nvidia.com/gpu")
+        else:
+            suffix = _NVIDIA_SHARED_SUFFIX if rename_by_default else ""
+            base = _nvidia_resource_name(r, resource["name"], _join(item_path, "name"), suffix)
+            name = name or base
+        replicas: int | None = None
+        if "replicas" not in resource:
+            r.error(item_path, "needs replicas, e.g. replicas: 4")
+        else:
+            replicas = r.integer(resource["replicas"], _join(item_path, "replicas"), 1)
+        if "devices" in resource:
+            _nvidia_devices(r, resource["devices"], _join(item_path, "devices"))
+        if chosen is None:
+            chosen = _NvidiaSharing(resource_name=name, replicas=replicas)
+    return chosen
+
+
+def _nvidia_flags(
+    r: _Reader, value: object
+) -> tuple[AllocationPolicy | None, tuple[DeviceListStrategy, ...] | None, bool]:
+    """flags: the allocation policy, device list strategies and passDeviceSpecs, where set."""
+    flags = r.section(value, "flags", _NV_FLAGS_KEYS)
+    _ignored_settings(r, flags, "flags", _NV_IGNORED_FLAGS)
+    gfd = flags.get("gfd")
+    if gfd is not None and not isinstance(gfd, dict):
+        r.error("flags.gfd", f"expected a mapping, got {_kind(gfd)}")
+    elif gfd:
+        r.warn("flags.gfd is ignored: it configures gpu-feature-discovery, not vgpu.")
+    plugin = r.section(flags.get("plugin"), "flags.plugin", _NV_PLUGIN_KEYS)
+    _ignored_settings(r, plugin, "flags.plugin", _NV_IGNORED_PLUGIN)
+    policy: AllocationPolicy | None = None
+    if "sharedDevicesAllocationPolicy" in plugin:
+        policy = r.choice(
+            plugin["sharedDevicesAllocationPolicy"],
+            "flags.plugin.sharedDevicesAllocationPolicy",
+            _POLICIES,
+            "packed, distributed (vgpu's pack, spread are accepted too)",
+        )
+    strategies: tuple[DeviceListStrategy, ...] | None = None
+    if "deviceListStrategy" in plugin:
+        strategies = r.strategies(plugin["deviceListStrategy"], "flags.plugin.deviceListStrategy")
+    pass_specs = False
+    if "passDeviceSpecs" in plugin:
+        pass_specs = bool(r.boolean(plugin["passDeviceSpecs"], "flags.plugin.passDeviceSpecs"))
+    return policy, strategies, pass_specs
+
+
+def _parse_nvidia(r: _Reader, data: Mapping[str, object]) -> Config:
+    top = r.section(data, "", _NV_TOP_KEYS)
+    defaults = Config()
+    if "version" in top:
+        r.version(top["version"], "version")
+
+    policy, strategies, pass_specs = _nvidia_flags(r, top.get("flags"))
+    device_list = strategies or defaults.allocation.device_list_strategy
+    if pass_specs and DeviceListStrategy.DEVICE_SPECS not in device_list:
+        device_list = (*device_list, DeviceListStrategy.DEVICE_SPECS)
+
+    resources = r.section(top.get("resources"), "resources", _NV_RESOURCES_KEYS)
+    for key, value in resources.items():
+        if r.items(value, _join("resources", key)):
+            r.warn(
+                f"resources.{key} is ignored: vgpu advertises every GPU under the one resource"
+                " name of the sharing section.",
+            )
+    for key, what in (
+        ("imex", "does not pass IMEX channels"),
+        ("health", "takes GPU health from NVML"),
+    ):
+        if top.get(key):
+            r.warn(f"{key} is ignored: vgpu {what}.")
+
+    sharing = r.section(top.get("sharing"), "sharing", _NV_SHARING_KEYS)
+    time_slicing = _nvidia_replicated(r, sharing.get("timeSlicing"), "sharing.timeSlicing")
+    mps = _nvidia_replicated(r, sharing.get("mps"), "sharing.mps")
+    if time_slicing is not None and mps is not None:
+        r.error(
+            "sharing",
+            "timeSlicing and mps both list resources; vgpu shares GPUs one way, so keep one",
+        )
+    chosen = mps or time_slicing
+    resource_name = defaults.resource_name
+    slicing = defaults.slicing
+    if chosen is None:
+        r.warn(
+            "sharing: no timeSlicing or mps resource is listed, so vgpu uses its defaults:"
+            f" {defaults.resource_name} with {DEFAULT_REPLICAS} slices per GPU.",
+        )
+    else:
+        resource_name = chosen.resource_name or resource_name
+        if chosen.replicas is not None:
+            slicing = SlicingConfig(default=SliceRule(replicas=chosen.replicas))
+
+    return Config(
+        resource_name=resource_name,
+        slicing=slicing,
+        allocation=AllocationConfig(
+            policy=policy or defaults.allocation.policy, device_list_strategy=device_list
+        ),
+        mps=MpsConfig(enabled=mps is not None),
+    )
+
+
+def parse_config(data: object, source: str = "config") -> Config:
+    """A Config from YAML-loaded data (None: all defaults). Both vgpu's format and NVIDIA
+    k8s-device-plugin's (recognised by a top-level `sharing` or `flags` key) are read.
+
+    Raises ConfigError listing every problem, each naming its key path and the bad value. Settings
+    that are valid but that vgpu does not act on are returned in `Config.warnings`."""
+    if isinstance(data, dict) and ("sharing" in data or "flags" in data):
+        hint = (
+            " (this file is read as NVIDIA k8s-device-plugin config because it has a top-level"
+            ' "sharing" or "flags" key; vgpu keys cannot be mixed into it)'
+        )
+        reader = _Reader(null_is_absent=True, top_level_hints=dict.fromkeys(_TOP_KEYS, hint))
+        config = _parse_nvidia(reader, data)
+    else:
+        reader = _Reader()
+        config = _parse_vgpu(reader, data)
+    if reader.problems:
+        raise ConfigError(reader.problems, source)
+    return replace(config, warnings=tuple(reader.warnings))
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key written twice in one mapping (PyYAML would silently keep
+    the last one, hiding a setting the user believes is in force)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
+        seen: set[object] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, Hashable):
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {_show(key)}", key_node.start_mark
+                    )
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read and parse a config file (YAML; JSON is YAML). Every failure is a ConfigError whose
+    source is the path: an unreadable file, a YAML syntax error (with its line and column), or the
+    problems parse_config finds."""
+    source = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"is not UTF-8 text (byte {e.start})"], source) from e
+    except OSError as e:
+        raise ConfigError([f"cannot read the file: {e.strerror or e}"], source) from e
+    loader = _UniqueKeyLoader(text)
+    try:
+        data = loader.get_single_data()
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        what = e.problem or e.context or "invalid YAML"
+        raise ConfigError([f"{where}{what}"], source) from e
+    except yaml.YAMLError as e:
+        raise ConfigError([f"invalid YAML: {e}"], source) from e
+    finally:
+        loader.dispose()
+    return parse_config(data, source)
+
+
+def default_config_yaml() -> str:
+    """The full default config as commented YAML, for the DaemonSet's ConfigMap and the docs.
+    It parses back to Config()."""
+    d = Config()
+    e = d.enforcement
+    replicas = d.slicing.default.replicas
+    strategies = ", ".join(s.value for s in d.allocation.device_list_strategy)
+    return f"""\
+# vgpu device plugin configuration. Every key is optional: the values below are the defaults.
+# Durations take a unit (500ms, 2s, 1m); sizes take binary (Ki, Mi, Gi) or decimal (K, M, G) units.
+# NVIDIA k8s-device-plugin's config file (sharing.timeSlicing / sharing.mps) is accepted too.
+version: v1
+
+# The extended resource pods request, e.g. resources.limits: {{{d.resource_name}: 1}}.
+resourceName: {d.resource_name}
+
+slicing:
+  # Each GPU is split into this many slices; a slice gets 1/replicas of the GPU's memory and
+  # compute. A container holding k slices of a GPU gets k times that.
+  replicas: {replicas}
+  # Or size slices by memory instead of replicas (replicas = GPU memory / memoryPerSlice):
+  # memoryPerSlice: 10Gi
+  # Per-GPU exceptions, matched by model (a glob on the GPU name), index or uuid; the first
+  # override that matches a GPU wins. Each sets replicas or memoryPerSlice.
+  overrides: []
+  # overrides:
+  #   - match: {{model: "*A100*"}}
+  #     replicas: 8
+  #   - match: {{index: 1}}
+  #     memoryPerSlice: 20Gi
+
+allocation:
+  # pack: put a container's slices on the GPU that already has the most used slices;
+  # spread: on the least used GPU. (NVIDIA's names packed and distributed are accepted too.)
+  policy: {d.allocation.policy.value}
+  # How a container gets its GPUs, any of: envvar, volume-mounts, cdi-annotations, cdi-cri,
+  # device-specs.
+  deviceListStrategy: [{strategies}]
+
+enforcement:
+  # How often GPU memory and utilisation are measured.
+  pollInterval: {format_duration(e.poll_interval_s)}
+  memory:
+    # kill: SIGKILL the largest GPU process of a container that stays above its memory limit for
+    # longer than gracePeriod; monitor: only record the violation.
+    action: {e.memory.action.value}
+    gracePeriod: {format_duration(e.memory.grace_period_s)}
+  compute:
+    # throttle: pause and resume (SIGSTOP/SIGCONT) the GPU processes of a container that uses more
+    # than its compute share while others wait; monitor: only record the violation.
+    action: {e.compute.action.value}
+    # Utilisation is averaged over window; period is the length of one pause/resume cycle.
+    window: {format_duration(e.compute.window_s)}
+    period: {format_duration(e.compute.period_s)}
+    # Let containers use GPU time that no other container wants, beyond their share.
+    workConserving: {"true" if e.compute.work_conserving else "false"}
+
+mps:
+  # Also give each container CUDA MPS limits (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT,
+  # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); needs an MPS control daemon on the node.
+  enabled: {"true" if d.mps.enabled else "false"}
+"""

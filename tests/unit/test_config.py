@@ -1,0 +1,894 @@
+"""The config file (DESIGN 7): defaults, the vgpu format, NVIDIA's format, and the messages a user
+sees when a file is wrong."""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+from deviceplugin.config import (
+    AllocationConfig,
+    AllocationPolicy,
+    ComputeAction,
+    ComputeEnforcement,
+    Config,
+    DeviceListStrategy,
+    EnforcementConfig,
+    GpuMatch,
+    MemoryAction,
+    MemoryEnforcement,
+    MpsConfig,
+    SliceOverride,
+    SliceRule,
+    SlicingConfig,
+    default_config_yaml,
+    format_duration,
+    load_config,
+    parse_config,
+    parse_duration,
+    parse_size,
+)
+from deviceplugin.errors import ConfigError
+
+GI = 1024**3
+
+
+def parse_yaml(text: str) -> Config:
+    return parse_config(yaml.safe_load(textwrap.dedent(text)))
+
+
+def problems_of(text: str) -> list[str]:
+    with pytest.raises(ConfigError) as raised:
+        parse_yaml(text)
+    return raised.value.problems
+
+
+# --- defaults and a full file -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("data", [None, {}, yaml.safe_load(""), yaml.safe_load("# only a comment")])
+def test_an_empty_file_gives_the_defaults(data: object) -> None:
+    config = parse_config(data)
+
+    assert config == Config()
+    assert config.resource_name == "nvidia.com/vgpu"
+    assert config.slicing.default == SliceRule(replicas=4)
+    assert config.allocation.policy is AllocationPolicy.PACK
+    assert config.allocation.device_list_strategy == (DeviceListStrategy.ENVVAR,)
+    assert config.enforcement.poll_interval_s == 0.5
+    assert config.enforcement.memory == MemoryEnforcement(MemoryAction.KILL, 2.0)
+    assert config.enforcement.compute == ComputeEnforcement(ComputeAction.THROTTLE, 5.0, 0.25, True)
+    assert config.mps.enabled is False
+    assert config.warnings == ()
+
+
+def test_a_full_file_gives_every_setting() -> None:
+    config = parse_yaml(
+        """
+        version: v1
+        resourceName: example.com/gpu-slice
+        slicing:
+          memoryPerSlice: 10Gi
+          overrides:
+            - match: {model: "*A100*"}
+              replicas: 8
+            - match: {index: 1, uuid: GPU-1234}
+              memoryPerSlice: 512Mi
+        allocation:
+          policy: spread
+          deviceListStrategy: [volume-mounts, cdi-cri, device-specs]
+        enforcement:
+          pollInterval: 250ms
+          memory: {action: monitor, gracePeriod: 1m30s}
+          compute: {action: monitor, window: 10s, period: 100ms, workConserving: false}
+        mps: {enabled: true}
+        """
+    )
+
+    assert config == Config(
+        version="v1",
+        resource_name="example.com/gpu-slice",
+        slicing=SlicingConfig(
+            default=SliceRule(memory_per_slice_bytes=10 * GI),
+            overrides=(
+                SliceOverride(GpuMatch(model="*A100*"), SliceRule(replicas=8)),
+                SliceOverride(
+                    GpuMatch(index=1, uuid="GPU-1234"),
+                    SliceRule(memory_per_slice_bytes=512 * 1024**2),
+                ),
+            ),
+        ),
+        allocation=AllocationConfig(
+            policy=AllocationPolicy.SPREAD,
+            device_list_strategy=(
+                DeviceListStrategy.VOLUME_MOUNTS,
+                DeviceListStrategy.CDI_CRI,
+                DeviceListStrategy.DEVICE_SPECS,
+            ),
+        ),
+        enforcement=EnforcementConfig(
+            poll_interval_s=0.25,
+            memory=MemoryEnforcement(action=MemoryAction.MONITOR, grace_period_s=90.0),
+            compute=ComputeEnforcement(
+                action=ComputeAction.MONITOR, window_s=10.0, period_s=0.1, work_conserving=False
+            ),
+        ),
+        mps=MpsConfig(enabled=True),
+    )
+    assert config.warnings == ()
+
+
+def test_a_partial_section_keeps_the_other_defaults() -> None:
+    config = parse_yaml("enforcement: {compute: {period: 500ms}}\nslicing: {replicas: 2}")
+
+    assert config.enforcement.compute == ComputeEnforcement(period_s=0.5)
+    assert config.enforcement.memory == MemoryEnforcement()
+    assert config.slicing == SlicingConfig(default=SliceRule(replicas=2))
+
+
+@pytest.mark.parametrize(
+    ("written", "policy"),
+    [
+        ("pack", AllocationPolicy.PACK),
+        ("spread", AllocationPolicy.SPREAD),
+        ("packed", AllocationPolicy.PACK),
+        ("distributed", AllocationPolicy.SPREAD),
+    ],
+)
+def test_policy_accepts_nvidia_names(written: str, policy: AllocationPolicy) -> None:
+    assert parse_yaml(f"allocation: {{policy: {written}}}").allocation.policy is policy
+
+
+def test_device_list_strategy_may_be_a_single_string() -> None:
+    config = parse_yaml("allocation: {deviceListStrategy: cdi-annotations}")
+
+    assert config.allocation.device_list_strategy == (DeviceListStrategy.CDI_ANNOTATIONS,)
+
+
+def test_a_zero_grace_period_needs_no_unit() -> None:
+    assert parse_yaml("enforcement: {memory: {gracePeriod: 0}}").enforcement.memory == (
+        MemoryEnforcement(grace_period_s=0.0)
+    )
+
+
+# --- errors: each names the key path and the bad value -------------------------------------------
+
+ERRORS = [
+    # (config, key path the problem starts with, what it must show)
+    ("version: v2", "version", '"v2"'),
+    ("version: 1", "version", "1"),
+    ("colour: red", "top level", '"colour"'),
+    ("resourceName: vgpu", "resourceName", '"vgpu"'),
+    ("resourceName: 42", "resourceName", "42"),
+    ("resourceName: kubernetes.io/gpu", "resourceName", '"kubernetes.io/gpu"'),
+    ("resourceName: gpu.kubernetes.io/slice", "resourceName", '"gpu.kubernetes.io/slice"'),
+    ("resourceName: requests.example.com/gpu", "resourceName", '"requests.example.com/gpu"'),
+    ("resourceName: Example.com/gpu", "resourceName", '"Example.com"'),
+    ("resourceName: example.com/-gpu", "resourceName", '"-gpu"'),
+    ("resourceName: example.com/a/b", "resourceName", '"a/b"'),
+    (f"resourceName: example.com/{'g' * 64}", "resourceName", "at most 63"),
+    ("slicing: [4]", "slicing", "a list"),
+    ("slicing: {replica: 4}", "slicing", '"replica"'),
+    ("slicing: {replicas: true}", "slicing.replicas", "true"),
+    ("slicing: {replicas: 0}", "slicing.replicas", "0"),
+    ("slicing: {replicas: '4'}", "slicing.replicas", '"4"'),
+    ("slicing: {replicas: 2.5}", "slicing.replicas", "2.5"),
+    ("slicing: {memoryPerSlice: 10Gx}", "slicing.memoryPerSlice", '"10Gx"'),
+    ("slicing: {memoryPerSlice: 0}", "slicing.memoryPerSlice", "0"),
+    ("slicing: {memoryPerSlice: 1.5}", "slicing.memoryPerSlice", "1.5"),
+    ("slicing: {replicas: 2, memoryPerSlice: 1Gi}", "slicing", "not both"),
+    ("slicing: {overrides: {match: {index: 0}}}", "slicing.overrides", "a mapping"),
+    ("slicing: {overrides: [7]}", "slicing.overrides[0]", "7"),
+    ("slicing: {overrides: [{replicas: 2}]}", "slicing.overrides[0]", "needs a match"),
+    ("slicing: {overrides: [{match: {index: 0}}]}", "slicing.overrides[0]", "replicas"),
+    ("slicing: {overrides: [{match: {}, replicas: 2}]}", "slicing.overrides[0].match", "one of"),
+    ("slicing: {overrides: [{match: 0, replicas: 2}]}", "slicing.overrides[0].match", "0"),
+    (
+        "slicing: {overrides: [{match: {index: 0}, replicas: 2, memoryPerSlice: 1Gi}]}",
+        "slicing.overrides[0]",
+        "not both",
+    ),
+    (
+        "slicing: {overrides: [{match: {index: 0}, replicas: 2, replica: 3}]}",
+        "slicing.overrides[0]",
+        '"replica"',
+    ),
+    (
+        "slicing: {overrides: [{match: {index: -1}, replicas: 2}]}",
+        "slicing.overrides[0].match.index",
+        "-1",
+    ),
+    (
+        "slicing: {overrides: [{match: {index: true}, replicas: 2}]}",
+        "slicing.overrides[0].match.index",
+        "true",
+    ),
+    (
+        "slicing: {overrides: [{match: {model: ''}, replicas: 2}]}",
+        "slicing.overrides[0].match.model",
+        "empty",
+    ),
+    (
+        "slicing: {overrides: [{match: {uuid: 5}, replicas: 2}]}",
+        "slicing.overrides[0].match.uuid",
+        "5",
+    ),
+    (
+        "slicing: {overrides: [{match: {index: 0}, replicas: 0}]}",
+        "slicing.overrides[0].replicas",
+        "0",
+    ),
+    (
+        "slicing: {overrides: [{match: {index: 0}, memoryPerSlice: 3x}]}",
+        "slicing.overrides[0].memoryPerSlice",
+        '"3x"',
+    ),
+    ("allocation: {policy: fill}", "allocation.policy", '"fill"'),
+    ("allocation: {policies: pack}", "allocation", '"policies"'),
+    ("allocation: {deviceListStrategy: []}", "allocation.deviceListStrategy", "empty"),
+    ("allocation: {deviceListStrategy: 3}", "allocation.deviceListStrategy", "3"),
+    ("allocation: {deviceListStrategy: nvml}", "allocation.deviceListStrategy", '"nvml"'),
+    (
+        "allocation: {deviceListStrategy: [envvar, nvml]}",
+        "allocation.deviceListStrategy[1]",
+        '"nvml"',
+    ),
+    (
+        "allocation: {deviceListStrategy: [envvar, cdi-cri, envvar]}",
+        "allocation.deviceListStrategy[2]",
+        '"envvar" is listed twice',
+    ),
+    ("enforcement: {pollInterval: 10ms}", "enforcement.pollInterval", '"10ms"'),
+    ("enforcement: {pollInterval: 2}", "enforcement.pollInterval", "2 has no unit"),
+    ("enforcement: {pollInterval: '500'}", "enforcement.pollInterval", '"500" has no unit'),
+    ("enforcement: {pollInterval: fast}", "enforcement.pollInterval", '"fast"'),
+    ("enforcement: {interval: 1s}", "enforcement", '"interval"'),
+    ("enforcement: {memory: {action: warn}}", "enforcement.memory.action", '"warn"'),
+    ("enforcement: {memory: {gracePeriod: 2x}}", "enforcement.memory.gracePeriod", '"2x"'),
+    ("enforcement: {memory: {gracePeriod: -1s}}", "enforcement.memory.gracePeriod", '"-1s"'),
+    ("enforcement: {memory: kill}", "enforcement.memory", "a string"),
+    ("enforcement: {compute: {action: kill}}", "enforcement.compute.action", '"kill"'),
+    ("enforcement: {compute: {period: 10ms}}", "enforcement.compute.period", '"10ms"'),
+    ("enforcement: {compute: {window: 100ms}}", "enforcement.compute.window", "100ms"),
+    ("enforcement: {compute: {window: 1s, period: 2s}}", "enforcement.compute.window", "1s"),
+    (
+        "enforcement: {compute: {workConserving: 'yes'}}",
+        "enforcement.compute.workConserving",
+        '"yes"',
+    ),
+    ("enforcement: {compute: {workConserving: 1}}", "enforcement.compute.workConserving", "1"),
+    ("mps: {enabled: 1}", "mps.enabled", "1"),
+    ("mps: true", "mps", "true"),
+    ("mps: {enable: true}", "mps", '"enable"'),
+    ("[1, 2]", "top level", "a list"),
+]
+
+
+@pytest.mark.parametrize(("text", "path", "shown"), ERRORS, ids=[e[0] for e in ERRORS])
+def test_an_invalid_value_is_reported_with_its_path_and_value(
+    text: str, path: str, shown: str
+) -> None:
+    problems = problems_of(text)
+
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"{path}: "), problems[0]
+    assert shown in problems[0]
+
+
+def test_an_unknown_key_lists_the_expected_keys() -> None:
+    problems = problems_of(
+        """
+        slicing:
+          overrides:
+            - {match: {model: "*A100*"}, replicas: 8}
+            - {match: {modle: "*H100*"}, replicas: 2}
+        """
+    )
+
+    assert problems == [
+        'slicing.overrides[1].match: unknown key "modle" (expected one of: index, model, uuid)'
+    ]
+
+
+def test_the_duration_message_says_what_format_is_expected() -> None:
+    assert problems_of("enforcement: {memory: {gracePeriod: 2x}}") == [
+        'enforcement.memory.gracePeriod: "2x" is not a duration (use e.g. 500ms, 2s)'
+    ]
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_config(
+            yaml.safe_load(
+                textwrap.dedent(
+                    """
+                    version: v2
+                    slicing: {replicas: true}
+                    allocation: {policy: fill}
+                    enforcement: {memory: {gracePeriod: 2x}, compute: {period: 1ms}}
+                    mps: {enabled: maybe}
+                    extra: 1
+                    """
+                )
+            ),
+            source="/etc/vgpu/config.yaml",
+        )
+
+    paths = sorted(p.split(": ")[0] for p in raised.value.problems)
+    assert paths == [
+        "allocation.policy",
+        "enforcement.compute.period",
+        "enforcement.memory.gracePeriod",
+        "mps.enabled",
+        "slicing.replicas",
+        "top level",
+        "version",
+    ]
+    assert raised.value.source == "/etc/vgpu/config.yaml"
+    assert str(raised.value).startswith("/etc/vgpu/config.yaml: ")
+
+
+# --- durations and sizes -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("500ms", 0.5),
+        ("2s", 2.0),
+        ("1.5s", 1.5),
+        (".5s", 0.5),
+        ("1m", 60.0),
+        ("1h", 3600.0),
+        ("1m30s", 90.0),
+        ("250us", 0.00025),
+        ("100ns", 1e-7),
+        (" 2s ", 2.0),
+        ("0", 0.0),
+        (0, 0.0),
+        ("-1s", -1.0),
+    ],
+)
+def test_parse_duration(text: str | int, seconds: float) -> None:
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("2", "no unit"),
+        (2, "no unit"),
+        (1.5, "no unit"),
+        ("2x", "is not a duration (use e.g. 500ms, 2s)"),
+        ("2 s", "is not a duration"),
+        ("s", "is not a duration"),
+        ("", "is not a duration"),
+        ("1d", "is not a duration"),
+        ("ms500", "is not a duration"),
+        (True, "is not a duration"),
+    ],
+)
+def test_parse_duration_rejects(value: str | int | float, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_duration(value)
+
+
+@given(st.integers(min_value=1, max_value=10**12))
+def test_format_duration_reads_back(micros: int) -> None:
+    seconds = micros / 1_000_000
+
+    assert parse_duration(format_duration(seconds)) == pytest.approx(seconds, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"), [(0.5, "500ms"), (2.0, "2s"), (90.0, "90s"), (120.0, "2m"), (1.5, "1.5s")]
+)
+def test_format_duration_is_short(seconds: float, text: str) -> None:
+    assert format_duration(seconds) == text
+
+
+@pytest.mark.parametrize(
+    ("value", "size"),
+    [
+        ("10Gi", 10 * GI),
+        ("512Mi", 512 * 1024**2),
+        ("1Ki", 1024),
+        ("2Ti", 2 * 1024**4),
+        ("80GiB", 80 * GI),
+        ("1.5Gi", 3 * GI // 2),
+        ("1G", 10**9),
+        ("1GB", 10**9),
+        ("4k", 4000),
+        ("3M", 3 * 10**6),
+        ("1T", 10**12),
+        ("1024", 1024),
+        (1024, 1024),
+        ("10 Gi", 10 * GI),
+        (0, 0),
+    ],
+)
+def test_parse_size(value: str | int, size: int) -> None:
+    assert parse_size(value) == size
+
+
+@pytest.mark.parametrize(
+    "value", ["10Gx", "10gi", "Gi", "", "-1Gi", "1.5", "0.3Ki", "1e9", -5, True]
+)
+def test_parse_size_rejects(value: str | int) -> None:
+    with pytest.raises(ValueError, match=r"size|bytes"):
+        parse_size(value)
+
+
+def test_parse_size_message_shows_the_expected_format() -> None:
+    with pytest.raises(ValueError, match=r'"10Gx" is not a size \(use e\.g\. 10Gi'):
+        parse_size("10Gx")
+
+
+# --- NVIDIA k8s-device-plugin's format -----------------------------------------------------------
+
+
+def test_nvidia_time_slicing_config() -> None:
+    config = parse_yaml(
+        """
+        version: v1
+        sharing:
+          timeSlicing:
+            resources:
+            - name: nvidia.com/gpu
+              replicas: 10
+        """
+    )
+
+    assert config == Config(
+        resource_name="nvidia.com/gpu", slicing=SlicingConfig(default=SliceRule(replicas=10))
+    )
+    assert config.warnings == ()
+
+
+def test_nvidia_mps_config_enables_mps() -> None:
+    config = parse_yaml(
+        """
+        version: v1
+        sharing:
+          mps:
+            resources:
+            - name: nvidia.com/gpu
+              replicas: 4
+        """
+    )
+
+    assert config.mps.enabled is True
+    assert config.slicing.default == SliceRule(replicas=4)
+    assert config.resource_name == "nvidia.com/gpu"
+
+
+@pytest.mark.parametrize(
+    ("resource", "rename_by_default", "advertised"),
+    [
+        ("{name: nvidia.com/gpu, replicas: 2}", "true", "nvidia.com/gpu.shared"),
+        ("{name: gpu, replicas: 2}", "false", "nvidia.com/gpu"),
+        ("{name: gpu, replicas: 2}", "true", "nvidia.com/gpu.shared"),
+        ("{name: nvidia.com/gpu, replicas: 2, rename: gpu-small}", "true", "nvidia.com/gpu-small"),
+        (
+            "{name: nvidia.com/gpu, replicas: 2, rename: nvidia.com/tiny}",
+            "false",
+            "nvidia.com/tiny",
+        ),
+    ],
+)
+def test_nvidia_resource_names(resource: str, rename_by_default: str, advertised: str) -> None:
+    sharing = f"timeSlicing: {{renameByDefault: {rename_by_default}, resources: [{resource}]}}"
+    config = parse_yaml(f"sharing: {{{sharing}}}")
+
+    assert config.resource_name == advertised
+
+
+def test_nvidia_flags_map_to_allocation() -> None:
+    config = parse_yaml(
+        """
+        flags:
+          plugin:
+            passDeviceSpecs: true
+            deviceListStrategy: volume-mounts
+            sharedDevicesAllocationPolicy: distributed
+        sharing: {timeSlicing: {resources: [{name: nvidia.com/gpu, replicas: 3}]}}
+        """
+    )
+
+    assert config.allocation == AllocationConfig(
+        policy=AllocationPolicy.SPREAD,
+        device_list_strategy=(DeviceListStrategy.VOLUME_MOUNTS, DeviceListStrategy.DEVICE_SPECS),
+    )
+    assert config.warnings == ()
+
+
+def test_nvidia_pass_device_specs_keeps_the_default_strategy() -> None:
+    config = parse_yaml(
+        "flags: {plugin: {passDeviceSpecs: true, sharedDevicesAllocationPolicy: packed}}"
+    )
+
+    assert config.allocation == AllocationConfig(
+        policy=AllocationPolicy.PACK,
+        device_list_strategy=(DeviceListStrategy.ENVVAR, DeviceListStrategy.DEVICE_SPECS),
+    )
+
+
+def test_nvidia_config_without_shared_resources_keeps_vgpu_defaults_and_says_so() -> None:
+    config = parse_yaml("version: v1\nflags: {migStrategy: none}")
+
+    assert config == Config()
+    assert len(config.warnings) == 1
+    assert config.warnings[0].startswith("sharing: ")
+    assert "nvidia.com/vgpu with 4 slices per GPU" in config.warnings[0]
+
+
+def test_nvidias_running_config_dump_is_accepted_and_its_defaults_are_quiet() -> None:
+    # The JSON NVIDIA's plugin logs as "Running with config", with a time-slicing resource.
+    dump = {
+        "version": "v1",
+        "flags": {
+            "migStrategy": "none",
+            "failOnInitError": True,
+            "mpsRoot": "",
+            "nvidiaDriverRoot": "/",
+            "nvidiaDevRoot": "/",
+            "gdsEnabled": False,
+            "mofedEnabled": False,
+            "useNodeFeatureAPI": None,
+            "deviceDiscoveryStrategy": "auto",
+            "plugin": {
+                "passDeviceSpecs": False,
+                "deviceListStrategy": ["envvar"],
+                "deviceIDStrategy": "uuid",
+                "cdiAnnotationPrefix": "cdi.k8s.io/",
+                "nvidiaCTKPath": "/usr/bin/nvidia-ctk",
+                "containerDriverRoot": "/driver-root",
+            },
+        },
+        "resources": {"gpus": [{"pattern": "*", "name": "nvidia.com/gpu"}]},
+        "sharing": {"timeSlicing": {"resources": [{"name": "nvidia.com/gpu", "replicas": 4}]}},
+        "imex": {},
+    }
+
+    config = parse_config(yaml.safe_load(json.dumps(dump)))
+
+    assert config == Config(resource_name="nvidia.com/gpu")
+    assert [w.split(" ")[0] for w in config.warnings] == ["resources.gpus"]
+
+
+NVIDIA_WARNINGS = [
+    # (NVIDIA config, the setting the warning names)
+    ("flags: {migStrategy: mixed}", "flags.migStrategy"),
+    ("flags: {failOnInitError: false}", "flags.failOnInitError"),
+    ("flags: {nvidiaDriverRoot: /run/nvidia/driver}", "flags.nvidiaDriverRoot"),
+    ("flags: {mpsRoot: /run/nvidia/mps}", "flags.mpsRoot"),
+    ("flags: {gdsEnabled: true}", "flags.gdsEnabled"),
+    ("flags: {mofedEnabled: true}", "flags.mofedEnabled"),
+    ("flags: {useNodeFeatureAPI: true}", "flags.useNodeFeatureAPI"),
+    ("flags: {deviceDiscoveryStrategy: tegra}", "flags.deviceDiscoveryStrategy"),
+    ("flags: {plugin: {deviceIDStrategy: index}}", "flags.plugin.deviceIDStrategy"),
+    ("flags: {plugin: {cdiAnnotationPrefix: example.com/}}", "flags.plugin.cdiAnnotationPrefix"),
+    ("flags: {plugin: {nvidiaCTKPath: /opt/nvidia-ctk}}", "flags.plugin.nvidiaCTKPath"),
+    ("flags: {plugin: {containerDriverRoot: /drv}}", "flags.plugin.containerDriverRoot"),
+    ("flags: {gfd: {oneshot: true, sleepInterval: 60s}}", "flags.gfd"),
+    ("resources: {mig: [{pattern: '1g.10gb', name: mig-small}]}", "resources.mig"),
+    ("imex: {channelIDs: [0], required: true}", "imex"),
+    ("health: {disabled: true}", "health"),
+    (
+        "sharing: {timeSlicing: {failRequestsGreaterThanOne: true}}",
+        "sharing.timeSlicing.failRequestsGreaterThanOne",
+    ),
+    (
+        "sharing: {mps: {failRequestsGreaterThanOne: true}}",
+        "sharing.mps.failRequestsGreaterThanOne",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "setting"), NVIDIA_WARNINGS, ids=[w[1] for w in NVIDIA_WARNINGS])
+def test_nvidia_settings_vgpu_ignores_are_warned_about(text: str, setting: str) -> None:
+    shared = "sharing: {timeSlicing: {resources: [{name: nvidia.com/gpu, replicas: 2}]}}"
+    data = yaml.safe_load(text)
+    data.setdefault("sharing", {}).setdefault("timeSlicing", {}).update(
+        yaml.safe_load(shared)["sharing"]["timeSlicing"]
+    )
+    data.setdefault("flags", {})
+
+    config = parse_config(data)
+
+    assert len(config.warnings) == 1, config.warnings
+    warning = config.warnings[0]
+    assert warning.startswith((f"{setting}: ", f"{setting} is ignored"))
+    assert "ignored" in warning
+    assert "vgpu" in warning
+
+
+@pytest.mark.parametrize("devices", ["2", "[0, 1]", "[GPU-8b1c2d3e-0000-1111-2222-333344445555]"])
+def test_nvidia_devices_other_than_all_are_warned_about(devices: str) -> None:
+    config = parse_yaml(
+        f"sharing: {{timeSlicing: {{resources: [{{name: gpu, replicas: 2, devices: {devices}}}]}}}}"
+    )
+
+    assert [w.split(" ")[0] for w in config.warnings] == [
+        "sharing.timeSlicing.resources[0].devices"
+    ]
+    assert "every GPU" in config.warnings[0]
+
+
+def test_nvidia_devices_all_is_quiet() -> None:
+    config = parse_yaml(
+        "sharing: {timeSlicing: {resources: [{name: gpu, replicas: 2, devices: all}]}}"
+    )
+
+    assert config.warnings == ()
+
+
+NVIDIA_ERRORS = [
+    (
+        "sharing: {timeSlicing: {resources: [{name: a, replicas: 2}, {name: b, replicas: 2}]}}",
+        "sharing.timeSlicing.resources",
+        "lists 2 resources",
+    ),
+    (
+        "sharing: {timeSlicing: {resources: [{name: a, replicas: 2}]},"
+        " mps: {resources: [{name: a, replicas: 2}]}}",
+        "sharing",
+        "keep one",
+    ),
+    (
+        "sharing: {timeSlicing: {resources: [{name: gpu, replicas: 2, replica: 2}]}}",
+        "sharing.timeSlicing.resources[0]",
+        '"replica"',
+    ),
+    (
+        "sharing: {timeSlicing: {resources: [{name: gpu}]}}",
+        "sharing.timeSlicing.resources[0]",
+        "needs replicas",
+    ),
+    (
+        "sharing: {timeSlicing: {resources: [{replicas: 2}]}}",
+        "sharing.timeSlicing.resources[0]",
+        "needs a name",
+    ),
+    (
+        "sharing: {timeSlicing: {resources: [{name: gpu, replicas: 0}]}}",
+        "sharing.timeSlicing.resources[0].replicas",
+        "0",
+    ),
+    (
+        "sharing: {timeSlicing: {resources: [{name: gpu, replicas: true}]}}",
+        "sharing.timeSlicing.resources[0].replicas",
+        "true",
+    ),
+    (
+        "sharing: {timeSlicing: {resources: [{name: 'my gpu', replicas: 2}]}}",
+        "sharing.timeSlicing.resources[0].name",
+        '"my gpu"',
+    ),
+    (
+        "sharing: {timeSlicing: {resources: [{name: gpu, replicas: 2, devices: some}]}}",
+        "sharing.timeSlicing.resources[0].devices",
+        '"some"',
+    ),
+    (
+        "sharing: {timeSlicing: {resources: [{name: gpu, replicas: 2, devices: 0}]}}",
+        "sharing.timeSlicing.resources[0].devices",
+        "0",
+    ),
+    ("sharing: {timeSlicing: {strategy: packed}}", "sharing.timeSlicing", '"strategy"'),
+    ("sharing: {timeslicing: {}}", "sharing", '"timeslicing"'),
+    ("sharing: {mps: {renameByDefault: 'yes'}}", "sharing.mps.renameByDefault", '"yes"'),
+    ("flags: {migStrategy: all}", "flags.migStrategy", '"all"'),
+    ("flags: {failOnInitError: 'no'}", "flags.failOnInitError", '"no"'),
+    ("flags: {nvidiaDriverRoot: 5}", "flags.nvidiaDriverRoot", "5"),
+    (
+        "flags: {plugin: {deviceListStrategy: [envvar, nvml]}}",
+        "flags.plugin.deviceListStrategy[1]",
+        '"nvml"',
+    ),
+    (
+        "flags: {plugin: {sharedDevicesAllocationPolicy: roundrobin}}",
+        "flags.plugin.sharedDevicesAllocationPolicy",
+        '"roundrobin"',
+    ),
+    ("flags: {plugin: {passDeviceSpec: true}}", "flags.plugin", '"passDeviceSpec"'),
+    ("flags: {gfd: yes}", "flags.gfd", "true"),
+    ("flags: {}\nresources: {gpu: []}", "resources", '"gpu"'),
+    ("flags: {}\nversion: v2", "version", '"v2"'),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "path", "shown"), NVIDIA_ERRORS, ids=[e[0] for e in NVIDIA_ERRORS]
+)
+def test_an_invalid_nvidia_value_is_reported_with_its_path(
+    text: str, path: str, shown: str
+) -> None:
+    problems = problems_of(text)
+
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"{path}: "), problems[0]
+    assert shown in problems[0]
+
+
+def test_vgpu_keys_in_an_nvidia_file_are_errors_that_explain_why() -> None:
+    problems = problems_of(
+        """
+        sharing: {timeSlicing: {resources: [{name: gpu, replicas: 2}]}}
+        slicing: {replicas: 8}
+        """
+    )
+
+    assert len(problems) == 1
+    assert problems[0].startswith('top level: unknown key "slicing"')
+    assert "NVIDIA k8s-device-plugin" in problems[0]
+
+
+# --- load_config ------------------------------------------------------------------------------
+
+
+def write(tmp_path: Path, text: str, name: str = "config.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+def test_load_config_reads_yaml(tmp_path: Path) -> None:
+    path = write(tmp_path, "slicing: {replicas: 3}\nmps: {enabled: true}\n")
+
+    config = load_config(path)
+
+    assert config == Config(slicing=SlicingConfig(SliceRule(replicas=3)), mps=MpsConfig(True))
+
+
+def test_load_config_reads_json(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        json.dumps({"sharing": {"timeSlicing": {"resources": [{"name": "gpu", "replicas": 5}]}}}),
+        "config.json",
+    )
+
+    assert load_config(path) == Config(
+        resource_name="nvidia.com/gpu", slicing=SlicingConfig(SliceRule(replicas=5))
+    )
+
+
+def test_load_config_of_an_empty_file_gives_defaults(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "")) == Config()
+
+
+def test_load_config_names_the_file_and_line_of_a_syntax_error(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """\
+        version: v1
+        slicing:
+          replicas: 4
+         overrides: []
+        """,
+    )
+
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+
+    assert raised.value.source == str(path)
+    assert len(raised.value.problems) == 1
+    assert raised.value.problems[0].startswith("line 4, column 2: ")
+    assert str(raised.value).startswith(f"{path}: line 4")
+
+
+def test_load_config_refuses_a_key_written_twice(tmp_path: Path) -> None:
+    path = write(tmp_path, "slicing:\n  replicas: 4\n  replicas: 8\n")
+
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+
+    assert raised.value.problems == ['line 3, column 3: duplicate key "replicas"']
+
+
+def test_load_config_allows_yaml_merge_keys(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """\
+        enforcement:
+          memory: &quiet {action: monitor, gracePeriod: 1s}
+          compute:
+            <<: *quiet
+            action: monitor
+        """,
+    )
+
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+
+    # The merge itself is fine; the merged gracePeriod is not a compute key.
+    assert raised.value.problems == [
+        'enforcement.compute: unknown key "gracePeriod"'
+        " (expected one of: action, period, window, workConserving)"
+    ]
+
+
+def test_load_config_of_a_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "absent.yaml"
+
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+
+    assert raised.value.source == str(path)
+    assert raised.value.problems == ["cannot read the file: No such file or directory"]
+
+
+def test_load_config_of_a_file_that_is_not_text(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_bytes(b"version: v1\n\xff\xfe\n")
+
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(path)
+
+
+def test_load_config_reports_problems_under_the_file_name(tmp_path: Path) -> None:
+    path = write(tmp_path, "slicing: {replicas: 0}\n")
+
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+
+    assert str(raised.value) == f"{path}: slicing.replicas: 0 is too small (must be >= 1)"
+
+
+# --- the default config text ----------------------------------------------------------------------
+
+
+def test_default_config_yaml_parses_to_the_defaults(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, default_config_yaml()))
+
+    assert config == Config()
+    assert config.warnings == ()
+
+
+def test_default_config_yaml_shows_every_setting() -> None:
+    data = yaml.safe_load(default_config_yaml())
+
+    def keys(value: object, prefix: str = "") -> set[str]:
+        if not isinstance(value, dict):
+            return {prefix}
+        found: set[str] = set()
+        for key, item in value.items():
+            found |= keys(item, f"{prefix}.{key}" if prefix else key)
+        return found
+
+    assert keys(data) == {
+        "version",
+        "resourceName",
+        "slicing.replicas",
+        "slicing.overrides",
+        "allocation.policy",
+        "allocation.deviceListStrategy",
+        "enforcement.pollInterval",
+        "enforcement.memory.action",
+        "enforcement.memory.gracePeriod",
+        "enforcement.compute.action",
+        "enforcement.compute.window",
+        "enforcement.compute.period",
+        "enforcement.compute.workConserving",
+        "mps.enabled",
+    }
+
+
+def test_default_config_yaml_examples_are_valid_when_uncommented() -> None:
+    text = default_config_yaml()
+    example = text.replace("  overrides: []\n  # overrides:\n", "  overrides:\n")
+    example = example.replace("  #   ", "    ")
+
+    config = parse_config(yaml.safe_load(example))
+
+    assert config.slicing.overrides == (
+        SliceOverride(GpuMatch(model="*A100*"), SliceRule(replicas=8)),
+        SliceOverride(GpuMatch(index=1), SliceRule(memory_per_slice_bytes=20 * GI)),
+    )
