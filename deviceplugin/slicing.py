@@ -1,0 +1,311 @@
+"""Slicing (DESIGN 2): physical GPUs + config -> slices, and the preferred allocation among them.
+
+Pure: no I/O, no clocks, no driver. Everything here takes plain values and returns plain values.
+
+A slice is only a name, `<GPU-UUID>::<n>`, plus the share of its GPU that it stands for:
+`floor(memory / replicas)` bytes and `1 / replicas` of the compute. The rule for a GPU is the first
+override whose match fits it, else the default rule. A GPU that cannot be sliced (MIG mode, a
+`memoryPerSlice` larger than the GPU, device IDs the kubelet would refuse) is kept in the plan with
+`excluded_reason`, so that `check-config` and the logs can say why it advertises nothing.
+
+`preferred_allocation` answers the kubelet's GetPreferredAllocation. `pack` keeps a container's
+slices on one GPU when it can, on the GPU that is already the fullest, so that whole GPUs stay free
+for large requests; `spread` puts them on as many GPUs as it can, emptiest first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+
+from deviceplugin.config import AllocationPolicy, GpuMatch, SliceRule, SlicingConfig
+from deviceplugin.errors import AllocationError
+from deviceplugin.model import (
+    MAX_DEVICE_ID_LENGTH,
+    GpuInfo,
+    GpuPlan,
+    Inventory,
+    NodeReading,
+    Slice,
+    SliceId,
+)
+
+MIG_EXCLUDED_REASON = "MIG mode is enabled; MIG GPUs are not sliced"
+
+_BINARY_UNITS = (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10))
+
+
+def format_bytes(n: int) -> str:
+    """A byte count for people: the largest binary unit it reaches, exact values without a
+    decimal ("20Gi", "512Mi"), others with one ("19.8Gi"); below 1Ki plain bytes ("512B")."""
+    sign = "-" if n < 0 else ""
+    magnitude = abs(n)
+    for suffix, unit in _BINARY_UNITS:
+        if magnitude >= unit:
+            if magnitude % unit == 0:
+                return f"{sign}{magnitude // unit}{suffix}"
+            return f"{sign}{magnitude / unit:.1f}{suffix}"
+    return f"{sign}{magnitude}B"
+
+
+# --- the plan -------------------------------------------------------------------------------
+
+
+def _matches(match: GpuMatch, gpu: GpuInfo) -> bool:
+    if match.model is not None and not fnmatchcase(gpu.name, match.model):
+        return False
+    if match.index is not None and match.index != gpu.index:
+        return False
+    return match.uuid is None or match.uuid == gpu.uuid
+
+
+def rule_for(gpu: GpuInfo, cfg: SlicingConfig) -> SliceRule:
+    """The rule for `gpu`: the first override whose match fits it (every given field must
+    match), else the default."""
+    for override in cfg.overrides:
+        if _matches(override.match, gpu):
+            return override.rule
+    return cfg.default
+
+
+def _excluded(gpu: GpuInfo, reason: str) -> GpuPlan:
+    return GpuPlan(
+        gpu=gpu,
+        replicas=0,
+        memory_per_slice_bytes=0,
+        compute_share_ratio=0.0,
+        excluded_reason=reason,
+    )
+
+
+def _plan_one(gpu: GpuInfo, rule: SliceRule) -> GpuPlan:
+    if gpu.mig_enabled:
+        return _excluded(gpu, MIG_EXCLUDED_REASON)
+    total = gpu.memory_total_bytes
+    if rule.replicas is not None:
+        replicas = rule.replicas
+        if replicas < 1:
+            return _excluded(gpu, f"replicas {replicas} is less than 1")
+    elif rule.memory_per_slice_bytes is not None:
+        per_slice = rule.memory_per_slice_bytes
+        if per_slice < 1:
+            return _excluded(gpu, f"memoryPerSlice {per_slice} is not a positive size")
+        replicas = total // per_slice
+        if replicas < 1:
+            return _excluded(
+                gpu,
+                f"memoryPerSlice {format_bytes(per_slice)} is larger than the GPU's "
+                f"{format_bytes(total)}",
+            )
+    else:
+        return _excluded(gpu, "the slicing rule sets neither replicas nor memoryPerSlice")
+    memory_per_slice = total // replicas
+    if memory_per_slice < 1:
+        return _excluded(
+            gpu, f"{replicas} replicas of the GPU's {format_bytes(total)} leave no memory per slice"
+        )
+    return GpuPlan(
+        gpu=gpu,
+        replicas=replicas,
+        memory_per_slice_bytes=memory_per_slice,
+        compute_share_ratio=1.0 / replicas,
+    )
+
+
+def plan_gpus(gpus: Sequence[GpuInfo], cfg: SlicingConfig) -> tuple[GpuPlan, ...]:
+    """How each GPU is sliced, in GPU index order. Excluded GPUs are kept, with replicas 0 and
+    `excluded_reason` set."""
+    ordered = sorted(gpus, key=lambda g: (g.index, g.uuid))
+    return tuple(_plan_one(gpu, rule_for(gpu, cfg)) for gpu in ordered)
+
+
+def _id_problem(plan: GpuPlan, seen_uuids: set[str]) -> str:
+    """Why this sliced GPU's device IDs cannot be advertised, or "" if they can."""
+    uuid = plan.gpu.uuid
+    if not uuid:
+        return "the GPU reports an empty UUID"
+    if uuid in seen_uuids:
+        return f"another GPU has the same UUID {uuid!r}"
+    longest = str(SliceId(uuid, plan.replicas - 1))
+    if len(longest) > MAX_DEVICE_ID_LENGTH:
+        return (
+            f"device ID {longest!r} is {len(longest)} characters, longer than the kubelet's "
+            f"limit of {MAX_DEVICE_ID_LENGTH}"
+        )
+    return ""
+
+
+def build_inventory(reading: NodeReading, cfg: SlicingConfig) -> Inventory:
+    """The slices this node advertises: `replicas` slices per sliced GPU, healthy when the GPU
+    reading is. A GPU whose device IDs the kubelet would refuse is excluded with a reason."""
+    healthy_by_uuid: dict[str, bool] = {}
+    for gpu_reading in reading.gpus:
+        healthy_by_uuid.setdefault(gpu_reading.info.uuid, gpu_reading.healthy)
+
+    plans: list[GpuPlan] = []
+    slices: list[Slice] = []
+    seen_uuids: set[str] = set()
+    for plan in plan_gpus([g.info for g in reading.gpus], cfg):
+        if not plan.sliced:
+            plans.append(plan)
+            continue
+        problem = _id_problem(plan, seen_uuids)
+        seen_uuids.add(plan.gpu.uuid)
+        if problem:
+            plans.append(_excluded(plan.gpu, problem))
+            continue
+        plans.append(plan)
+        slices.extend(
+            Slice(
+                id=SliceId(plan.gpu.uuid, n),
+                gpu_index=plan.gpu.index,
+                numa_node=plan.gpu.numa_node,
+                memory_limit_bytes=plan.memory_per_slice_bytes,
+                compute_share_ratio=plan.compute_share_ratio,
+                healthy=healthy_by_uuid[plan.gpu.uuid],
+            )
+            for n in range(plan.replicas)
+        )
+    return Inventory.of(plans, slices)
+
+
+# --- preferred allocation -------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _GpuPool:
+    """One GPU during a preferred-allocation decision."""
+
+    index: int
+    uuid: str
+    free: list[Slice]  # available and not yet picked, lowest slice number first
+    used: int  # slices not available before this request, plus those picked for it
+    picked: int = 0
+    chosen: list[Slice] = field(default_factory=list)
+
+    @property
+    def order(self) -> tuple[int, str]:
+        return (self.index, self.uuid)
+
+    def take(self, count: int) -> None:
+        taken, self.free = self.free[:count], self.free[count:]
+        self.chosen.extend(taken)
+        self.picked += len(taken)
+        self.used += len(taken)
+
+
+def _unique(ids: Sequence[str]) -> list[str]:
+    return list(dict.fromkeys(ids))
+
+
+def _check_request(available: list[str], must_include: list[str], size: int) -> None:
+    problems: list[str] = []
+    if size < 0:
+        problems.append(f"allocation size {size} is negative")
+    available_set = set(available)
+    missing = [i for i in must_include if i not in available_set]
+    if missing:
+        problems.extend(f'must-include device ID "{i}" is not available' for i in missing)
+    if size < len(must_include):
+        problems.append(
+            f"allocation size {size} is smaller than the {len(must_include)} "
+            "must-include device IDs"
+        )
+    if size > len(available):
+        problems.append(
+            f"allocation size {size} is larger than the {len(available)} available device IDs"
+        )
+    if problems:
+        raise AllocationError("cannot choose a preferred allocation: " + "; ".join(problems))
+
+
+def _pack(pools: list[_GpuPool], remaining: int) -> None:
+    """Fill the fullest GPU that holds the whole rest of the request; when none does, empty the
+    GPU with the most free slices and try again, so the request spans as few GPUs as possible."""
+    while remaining > 0:
+        candidates = [p for p in pools if p.free]
+        if not candidates:
+            return
+        fitting = [p for p in candidates if len(p.free) >= remaining]
+        if fitting:
+            best = min(fitting, key=lambda p: (-p.used, p.order))
+        else:
+            best = min(candidates, key=lambda p: (-len(p.free), -p.used, p.order))
+        count = min(remaining, len(best.free))
+        best.take(count)
+        remaining -= count
+
+
+def _spread(pools: list[_GpuPool], remaining: int) -> None:
+    """Round-robin, one slice at a time: the GPU with the fewest slices of this request so far,
+    then the fewest used slices, then the lowest index."""
+    base_used = {p.uuid: p.used - p.picked for p in pools}
+    while remaining > 0:
+        candidates = [p for p in pools if p.free]
+        if not candidates:
+            return
+        best = min(candidates, key=lambda p: (p.picked, base_used[p.uuid], p.order))
+        best.take(1)
+        remaining -= 1
+
+
+def preferred_allocation(
+    inventory: Inventory,
+    available: Sequence[str],
+    must_include: Sequence[str],
+    size: int,
+    policy: AllocationPolicy,
+) -> list[str]:
+    """Choose `size` device IDs out of `available`, including every `must_include` ID.
+
+    The result is in inventory order (GPU index, then slice number); IDs we do not know come last
+    and are only chosen when the known ones run out. Raises AllocationError when no such choice
+    exists."""
+    available_ids = _unique(available)
+    must_ids = _unique(must_include)
+    _check_request(available_ids, must_ids, size)
+
+    must_set = set(must_ids)
+    available_set = set(available_ids)
+    pools: dict[str, _GpuPool] = {}
+    for s in inventory.slices:
+        pool = pools.get(s.id.gpu_uuid)
+        if pool is None:
+            pool = pools[s.id.gpu_uuid] = _GpuPool(s.gpu_index, s.id.gpu_uuid, [], 0)
+        if s.device_id in must_set:
+            pool.chosen.append(s)
+            pool.picked += 1
+            pool.used += 1
+        elif s.device_id in available_set:
+            pool.free.append(s)
+        else:
+            pool.used += 1
+    ordered_pools = sorted(pools.values(), key=lambda p: p.order)
+
+    remaining = size - len(must_ids)
+    if policy == AllocationPolicy.SPREAD:
+        _spread(ordered_pools, remaining)
+    else:
+        _pack(ordered_pools, remaining)
+
+    chosen = sorted((s for p in ordered_pools for s in p.chosen), key=lambda s: (s.gpu_index, s.id))
+    result = [s.device_id for s in chosen]
+    unknown_must = sorted(i for i in must_ids if i not in inventory.by_id)
+    result.extend(unknown_must)
+    shortfall = size - len(result)
+    if shortfall > 0:
+        spare = sorted(i for i in available_ids if i not in inventory.by_id and i not in must_set)
+        result.extend(spare[:shortfall])
+    assert len(result) == size, (result, size)
+    return result
+
+
+__all__ = [
+    "MIG_EXCLUDED_REASON",
+    "build_inventory",
+    "format_bytes",
+    "plan_gpus",
+    "preferred_allocation",
+    "rule_for",
+]

@@ -1,0 +1,329 @@
+"""Unit tables for deviceplugin.allocation: the Allocate response of one container (DESIGN 3)."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+
+import pytest
+
+from deviceplugin.allocation import build_container_allocation
+from deviceplugin.config import (
+    AllocationConfig,
+    DeviceListStrategy,
+    GpuMatch,
+    MpsConfig,
+    SliceOverride,
+    SliceRule,
+    SlicingConfig,
+)
+from deviceplugin.errors import AllocationError
+from deviceplugin.model import (
+    ContainerAllocation,
+    DeviceNodeSpec,
+    GpuInfo,
+    GpuReading,
+    Inventory,
+    MountSpec,
+    NodeReading,
+)
+from deviceplugin.slicing import build_inventory
+
+GI = 1 << 30
+MI = 1 << 20
+S = DeviceListStrategy
+
+U0 = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
+U1 = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
+U2 = "GPU-cccccccc-0000-0000-0000-000000000000"
+
+
+def make_inventory(*, unhealthy: tuple[int, ...] = ()) -> Inventory:
+    """Three GPUs. GPU 0 has U1 and GPU 1 has U0, so that ordering by UUID and ordering by index
+    differ. GPU 0: 80Gi in 4 slices; GPU 1: 40Gi in 3 slices; GPU 2: 16Gi in 2 slices, minor 7."""
+    gpus = [
+        GpuInfo(uuid=U1, index=0, name="A100", memory_total_bytes=80 * GI, minor=0),
+        GpuInfo(uuid=U0, index=1, name="A100-40", memory_total_bytes=40 * GI, minor=1),
+        GpuInfo(uuid=U2, index=2, name="T4", memory_total_bytes=16 * GI, minor=7),
+    ]
+    cfg = SlicingConfig(
+        default=SliceRule(replicas=4),
+        overrides=(
+            SliceOverride(GpuMatch(index=1), SliceRule(replicas=3)),
+            SliceOverride(GpuMatch(index=2), SliceRule(replicas=2)),
+        ),
+    )
+    reading = NodeReading(
+        timestamp_s=0.0,
+        gpus=tuple(GpuReading(info=g, healthy=g.index not in unhealthy) for g in gpus),
+    )
+    return build_inventory(reading, cfg)
+
+
+INV = make_inventory()
+ENVVAR = AllocationConfig()
+NO_MPS = MpsConfig()
+
+
+def alloc(
+    ids: list[str],
+    strategies: tuple[DeviceListStrategy, ...] = (S.ENVVAR,),
+    *,
+    mps: bool = False,
+    inventory: Inventory = INV,
+) -> ContainerAllocation:
+    return build_container_allocation(
+        ids, inventory, AllocationConfig(device_list_strategy=strategies), MpsConfig(enabled=mps)
+    )
+
+
+def expected_allocation_id(ids: list[str]) -> str:
+    return hashlib.sha256(",".join(sorted(ids)).encode("utf-8")).hexdigest()[:16]
+
+
+# --- envs ------------------------------------------------------------------------------------
+
+
+def test_one_slice_on_one_gpu() -> None:
+    ids = [f"{U1}::2"]
+    a = alloc(ids)
+    assert a.gpu_uuids == (U1,)
+    assert a.slice_ids == (f"{U1}::2",)
+    assert a.allocation_id == expected_allocation_id(ids)
+    assert dict(a.envs) == {
+        "NVIDIA_VISIBLE_DEVICES": U1,
+        "VGPU_ALLOCATION_ID": expected_allocation_id(ids),
+        "VGPU_MEMORY_LIMIT_MIB_0": str(20 * 1024),
+        "VGPU_COMPUTE_SHARE_PERCENT_0": "25",
+    }
+    assert a.mounts == ()
+    assert a.devices == ()
+    assert dict(a.annotations) == {}
+    assert a.cdi_devices == ()
+
+
+@pytest.mark.parametrize(
+    ("k", "mib", "percent"),
+    [(1, 20 * 1024, "25"), (2, 40 * 1024, "50"), (3, 60 * 1024, "75"), (4, 80 * 1024, "100")],
+)
+def test_k_slices_on_one_gpu(k: int, mib: int, percent: str) -> None:
+    a = alloc([f"{U1}::{n}" for n in range(k)])
+    assert a.envs["VGPU_MEMORY_LIMIT_MIB_0"] == str(mib)
+    assert a.envs["VGPU_COMPUTE_SHARE_PERCENT_0"] == percent
+    assert "VGPU_MEMORY_LIMIT_MIB_1" not in a.envs
+
+
+@pytest.mark.parametrize(("k", "percent"), [(1, "33"), (2, "66"), (3, "100")])
+def test_share_percent_is_integer_floor(k: int, percent: str) -> None:
+    a = alloc([f"{U0}::{n}" for n in range(k)])
+    assert a.envs["VGPU_COMPUTE_SHARE_PERCENT_0"] == percent
+    assert a.envs["VGPU_MEMORY_LIMIT_MIB_0"] == str(k * ((40 * GI) // 3) // MI)
+
+
+def test_two_gpus_ordinals_follow_gpu_index_not_request_order() -> None:
+    # GPU 1 (U0) is named first and GPU 0 (U1) last; ordinal 0 must still be GPU index 0.
+    ids = [f"{U0}::2", f"{U0}::0", f"{U1}::3"]
+    a = alloc(ids)
+    assert a.gpu_uuids == (U1, U0)
+    assert a.envs["NVIDIA_VISIBLE_DEVICES"] == f"{U1},{U0}"
+    assert a.envs["VGPU_MEMORY_LIMIT_MIB_0"] == str(20 * 1024)
+    assert a.envs["VGPU_COMPUTE_SHARE_PERCENT_0"] == "25"
+    assert a.envs["VGPU_MEMORY_LIMIT_MIB_1"] == str(2 * ((40 * GI) // 3) // MI)
+    assert a.envs["VGPU_COMPUTE_SHARE_PERCENT_1"] == "66"
+    assert a.slice_ids == (f"{U1}::3", f"{U0}::0", f"{U0}::2")
+
+
+def test_allocation_id_is_sha256_of_sorted_ids_and_order_independent() -> None:
+    ids = [f"{U2}::1", f"{U1}::0", f"{U0}::2"]
+    want = expected_allocation_id(ids)
+    assert len(want) == 16
+    for perm in itertools.permutations(ids):
+        a = alloc(list(perm))
+        assert a.allocation_id == want
+        assert a.envs["VGPU_ALLOCATION_ID"] == want
+
+
+def test_mps_envs() -> None:
+    ids = [f"{U1}::0", f"{U1}::1", f"{U0}::0"]
+    a = alloc(ids, mps=True)
+    mib0 = 2 * 20 * 1024
+    mib1 = ((40 * GI) // 3) // MI
+    assert a.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={mib0}M,1={mib1}M"
+    assert a.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "33"  # min(50, 33)
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in alloc(ids).envs
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in alloc(ids).envs
+
+
+def test_mps_single_gpu() -> None:
+    a = alloc([f"{U2}::1"], mps=True)
+    assert a.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8192M"
+    assert a.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+
+
+def test_mps_thread_percentage_is_at_least_one() -> None:
+    g = GpuInfo(uuid="GPU-many", index=0, name="X", memory_total_bytes=200 * GI, minor=0)
+    inv = build_inventory(
+        NodeReading(0.0, (GpuReading(info=g),)), SlicingConfig(default=SliceRule(replicas=200))
+    )
+    a = alloc(["GPU-many::0"], mps=True, inventory=inv)
+    assert a.envs["VGPU_COMPUTE_SHARE_PERCENT_0"] == "0"
+    assert a.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "1"
+
+
+# --- device-list strategies ------------------------------------------------------------------
+
+IDS = [f"{U0}::1", f"{U2}::0", f"{U1}::1"]  # GPUs in index order: U1 (minor 0), U0 (1), U2 (7)
+UUIDS = (U1, U0, U2)
+CDI = tuple(f"nvidia.com/gpu={u}" for u in UUIDS)
+AID = expected_allocation_id(IDS)
+MOUNTS = tuple(
+    MountSpec(f"/var/run/nvidia-container-devices/{u}", "/dev/null", True) for u in UUIDS
+)
+DEVICES = tuple(
+    DeviceNodeSpec(p, p, "rw")
+    for p in (
+        "/dev/nvidiactl",
+        "/dev/nvidia-uvm",
+        "/dev/nvidia-uvm-tools",
+        "/dev/nvidia0",
+        "/dev/nvidia1",
+        "/dev/nvidia7",
+    )
+)
+
+
+def test_strategy_envvar() -> None:
+    a = alloc(IDS, (S.ENVVAR,))
+    assert a.envs["NVIDIA_VISIBLE_DEVICES"] == ",".join(UUIDS)
+    assert (a.mounts, a.devices, dict(a.annotations), a.cdi_devices) == ((), (), {}, ())
+
+
+def test_strategy_volume_mounts() -> None:
+    a = alloc(IDS, (S.VOLUME_MOUNTS,))
+    assert a.envs["NVIDIA_VISIBLE_DEVICES"] == "/var/run/nvidia-container-devices"
+    assert a.mounts == MOUNTS
+    assert all(m.read_only and m.host_path == "/dev/null" for m in a.mounts)
+    assert (a.devices, dict(a.annotations), a.cdi_devices) == ((), {}, ())
+
+
+def test_strategy_cdi_annotations() -> None:
+    a = alloc(IDS, (S.CDI_ANNOTATIONS,))
+    assert a.envs["NVIDIA_VISIBLE_DEVICES"] == "void"
+    assert dict(a.annotations) == {f"cdi.k8s.io/vgpu-device-plugin_{AID}": ",".join(CDI)}
+    assert (a.mounts, a.devices, a.cdi_devices) == ((), (), ())
+
+
+def test_strategy_cdi_cri() -> None:
+    a = alloc(IDS, (S.CDI_CRI,))
+    assert a.envs["NVIDIA_VISIBLE_DEVICES"] == "void"
+    assert a.cdi_devices == CDI
+    assert (a.mounts, a.devices, dict(a.annotations)) == ((), (), {})
+
+
+def test_strategy_device_specs() -> None:
+    a = alloc(IDS, (S.DEVICE_SPECS,))
+    assert a.envs["NVIDIA_VISIBLE_DEVICES"] == "void"
+    assert a.devices == DEVICES
+    assert (a.mounts, dict(a.annotations), a.cdi_devices) == ((), {}, ())
+
+
+def test_empty_strategy_list_means_envvar() -> None:
+    assert alloc(IDS, ()) == alloc(IDS, (S.ENVVAR,))
+
+
+def test_strategy_order_and_repeats_do_not_matter() -> None:
+    a = alloc(IDS, (S.CDI_CRI, S.ENVVAR, S.CDI_CRI))
+    assert a == alloc(IDS, (S.ENVVAR, S.CDI_CRI))
+
+
+ALL_STRATEGIES = tuple(S)
+
+
+@pytest.mark.parametrize(
+    "strategies",
+    [
+        pytest.param(combo, id="+".join(combo))
+        for r in range(1, len(ALL_STRATEGIES) + 1)
+        for combo in itertools.combinations(ALL_STRATEGIES, r)
+    ],
+)
+def test_every_strategy_combination(strategies: tuple[DeviceListStrategy, ...]) -> None:
+    a = alloc(IDS, strategies)
+    chosen = set(strategies)
+    if S.ENVVAR in chosen:
+        want_visible = ",".join(UUIDS)
+    elif S.VOLUME_MOUNTS in chosen:
+        want_visible = "/var/run/nvidia-container-devices"
+    else:
+        want_visible = "void"
+    assert a.envs["NVIDIA_VISIBLE_DEVICES"] == want_visible
+    assert a.mounts == (MOUNTS if S.VOLUME_MOUNTS in chosen else ())
+    assert a.devices == (DEVICES if S.DEVICE_SPECS in chosen else ())
+    assert a.cdi_devices == (CDI if S.CDI_CRI in chosen else ())
+    want_annotations = (
+        {f"cdi.k8s.io/vgpu-device-plugin_{AID}": ",".join(CDI)}
+        if S.CDI_ANNOTATIONS in chosen
+        else {}
+    )
+    assert dict(a.annotations) == want_annotations
+    # The per-GPU envs and identity do not depend on the strategy.
+    assert a.allocation_id == AID
+    assert a.gpu_uuids == UUIDS
+    assert a.envs["VGPU_ALLOCATION_ID"] == AID
+    assert [a.envs[f"VGPU_COMPUTE_SHARE_PERCENT_{i}"] for i in range(3)] == ["25", "33", "50"]
+
+
+# --- refusals --------------------------------------------------------------------------------
+
+
+def test_empty_request_is_refused() -> None:
+    with pytest.raises(AllocationError, match="no device IDs"):
+        alloc([])
+
+
+def test_unknown_id_is_refused_by_name() -> None:
+    with pytest.raises(AllocationError) as exc:
+        alloc([f"{U1}::0", "GPU-nope::0"])
+    assert str(exc.value) == 'unknown device ID "GPU-nope::0": not advertised by this node'
+
+
+def test_slice_number_beyond_replicas_is_unknown() -> None:
+    with pytest.raises(AllocationError, match=f'unknown device ID "{U2}::2"'):
+        alloc([f"{U2}::2"])
+
+
+def test_unhealthy_id_is_refused_by_name() -> None:
+    inv = make_inventory(unhealthy=(1,))
+    with pytest.raises(AllocationError) as exc:
+        alloc([f"{U1}::0", f"{U0}::1"], inventory=inv)
+    assert str(exc.value) == f'device ID "{U0}::1" is unhealthy'
+
+
+def test_duplicate_id_is_refused_by_name() -> None:
+    with pytest.raises(AllocationError) as exc:
+        alloc([f"{U1}::0", f"{U1}::1", f"{U1}::0"])
+    assert str(exc.value) == f'device ID "{U1}::0" is requested 2 times'
+
+
+def test_every_bad_id_is_named_in_one_error() -> None:
+    inv = make_inventory(unhealthy=(2,))
+    ids = [f"{U1}::0", "bogus", f"{U2}::0", f"{U2}::1", "bogus", "GPU-gone::3"]
+    with pytest.raises(AllocationError) as exc:
+        alloc(ids, inventory=inv)
+    message = str(exc.value)
+    for part in (
+        'device ID "bogus" is requested 2 times',
+        'unknown device ID "bogus": not advertised by this node',
+        'unknown device ID "GPU-gone::3": not advertised by this node',
+        f'device ID "{U2}::0" is unhealthy',
+        f'device ID "{U2}::1" is unhealthy',
+    ):
+        assert part in message
+    assert f'"{U1}::0"' not in message
+
+
+def test_refusal_of_slice_whose_gpu_is_not_planned() -> None:
+    # An inventory whose plans do not cover a slice is inconsistent; refuse rather than guess.
+    broken = Inventory.of((), INV.slices)
+    with pytest.raises(AllocationError, match="does not slice"):
+        alloc([f"{U1}::0"], inventory=broken)
