@@ -1,0 +1,91 @@
+"""`vgpu-device-plugin check-config`: validate a config and print the slicing plan per GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TextIO
+
+from deviceplugin.config import Config, load_config
+from deviceplugin.errors import BackendError, ConfigError
+from deviceplugin.model import GpuInfo, GpuPlan
+from deviceplugin.slicing import format_bytes, plan_gpus
+
+EXIT_OK = 0
+EXIT_INVALID = 2
+
+
+def _gpus_of(backend_spec: str) -> list[GpuInfo]:
+    from deviceplugin.app import open_backend  # noqa: PLC0415 (grpc only when a backend is asked)
+
+    backend = open_backend(backend_spec)
+    try:
+        return [g.info for g in backend.poll().gpus]
+    finally:
+        backend.close()
+
+
+def render_plan(plans: tuple[GpuPlan, ...], resource_name: str) -> list[str]:
+    """The plan as a table that fits 80 columns."""
+    lines = [
+        f"{'GPU':>3}  {'MODEL':<26} {'MEMORY':>8} {'SLICES':>6} "
+        f"{'MEM/SLICE':>9} {'COMPUTE/SLICE':>13}"
+    ]
+    total = 0
+    for plan in plans:
+        gpu = plan.gpu
+        model = gpu.name if len(gpu.name) <= 26 else gpu.name[:25] + "…"
+        memory = format_bytes(gpu.memory_total_bytes)
+        if not plan.sliced:
+            lines.append(f"{gpu.index:>3}  {model:<26} {memory:>8} {0:>6}  not sliced:")
+            lines.append(f"     {plan.excluded_reason}")
+            continue
+        total += plan.replicas
+        share = f"{plan.compute_share_ratio * 100:.4g}%"
+        lines.append(
+            f"{gpu.index:>3}  {model:<26} {memory:>8} {plan.replicas:>6} "
+            f"{format_bytes(plan.memory_per_slice_bytes):>9} {share:>13}"
+        )
+    sliced = sum(1 for p in plans if p.sliced)
+    lines.append(f"total: {total} slices of {resource_name} on {sliced} of {len(plans)} GPUs")
+    return lines
+
+
+def describe(config: Config) -> str:
+    strategies = ",".join(s.value for s in config.allocation.device_list_strategy)
+    return (
+        f"resource {config.resource_name}, allocation policy {config.allocation.policy.value}, "
+        f"device list {strategies}, MPS {'on' if config.mps.enabled else 'off'}"
+    )
+
+
+def check_config(path: Path, backend_spec: str, out: TextIO, err: TextIO) -> int:
+    try:
+        config = load_config(path)
+    except ConfigError as e:
+        for problem in e.problems:
+            print(f"{e.source}: {problem}", file=err)
+        count = len(e.problems)
+        print(f"{path}: invalid ({count} problem{'s' if count != 1 else ''})", file=err)
+        return EXIT_INVALID
+    print(f"{path}: valid ({describe(config)})", file=out)
+    for warning in config.warnings:
+        print(f"warning: {warning}", file=out)
+    if backend_spec:
+        try:
+            gpus = _gpus_of(backend_spec)
+        except BackendError as e:
+            print(f"cannot read GPUs from {backend_spec}: {e}", file=err)
+            return EXIT_INVALID
+        print(f"\nslicing plan for the GPUs of {backend_spec}:", file=out)
+    else:
+        from deviceplugin.demo import example_gpus  # noqa: PLC0415
+
+        gpus = example_gpus()
+        print(
+            "\nslicing plan for the demo's example GPUs "
+            "(pass --backend nvml on a GPU node to plan for its own GPUs):",
+            file=out,
+        )
+    for line in render_plan(plan_gpus(gpus, config.slicing), config.resource_name):
+        print(line, file=out)
+    return EXIT_OK

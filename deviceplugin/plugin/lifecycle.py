@@ -1,0 +1,244 @@
+"""Serving the plugin socket and staying registered with the kubelet, as the kubelet behaves.
+
+- Serve on <device-plugin-dir>/<endpoint> (owner-only), then call Register on kubelet.sock.
+- The kubelet not there yet: retry with backoff, waking early when kubelet.sock appears.
+- A kubelet restart deletes every socket in the directory and re-creates kubelet.sock; the
+  kubelet never re-opens a broken ListAndWatch stream. Either way: restart the server and
+  register again. A stat of both sockets every `watch_interval_s` (10 ms) notices this within
+  tens of milliseconds, which matters: pods admitted before re-registration are rejected for good.
+- On stop: close the server and remove the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from deviceplugin.plugin.server import DevicePluginService
+from deviceplugin.proto import DEVICE_PLUGIN_VERSION, KUBELET_SOCKET, dp, dp_grpc
+
+log = logging.getLogger(__name__)
+
+REGISTER_TIMEOUT_S = 5.0
+BACKOFF_FIRST_S = 0.01
+BACKOFF_MAX_S = 5.0
+WAITING_REPORT_EVERY_S = 30.0
+
+_REGISTERED = "registered"
+_STOPPED = "stopped"
+_SOCKET_GONE = "socket gone"
+
+
+def endpoint_name(resource_name: str) -> str:
+    """The plugin socket's basename, e.g. vgpu-nvidia.com-vgpu.sock."""
+    return "vgpu-" + resource_name.replace("/", "-") + ".sock"
+
+
+def _inode(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+@dataclass
+class LifecycleStats:
+    registrations: int = 0
+    registration_failures: int = 0
+    last_registered_at_s: float = 0.0
+    last_restart_reason: str = ""
+
+
+class PluginLifecycle:
+    """Owns the gRPC server's life and the registration loop. `run` returns when `stop` is set."""
+
+    def __init__(
+        self,
+        service: DevicePluginService,
+        *,
+        plugin_dir: Path,
+        resource_name: str,
+        watch_interval_s: float = 0.01,
+        on_registered: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._service = service
+        self._dir = plugin_dir
+        self._resource = resource_name
+        self._endpoint = endpoint_name(resource_name)
+        self._socket = plugin_dir / self._endpoint
+        self._kubelet_socket = plugin_dir / KUBELET_SOCKET
+        self._watch_interval_s = watch_interval_s
+        self._on_registered = on_registered
+        self._generation = 0
+        self._kubelet_inode: tuple[int, int] | None = None
+        self._stream_ended = asyncio.Event()
+        self.stats = LifecycleStats()
+        self.registered = False
+
+    @property
+    def socket_path(self) -> Path:
+        return self._socket
+
+    def generation(self) -> int:
+        """The registration a newly opened ListAndWatch stream belongs to."""
+        return self._generation
+
+    def stream_ended(self, generation: int) -> None:
+        """Called by the service when a stream ends; only the current registration's counts."""
+        if generation == self._generation:
+            self._stream_ended.set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self._dir.mkdir(parents=True, exist_ok=True)
+        try:
+            while not stop.is_set():
+                server = await self._serve()
+                try:
+                    outcome = await self._register(stop)
+                    if outcome == _STOPPED:
+                        return
+                    if outcome == _SOCKET_GONE:
+                        # A starting kubelet cleans the directory before it creates kubelet.sock.
+                        log.info("plugin socket removed before registration; serving again")
+                        continue
+                    reason = await self._watch(stop)
+                    if reason:
+                        self.stats.last_restart_reason = reason
+                        log.warning("re-registering with the kubelet reason=%r", reason)
+                finally:
+                    self.registered = False
+                    await self._close(server)
+        finally:
+            self._service.stopping = True
+            self._remove_socket()
+
+    async def _serve(self) -> grpc.aio.Server:
+        self._remove_socket()
+        server = grpc.aio.server()
+        dp_grpc.add_DevicePluginServicer_to_server(self._service, server)
+        server.add_insecure_port(f"unix://{self._socket}")
+        self._service.stopping = False
+        await server.start()
+        os.chmod(self._socket, 0o600)
+        log.info("serving device plugin socket=%s", self._socket)
+        return server
+
+    async def _close(self, server: grpc.aio.Server) -> None:
+        # No grace: a ListAndWatch stream never finishes by itself, and every millisecond spent
+        # here is a millisecond the kubelet goes without a registered plugin.
+        self._service.stopping = True
+        await server.stop(grace=None)
+
+    def _remove_socket(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._socket.unlink()
+
+    async def _register(self, stop: asyncio.Event) -> str:
+        """Register, retrying with backoff until accepted. Returns _REGISTERED, _STOPPED, or
+        _SOCKET_GONE when our socket disappeared and must be served again first."""
+        own = _inode(self._socket)
+        delay = BACKOFF_FIRST_S
+        started = time.monotonic()
+        last_report = started
+        failures = 0
+        while not stop.is_set():
+            if _inode(self._socket) != own:
+                return _SOCKET_GONE
+            self._generation += 1
+            self._stream_ended.clear()
+            kubelet_inode = _inode(self._kubelet_socket)
+            error = await self._register_once() if kubelet_inode else "kubelet.sock does not exist"
+            if error is None:
+                self._kubelet_inode = kubelet_inode
+                self.registered = True
+                self.stats.registrations += 1
+                self.stats.last_registered_at_s = time.monotonic()
+                log.info(
+                    "registered with the kubelet resource=%s endpoint=%s waited_ms=%.1f",
+                    self._resource,
+                    self._endpoint,
+                    (time.monotonic() - started) * 1000,
+                )
+                self._on_registered()
+                return _REGISTERED
+            failures += 1
+            self.stats.registration_failures += 1
+            now = time.monotonic()
+            if failures == 1 or now - last_report >= WAITING_REPORT_EVERY_S:
+                last_report = now
+                log.warning(
+                    "kubelet not accepting registration yet; retrying with backoff "
+                    "kubelet_socket=%s error=%r waited_s=%.1f",
+                    self._kubelet_socket,
+                    error,
+                    now - started,
+                )
+            else:
+                log.debug("registration attempt failed error=%r", error)
+            await self._sleep_or_change(stop, delay, kubelet_inode, own)
+            delay = min(delay * 2, BACKOFF_MAX_S)
+        return _STOPPED
+
+    async def _register_once(self) -> str | None:
+        request = dp.RegisterRequest(
+            version=DEVICE_PLUGIN_VERSION,
+            endpoint=self._endpoint,
+            resource_name=self._resource,
+            options=dp.DevicePluginOptions(get_preferred_allocation_available=True),
+        )
+        try:
+            async with grpc.aio.insecure_channel(f"unix://{self._kubelet_socket}") as channel:
+                await dp_grpc.RegistrationStub(channel).Register(
+                    request, timeout=REGISTER_TIMEOUT_S
+                )
+        except grpc.aio.AioRpcError as e:
+            return f"{e.code().name}: {e.details()}"
+        return None
+
+    async def _sleep_or_change(
+        self,
+        stop: asyncio.Event,
+        delay_s: float,
+        kubelet_inode: tuple[int, int] | None,
+        own_inode: tuple[int, int] | None,
+    ) -> None:
+        """Sleep for the backoff, waking early when either socket changes."""
+        deadline = time.monotonic() + delay_s
+        while not stop.is_set() and time.monotonic() < deadline:
+            if _inode(self._kubelet_socket) != kubelet_inode or _inode(self._socket) != own_inode:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), min(self._watch_interval_s, delay_s))
+
+    async def _watch(self, stop: asyncio.Event) -> str:
+        """Wait until something calls for a new registration; '' when stopping."""
+        own = _inode(self._socket)
+        stop_wait = asyncio.ensure_future(stop.wait())
+        stream_wait = asyncio.ensure_future(self._stream_ended.wait())
+        try:
+            while True:
+                if stop.is_set():
+                    return ""
+                if self._stream_ended.is_set():
+                    return "ListAndWatch stream ended"
+                if _inode(self._socket) != own:
+                    return "plugin socket removed (kubelet restart)"
+                if _inode(self._kubelet_socket) != self._kubelet_inode:
+                    return "kubelet.sock re-created (kubelet restart)"
+                await asyncio.wait(
+                    {stop_wait, stream_wait},
+                    timeout=self._watch_interval_s,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+        finally:
+            stop_wait.cancel()
+            stream_wait.cancel()

@@ -1,0 +1,186 @@
+"""The DevicePlugin gRPC service (kubelet API v1beta1).
+
+It speaks protobuf and hands every decision to the pure modules (slicing, allocation). It never
+calls the GPU backend: Allocate and GetPreferredAllocation answer from the inventory in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from deviceplugin.allocation import build_container_allocation
+from deviceplugin.config import Config
+from deviceplugin.errors import AllocationError
+from deviceplugin.model import AllocationRecord, ContainerAllocation, Inventory
+from deviceplugin.proto import HEALTHY, UNHEALTHY, dp, dp_grpc
+from deviceplugin.slicing import preferred_allocation
+from deviceplugin.state import AllocationBook, Published
+
+log = logging.getLogger(__name__)
+
+
+def device_list(inventory: Inventory) -> dp.ListAndWatchResponse:
+    """The full device list the kubelet gets on every change."""
+    devices = []
+    for s in inventory.slices:
+        topology = (
+            dp.TopologyInfo(nodes=[dp.NUMANode(ID=s.numa_node)])
+            if s.numa_node is not None
+            else None
+        )
+        devices.append(
+            dp.Device(ID=s.device_id, health=HEALTHY if s.healthy else UNHEALTHY, topology=topology)
+        )
+    return dp.ListAndWatchResponse(devices=devices)
+
+
+def allocate_response(allocation: ContainerAllocation) -> dp.ContainerAllocateResponse:
+    return dp.ContainerAllocateResponse(
+        envs=dict(allocation.envs),
+        mounts=[
+            dp.Mount(container_path=m.container_path, host_path=m.host_path, read_only=m.read_only)
+            for m in allocation.mounts
+        ],
+        devices=[
+            dp.DeviceSpec(
+                container_path=d.container_path, host_path=d.host_path, permissions=d.permissions
+            )
+            for d in allocation.devices
+        ],
+        annotations=dict(allocation.annotations),
+        cdi_devices=[dp.CDIDevice(name=name) for name in allocation.cdi_devices],
+    )
+
+
+class DevicePluginService(dp_grpc.DevicePluginServicer):
+    """One instance per daemon; it outlives gRPC server restarts.
+
+    `on_stream_end(generation)` is called when a ListAndWatch stream opened under registration
+    `generation` ends while the daemon is not stopping: the kubelet never re-opens a stream, so
+    the life cycle registers again.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        inventory: Published[Inventory],
+        book: AllocationBook,
+        *,
+        generation: Callable[[], int] = lambda: 0,
+        on_stream_end: Callable[[int], None] = lambda generation: None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._config = config
+        self._inventory = inventory
+        self._book = book
+        self._generation = generation
+        self._on_stream_end = on_stream_end
+        self._clock = clock
+        self.stopping = False
+        self.open_streams = 0
+
+    async def GetDevicePluginOptions(  # noqa: N802 (the kubelet's method name)
+        self, request: dp.Empty, context: grpc.aio.ServicerContext
+    ) -> dp.DevicePluginOptions:
+        return dp.DevicePluginOptions(
+            pre_start_required=False, get_preferred_allocation_available=True
+        )
+
+    async def ListAndWatch(  # noqa: N802
+        self, request: dp.Empty, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[dp.ListAndWatchResponse]:
+        generation = self._generation()
+        self.open_streams += 1
+        log.info("ListAndWatch stream opened generation=%d", generation)
+        sent_version = -1
+        try:
+            while True:
+                inventory, version = self._inventory.value, self._inventory.version
+                if version != sent_version:
+                    sent_version = version
+                    healthy = sum(1 for s in inventory.slices if s.healthy)
+                    log.info(
+                        "sending device list devices=%d healthy=%d generation=%d",
+                        len(inventory.slices),
+                        healthy,
+                        generation,
+                    )
+                    yield device_list(inventory)
+                await self._inventory.wait_change(sent_version)
+        finally:
+            self.open_streams -= 1
+            if not self.stopping:
+                log.warning("ListAndWatch stream ended generation=%d", generation)
+                self._on_stream_end(generation)
+
+    async def GetPreferredAllocation(  # noqa: N802
+        self, request: dp.PreferredAllocationRequest, context: grpc.aio.ServicerContext
+    ) -> dp.PreferredAllocationResponse:
+        inventory = self._inventory.value
+        responses = []
+        for i, req in enumerate(request.container_requests):
+            try:
+                ids = preferred_allocation(
+                    inventory,
+                    list(req.available_deviceIDs),
+                    list(req.must_include_deviceIDs),
+                    req.allocation_size,
+                    self._config.allocation.policy,
+                )
+            except AllocationError as e:
+                log.warning("preferred allocation refused container_request=%d error=%s", i, e)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"container request {i}: {e}")
+            responses.append(dp.ContainerPreferredAllocationResponse(deviceIDs=ids))
+        return dp.PreferredAllocationResponse(container_responses=responses)
+
+    async def Allocate(  # noqa: N802
+        self, request: dp.AllocateRequest, context: grpc.aio.ServicerContext
+    ) -> dp.AllocateResponse:
+        inventory = self._inventory.value
+        allocations: list[ContainerAllocation] = []
+        for i, req in enumerate(request.container_requests):
+            try:
+                allocations.append(
+                    build_container_allocation(
+                        list(req.devices_ids),
+                        inventory,
+                        self._config.allocation,
+                        self._config.mps,
+                    )
+                )
+            except AllocationError as e:
+                log.warning(
+                    "allocate refused container_request=%d devices=%s error=%s",
+                    i,
+                    ",".join(req.devices_ids),
+                    e,
+                )
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"container request {i}: {e}")
+        now = self._clock()
+        for allocation in allocations:
+            self._book.record(AllocationRecord(allocation.allocation_id, allocation.slice_ids, now))
+            log.info(
+                "allocated allocation_id=%s slices=%s gpus=%s",
+                allocation.allocation_id,
+                ",".join(allocation.slice_ids),
+                ",".join(allocation.gpu_uuids),
+            )
+        return dp.AllocateResponse(container_responses=[allocate_response(a) for a in allocations])
+
+    async def PreStartContainer(  # noqa: N802
+        self, request: dp.PreStartContainerRequest, context: grpc.aio.ServicerContext
+    ) -> dp.PreStartContainerResponse:
+        # Nothing to prepare before a start (the options say so); answer for any caller that asks
+        # anyway, refusing IDs this node never advertised.
+        inventory = self._inventory.value
+        unknown = [d for d in request.devices_ids if d not in inventory.by_id]
+        if unknown:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "unknown device IDs: " + ", ".join(repr(d) for d in unknown),
+            )
+        return dp.PreStartContainerResponse()

@@ -1,0 +1,76 @@
+"""Node state shared on the event loop: values replaced whole, with waiters woken on change.
+
+Everything here runs on the daemon's one asyncio event loop; nothing is locked because nothing is
+shared with threads. Readers hold a reference to an immutable value, so a reader never sees half
+an update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Iterator
+from typing import Generic, TypeVar
+
+from deviceplugin.model import AllocationRecord
+
+T = TypeVar("T")
+
+
+class Published(Generic[T]):
+    """A value that changes by replacement. `set` with an equal value is not a change."""
+
+    def __init__(self, value: T) -> None:
+        self._value = value
+        self._version = 0
+        self._changed = asyncio.Event()
+
+    @property
+    def value(self) -> T:
+        return self._value
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def set(self, value: T) -> bool:
+        """Replace the value; wake every waiter. Returns whether it changed."""
+        if value == self._value:
+            return False
+        self._value = value
+        self._version += 1
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+        return True
+
+    async def wait_change(self, seen_version: int) -> None:
+        """Return once the version differs from `seen_version`."""
+        while self._version == seen_version:
+            await self._changed.wait()
+
+
+class AllocationBook:
+    """Every allocation this daemon handed out or recovered, by allocation ID."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, AllocationRecord] = {}
+
+    def record(self, record: AllocationRecord) -> None:
+        """Add or replace a record. A recovered record with pod names replaces an anonymous one;
+        an anonymous one never erases names already known."""
+        known = self._records.get(record.allocation_id)
+        if known is not None and known.pod and not record.pod:
+            return
+        self._records[record.allocation_id] = record
+
+    def get(self, allocation_id: str) -> AllocationRecord | None:
+        return self._records.get(allocation_id)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __iter__(self) -> Iterator[AllocationRecord]:
+        return iter(list(self._records.values()))
+
+    def slice_ids(self) -> Iterable[str]:
+        for record in self._records.values():
+            yield from record.slice_ids

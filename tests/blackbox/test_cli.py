@@ -1,0 +1,191 @@
+"""The command line as an operator meets it: real processes, real signals, real exit codes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from deviceplugin.gpu.fake import FakeState, write_state_file
+from tests.blackbox.daemon_harness import RESOURCE, TWO_GPUS, Node, registered
+
+CLI = [sys.executable, "-m", "deviceplugin"]
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+@pytest.fixture
+async def node(short_tmp: Path) -> AsyncIterator[Node]:
+    n = Node(short_tmp, TWO_GPUS)
+    await n.sim.start()
+    try:
+        yield n
+    finally:
+        await n.sim.stop()
+
+
+async def _serve(node: Node, *extra: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        *CLI,
+        "serve",
+        "--backend",
+        f"fake:{node.state_file}",
+        "--device-plugin-dir",
+        str(node.plugin_dir),
+        "--pod-resources-socket",
+        str(node.podres_socket),
+        "--state-dir",
+        str(node.root / "state"),
+        *extra,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_serve_stops_cleanly_on_signal_and_removes_its_socket(
+    node: Node, sig: signal.Signals
+) -> None:
+    proc = await _serve(node)
+    try:
+        await registered(node, 8)
+        assert node.plugin_socket().exists()
+        proc.send_signal(sig)
+        _, stderr = await asyncio.wait_for(proc.communicate(), 15)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, stderr.decode()
+    assert not node.plugin_socket().exists()
+    assert b"registered with the kubelet" in stderr
+
+
+async def test_serve_reads_its_flags_from_the_environment(node: Node) -> None:
+    env = {
+        **os.environ,
+        "VGPU_BACKEND": f"fake:{node.state_file}",
+        "VGPU_DEVICE_PLUGIN_DIR": str(node.plugin_dir),
+        "VGPU_POD_RESOURCES_SOCKET": str(node.podres_socket),
+        "VGPU_STATE_DIR": str(node.root / "state"),
+    }
+    proc = await asyncio.create_subprocess_exec(
+        *CLI,
+        "serve",
+        "--log-format",
+        "json",
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        await registered(node, 8)
+        proc.terminate()
+        _, stderr = await asyncio.wait_for(proc.communicate(), 15)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0
+    first = stderr.decode().splitlines()[0]
+    assert first.startswith("{")
+    assert '"level": "INFO"' in first
+
+
+def test_serve_with_a_missing_state_file_exits_2_naming_it(short_tmp: Path) -> None:
+    missing = short_tmp / "nope.json"
+    result = run_cli("serve", "--backend", f"fake:{missing}", "--device-plugin-dir", str(short_tmp))
+    assert result.returncode == 2
+    assert str(missing) in result.stderr
+
+
+def test_serve_with_an_invalid_config_exits_2_naming_the_key(short_tmp: Path) -> None:
+    config = short_tmp / "config.yaml"
+    config.write_text("version: v1\nslicing:\n  replicas: zero\n")
+    result = run_cli("serve", "--config", str(config), "--backend", "fake:/dev/null")
+    assert result.returncode == 2
+    assert "slicing.replicas" in result.stderr
+
+
+def test_serve_on_nvml_without_the_backend_says_what_to_do() -> None:
+    result = run_cli("serve", "--backend", "nvml")
+    assert result.returncode == 2
+    assert "fake:" in result.stderr
+
+
+def test_check_config_prints_the_plan(short_tmp: Path) -> None:
+    config = short_tmp / "config.yaml"
+    config.write_text(
+        "version: v1\nslicing:\n  replicas: 2\n  overrides:\n"
+        "  - match: {model: '*A100*'}\n    memoryPerSlice: 10Gi\n"
+    )
+    result = run_cli("check-config", str(config))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "valid" in out
+    a100 = next(line for line in out.splitlines() if "A100" in line)
+    assert a100.split()[-3:] == ["8", "10Gi", "12.5%"]
+    l4 = next(line for line in out.splitlines() if " L4 " in line)
+    assert l4.split()[-2:-1] == ["2"] or "2" in l4.split()
+    assert "total: 10 slices" in out
+
+
+def test_check_config_against_a_backend(short_tmp: Path) -> None:
+    state = short_tmp / "gpus.json"
+    write_state_file(state, FakeState(gpus=TWO_GPUS))
+    config = short_tmp / "config.yaml"
+    config.write_text("version: v1\nslicing:\n  replicas: 3\n")
+    result = run_cli("check-config", str(config), "--backend", f"fake:{state}")
+    assert result.returncode == 0, result.stderr
+    assert "total: 6 slices of nvidia.com/vgpu on 2 of 2 GPUs" in result.stdout
+
+
+def test_check_config_reports_every_error_and_exits_2(short_tmp: Path) -> None:
+    config = short_tmp / "config.yaml"
+    config.write_text("version: v2\nslicing:\n  replicas: -1\nbogus: 1\n")
+    result = run_cli("check-config", str(config))
+    assert result.returncode == 2
+    for path in ("version", "slicing.replicas", "bogus"):
+        assert path in result.stderr
+    assert "3 problems" in result.stderr
+
+
+def test_check_config_accepts_nvidia_time_slicing_file(short_tmp: Path) -> None:
+    config = short_tmp / "nvidia.yaml"
+    config.write_text(
+        "version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
+        "    - name: nvidia.com/gpu\n      replicas: 5\n"
+    )
+    result = run_cli("check-config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert "resource nvidia.com/gpu" in result.stdout
+    assert "total: 10 slices" in result.stdout
+
+
+def test_demo_shows_slices_pods_and_env_then_cleans_up() -> None:
+    result = run_cli("demo", "--duration", "0.5")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "plugin registered" in out
+    assert "NVIDIA A100-SXM4-80GB" in out
+    assert "NVIDIA L4" in out
+    assert "llm-finetune/trainer" in out
+    assert "VGPU_ALLOCATION_ID=" in out
+    assert "NVIDIA_VISIBLE_DEVICES=GPU-" in out
+    assert "re-registered" in out
+    workdir = re.search(r"kubelet in (/\S+)", out)
+    assert workdir is not None
+    assert Path(workdir.group(1)).name.startswith("vgpu-demo-")
+    assert not Path(workdir.group(1)).exists()
+    assert RESOURCE in out
