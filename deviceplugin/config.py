@@ -107,6 +107,63 @@ class MpsConfig:
     enabled: bool = False
 
 
+# Xids that an application causes (its own bad kernel, page fault, or a context it lost), not the
+# GPU: they leave the GPU in service. NVIDIA k8s-device-plugin ignores the same ones.
+DEFAULT_IGNORED_XIDS: tuple[int, ...] = (13, 31, 43, 45, 68, 109)
+DEFAULT_RECOVERY_DELAY_S = 60.0
+DEFAULT_HANG_TIMEOUT_S = 10.0
+
+
+class RecoveryPolicy(StrEnum):
+    """What happens to a GPU that was marked unhealthy and then answers again.
+
+    A GPU is marked unhealthy by a critical Xid or double-bit ECC event, by an NVML call on it that
+    fails with GPU_IS_LOST or an unexpected error, or by an NVML call on it that has not returned
+    for `hangTimeout`. Its slices are then reported Unhealthy to the kubelet, which admits no new
+    pod onto them; pods already running keep them.
+
+    - `manual` (the default): the GPU stays unhealthy until the daemon restarts, whatever it
+      answers afterwards. An operator checks the GPU (nvidia-smi, the Xid in the kernel log, a
+      reset or a drain) and then restarts the daemon's pod, which puts the GPU back in service if
+      it reads correctly at start-up.
+    - `auto`: the GPU is returned to service once it has answered every NVML call of a poll
+      correctly and has had no critical Xid, no failed call and no hung call for `recoveryDelay`
+      (default 60s). Any new fault restarts that wait. Every return to service is logged and
+      counted, like every fall.
+    """
+
+    MANUAL = "manual"
+    AUTO = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class HealthConfig:
+    """GPU health checking (the `health:` section).
+
+    An Xid is critical, and marks its GPU unhealthy, unless it is ignored: listed in
+    `ignored_xids` (default: the application errors 13, 31, 43, 45, 68, 109) or in
+    `additional_ignored_xids`, and not listed in `critical_xids`, which wins over both.
+    A double-bit ECC event counts as Xid 48. `enabled: false` turns the Xid and ECC event watch
+    off; a GPU that NVML reports lost, or whose calls hang for `hang_timeout_s`, is still marked
+    unhealthy, since it cannot be measured. See RecoveryPolicy for the way back."""
+
+    enabled: bool = True
+    ignored_xids: tuple[int, ...] = DEFAULT_IGNORED_XIDS
+    additional_ignored_xids: tuple[int, ...] = ()
+    critical_xids: tuple[int, ...] = ()
+    recovery: RecoveryPolicy = RecoveryPolicy.MANUAL
+    recovery_delay_s: float = DEFAULT_RECOVERY_DELAY_S
+    hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
+
+    def is_critical(self, xid: int) -> bool:
+        """Whether Xid `xid` takes its GPU out of service (always False when disabled)."""
+        if not self.enabled:
+            return False
+        if xid in self.critical_xids:
+            return True
+        return xid not in self.ignored_xids and xid not in self.additional_ignored_xids
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     version: str = "v1"
@@ -115,6 +172,7 @@ class Config:
     allocation: AllocationConfig = field(default_factory=AllocationConfig)
     enforcement: EnforcementConfig = field(default_factory=EnforcementConfig)
     mps: MpsConfig = field(default_factory=MpsConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     # Non-fatal findings, e.g. NVIDIA keys that parse but that vgpu does not act on.
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
@@ -182,13 +240,15 @@ _POLICIES: dict[str, AllocationPolicy] = {
 _STRATEGIES: dict[str, DeviceListStrategy] = {s.value: s for s in DeviceListStrategy}
 _MEMORY_ACTIONS: dict[str, MemoryAction] = {a.value: a for a in MemoryAction}
 _COMPUTE_ACTIONS: dict[str, ComputeAction] = {a.value: a for a in ComputeAction}
+_RECOVERY_POLICIES: dict[str, RecoveryPolicy] = {p.value: p for p in RecoveryPolicy}
 
 MIN_POLL_INTERVAL_S = 0.05
 MIN_COMPUTE_PERIOD_S = 0.02
+MIN_HANG_TIMEOUT_S = 0.1
 
 _T = TypeVar("_T")
 
-_TOP_KEYS = ("version", "resourceName", "slicing", "allocation", "enforcement", "mps")
+_TOP_KEYS = ("version", "resourceName", "slicing", "allocation", "enforcement", "mps", "health")
 _SLICING_KEYS = ("replicas", "memoryPerSlice", "overrides")
 _OVERRIDE_KEYS = ("match", "replicas", "memoryPerSlice")
 _MATCH_KEYS = ("model", "index", "uuid")
@@ -197,6 +257,15 @@ _ENFORCEMENT_KEYS = ("pollInterval", "memory", "compute")
 _MEMORY_KEYS = ("action", "gracePeriod")
 _COMPUTE_KEYS = ("action", "window", "period", "workConserving")
 _MPS_KEYS = ("enabled",)
+_HEALTH_KEYS = (
+    "enabled",
+    "ignoredXids",
+    "additionalIgnoredXids",
+    "criticalXids",
+    "recovery",
+    "recoveryDelay",
+    "hangTimeout",
+)
 
 
 def _show(value: object) -> str:
@@ -461,6 +530,26 @@ class _Reader:
                 chosen.append(strategy)
         return tuple(chosen) if valid else None
 
+    def xids(self, value: object, path: str) -> tuple[int, ...] | None:
+        """A list of distinct Xid numbers (positive integers); null is empty."""
+        if value is None:
+            return ()
+        if not isinstance(value, list):
+            self.error(path, f"expected a list of Xid numbers, e.g. [13, 31], got {_kind(value)}")
+            return None
+        chosen: list[int] = []
+        valid = True
+        for i, item in enumerate(value):
+            xid = self.integer(item, f"{path}[{i}]", 1)
+            if xid is None:
+                valid = False
+            elif xid in chosen:
+                self.error(f"{path}[{i}]", f"{xid} is listed twice")
+                valid = False
+            else:
+                chosen.append(xid)
+        return tuple(chosen) if valid else None
+
     def version(self, value: object, path: str) -> str | None:
         if value != "v1":
             self.error(path, f'{_show(value)} is not supported (expected "v1")')
@@ -611,6 +700,64 @@ def _mps(r: _Reader, value: object) -> MpsConfig:
     return MpsConfig(enabled=bool(enabled))
 
 
+def _health(r: _Reader, value: object) -> HealthConfig:
+    path = "health"
+    section = r.section(value, path, _HEALTH_KEYS)
+    defaults = HealthConfig()
+    enabled = defaults.enabled
+    if "enabled" in section:
+        parsed_bool = r.boolean(section["enabled"], _join(path, "enabled"))
+        enabled = enabled if parsed_bool is None else parsed_bool
+    lists: dict[str, tuple[int, ...]] = {}
+    for key, default in (
+        ("ignoredXids", defaults.ignored_xids),
+        ("additionalIgnoredXids", defaults.additional_ignored_xids),
+        ("criticalXids", defaults.critical_xids),
+    ):
+        parsed_xids = r.xids(section[key], _join(path, key)) if key in section else None
+        lists[key] = default if parsed_xids is None else parsed_xids
+    # criticalXids wins over the default ignore list; an Xid written both as ignored and as
+    # critical is a contradiction.
+    for key in ("ignoredXids", "additionalIgnoredXids"):
+        if key not in section:
+            continue
+        both = [x for x in lists["criticalXids"] if x in lists[key]]
+        if both:
+            shown = ", ".join(str(x) for x in both)
+            r.error(
+                _join(path, "criticalXids"),
+                f"{shown} also listed in {_join(path, key)}; list each Xid in one of them",
+            )
+    recovery = defaults.recovery
+    if "recovery" in section:
+        recovery = (
+            r.choice(
+                section["recovery"],
+                _join(path, "recovery"),
+                _RECOVERY_POLICIES,
+                ", ".join(_RECOVERY_POLICIES),
+            )
+            or recovery
+        )
+    delay = defaults.recovery_delay_s
+    if "recoveryDelay" in section:
+        parsed = r.duration(section["recoveryDelay"], _join(path, "recoveryDelay"), 0.0)
+        delay = delay if parsed is None else parsed
+    hang = defaults.hang_timeout_s
+    if "hangTimeout" in section:
+        parsed = r.duration(section["hangTimeout"], _join(path, "hangTimeout"), MIN_HANG_TIMEOUT_S)
+        hang = hang if parsed is None else parsed
+    return HealthConfig(
+        enabled=enabled,
+        ignored_xids=lists["ignoredXids"],
+        additional_ignored_xids=lists["additionalIgnoredXids"],
+        critical_xids=lists["criticalXids"],
+        recovery=recovery,
+        recovery_delay_s=delay,
+        hang_timeout_s=hang,
+    )
+
+
 def _parse_vgpu(r: _Reader, data: object) -> Config:
     top = r.section(data, "", _TOP_KEYS)
     defaults = Config()
@@ -627,6 +774,7 @@ def _parse_vgpu(r: _Reader, data: object) -> Config:
         allocation=_allocation(r, top.get("allocation")),
         enforcement=_enforcement(r, top.get("enforcement")),
         mps=_mps(r, top.get("mps")),
+        health=_health(r, top.get("health")),
     )
 
 
@@ -668,6 +816,12 @@ _NV_RESOURCES_KEYS = ("gpus", "mig")
 _NV_SHARING_KEYS = ("timeSlicing", "mps")
 _NV_REPLICATED_KEYS = ("renameByDefault", "failRequestsGreaterThanOne", "resources")
 _NV_RESOURCE_KEYS = ("name", "replicas", "rename", "devices")
+_NV_HEALTH_KEYS = ("disabled", "eventTypes", "ignoredXIDs", "criticalXIDs")
+_NV_EVENT_TYPES = (
+    "EventTypeXidCriticalError",
+    "EventTypeDoubleBitEccError",
+    "EventTypeSingleBitEccError",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -900,6 +1054,55 @@ def _nvidia_flags(
     return policy, strategies, pass_specs
 
 
+def _nvidia_health(r: _Reader, value: object) -> HealthConfig:
+    """NVIDIA's `health` section (api/config/v1/health.go): `disabled` and `ignoredXIDs` map to
+    vgpu's enabled and ignoredXids; `criticalXIDs` "all" is vgpu's behaviour. A list of critical
+    Xids (only those act) and a narrower `eventTypes` are accepted with a warning."""
+    path = "health"
+    section = r.section(value, path, _NV_HEALTH_KEYS)
+    defaults = HealthConfig()
+    enabled = defaults.enabled
+    if "disabled" in section:
+        disabled = r.boolean(section["disabled"], _join(path, "disabled"))
+        enabled = enabled if disabled is None else not disabled
+    ignored = defaults.ignored_xids
+    if "ignoredXIDs" in section:
+        parsed = r.xids(section["ignoredXIDs"], _join(path, "ignoredXIDs"))
+        # As in NVIDIA's plugin, an empty list keeps the default list.
+        ignored = parsed or ignored
+    if "eventTypes" in section:
+        types_path = _join(path, "eventTypes")
+        chosen: set[str] = set()
+        for i, item in enumerate(r.items(section["eventTypes"], types_path)):
+            event_type = r.choice(
+                item,
+                f"{types_path}[{i}]",
+                {t: t for t in _NV_EVENT_TYPES},
+                ", ".join(_NV_EVENT_TYPES),
+            )
+            if event_type is not None:
+                chosen.add(event_type)
+        if chosen and "EventTypeXidCriticalError" not in chosen:
+            r.warn(
+                f"{types_path} is ignored: vgpu always watches Xid and double-bit ECC events"
+                " (health.disabled: true turns the watch off)."
+            )
+    if "criticalXIDs" in section:
+        critical_path = _join(path, "criticalXIDs")
+        critical = section["criticalXIDs"]
+        if isinstance(critical, str) and critical.lower() == "all":
+            pass
+        elif isinstance(critical, list):
+            if r.xids(critical, critical_path):
+                r.warn(
+                    f"{critical_path}: a list is ignored: vgpu treats every Xid that is not in"
+                    " ignoredXIDs as critical."
+                )
+        else:
+            r.error(critical_path, f'{_show(critical)} is not "all" or a list of Xid numbers')
+    return replace(defaults, enabled=enabled, ignored_xids=ignored)
+
+
 def _parse_nvidia(r: _Reader, data: Mapping[str, object]) -> Config:
     top = r.section(data, "", _NV_TOP_KEYS)
     defaults = Config()
@@ -918,12 +1121,9 @@ def _parse_nvidia(r: _Reader, data: Mapping[str, object]) -> Config:
                 f"resources.{key} is ignored: vgpu advertises every GPU under the one resource"
                 " name of the sharing section.",
             )
-    for key, what in (
-        ("imex", "does not pass IMEX channels"),
-        ("health", "takes GPU health from NVML"),
-    ):
-        if top.get(key):
-            r.warn(f"{key} is ignored: vgpu {what}.")
+    if top.get("imex"):
+        r.warn("imex is ignored: vgpu does not pass IMEX channels.")
+    health = _nvidia_health(r, top.get("health"))
 
     sharing = r.section(top.get("sharing"), "sharing", _NV_SHARING_KEYS)
     time_slicing = _nvidia_replicated(r, sharing.get("timeSlicing"), "sharing.timeSlicing")
@@ -953,6 +1153,7 @@ def _parse_nvidia(r: _Reader, data: Mapping[str, object]) -> Config:
             policy=policy or defaults.allocation.policy, device_list_strategy=device_list
         ),
         mps=MpsConfig(enabled=mps is not None),
+        health=health,
     )
 
 
@@ -1030,6 +1231,11 @@ def default_config_yaml() -> str:
     e = d.enforcement
     replicas = d.slicing.default.replicas
     strategies = ", ".join(s.value for s in d.allocation.device_list_strategy)
+    h = d.health
+
+    def xids(values: tuple[int, ...]) -> str:
+        return ", ".join(str(x) for x in values)
+
     return f"""\
 # vgpu device plugin configuration. Every key is optional: the values below are the defaults.
 # Durations take a unit (500ms, 2s, 1m); sizes take binary (Ki, Mi, Gi) or decimal (K, M, G) units.
@@ -1084,4 +1290,20 @@ mps:
   # Also give each container CUDA MPS limits (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT,
   # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); needs an MPS control daemon on the node.
   enabled: {"true" if d.mps.enabled else "false"}
+
+health:
+  # Watch NVML's Xid and double-bit ECC events, and take a GPU out of service (its slices turn
+  # Unhealthy) on a critical one. A GPU that NVML reports lost, or whose NVML calls hang for
+  # hangTimeout, is taken out of service even when this is false.
+  enabled: {"true" if h.enabled else "false"}
+  # Xids caused by applications, not by the GPU: they leave the GPU in service. This list replaces
+  # the default; additionalIgnoredXids adds to it; criticalXids wins over both.
+  ignoredXids: [{xids(h.ignored_xids)}]
+  additionalIgnoredXids: [{xids(h.additional_ignored_xids)}]
+  criticalXids: [{xids(h.critical_xids)}]
+  # manual: a GPU taken out of service stays out until the daemon restarts; auto: it returns once
+  # it has answered correctly, with no critical Xid, for recoveryDelay.
+  recovery: {h.recovery.value}
+  recoveryDelay: {format_duration(h.recovery_delay_s)}
+  hangTimeout: {format_duration(h.hang_timeout_s)}
 """

@@ -22,9 +22,11 @@ from deviceplugin.config import (
     DeviceListStrategy,
     EnforcementConfig,
     GpuMatch,
+    HealthConfig,
     MemoryAction,
     MemoryEnforcement,
     MpsConfig,
+    RecoveryPolicy,
     SliceOverride,
     SliceRule,
     SlicingConfig,
@@ -66,6 +68,15 @@ def test_an_empty_file_gives_the_defaults(data: object) -> None:
     assert config.enforcement.memory == MemoryEnforcement(MemoryAction.KILL, 2.0)
     assert config.enforcement.compute == ComputeEnforcement(ComputeAction.THROTTLE, 5.0, 0.25, True)
     assert config.mps.enabled is False
+    assert config.health == HealthConfig(
+        enabled=True,
+        ignored_xids=(13, 31, 43, 45, 68, 109),
+        additional_ignored_xids=(),
+        critical_xids=(),
+        recovery=RecoveryPolicy.MANUAL,
+        recovery_delay_s=60.0,
+        hang_timeout_s=10.0,
+    )
     assert config.warnings == ()
 
 
@@ -89,6 +100,14 @@ def test_a_full_file_gives_every_setting() -> None:
           memory: {action: monitor, gracePeriod: 1m30s}
           compute: {action: monitor, window: 10s, period: 100ms, workConserving: false}
         mps: {enabled: true}
+        health:
+          enabled: true
+          ignoredXids: [13, 31]
+          additionalIgnoredXids: [94]
+          criticalXids: [43]
+          recovery: auto
+          recoveryDelay: 5m
+          hangTimeout: 2s
         """
     )
 
@@ -121,6 +140,15 @@ def test_a_full_file_gives_every_setting() -> None:
             ),
         ),
         mps=MpsConfig(enabled=True),
+        health=HealthConfig(
+            enabled=True,
+            ignored_xids=(13, 31),
+            additional_ignored_xids=(94,),
+            critical_xids=(43,),
+            recovery=RecoveryPolicy.AUTO,
+            recovery_delay_s=300.0,
+            hang_timeout_s=2.0,
+        ),
     )
     assert config.warnings == ()
 
@@ -267,6 +295,28 @@ ERRORS = [
     ("mps: {enabled: 1}", "mps.enabled", "1"),
     ("mps: true", "mps", "true"),
     ("mps: {enable: true}", "mps", '"enable"'),
+    ("health: {enabled: 'no'}", "health.enabled", '"no"'),
+    ("health: {ignoredXids: 13}", "health.ignoredXids", "expected a list of Xid numbers"),
+    ("health: {ignoredXids: [13, x]}", "health.ignoredXids[1]", '"x" is not an integer'),
+    ("health: {ignoredXids: [13, 0]}", "health.ignoredXids[1]", "0 is too small"),
+    ("health: {additionalIgnoredXids: [94, 94]}", "health.additionalIgnoredXids[1]", "twice"),
+    ("health: {criticalXids: [true]}", "health.criticalXids[0]", "true is not an integer"),
+    (
+        "health: {additionalIgnoredXids: [94, 95], criticalXids: [95]}",
+        "health.criticalXids",
+        "95 also listed in health.additionalIgnoredXids",
+    ),
+    (
+        "health: {ignoredXids: [13, 31], criticalXids: [31, 13]}",
+        "health.criticalXids",
+        "31, 13 also listed in health.ignoredXids",
+    ),
+    ("health: {recovery: sometimes}", "health.recovery", '"sometimes" is not one of manual, auto'),
+    ("health: {recoveryDelay: 60}", "health.recoveryDelay", "60 has no unit"),
+    ("health: {recoveryDelay: -1s}", "health.recoveryDelay", '"-1s" is too short'),
+    ("health: {hangTimeout: 10ms}", "health.hangTimeout", '"10ms" is too short'),
+    ("health: {disabled: true}", "health", '"disabled"'),
+    ("health: false", "health", "false"),
     ("[1, 2]", "top level", "a list"),
 ]
 
@@ -280,6 +330,48 @@ def test_an_invalid_value_is_reported_with_its_path_and_value(
     assert len(problems) == 1, problems
     assert problems[0].startswith(f"{path}: "), problems[0]
     assert shown in problems[0]
+
+
+def test_health_lists_may_be_empty_or_null() -> None:
+    config = parse_yaml("health: {ignoredXids: [], additionalIgnoredXids: null, criticalXids: []}")
+
+    assert config.health == HealthConfig(ignored_xids=())
+
+
+def test_health_can_be_turned_off() -> None:
+    config = parse_yaml("health: {enabled: false}")
+
+    assert config.health == HealthConfig(enabled=False)
+    assert not config.health.is_critical(79)
+
+
+@pytest.mark.parametrize(
+    ("health", "critical", "ignored"),
+    [
+        (
+            HealthConfig(),
+            (48, 63, 64, 74, 79, 92, 94, 95, 119, 120, 999),
+            (13, 31, 43, 45, 68, 109),
+        ),
+        (HealthConfig(additional_ignored_xids=(94, 92)), (48, 79), (13, 92, 94)),
+        (HealthConfig(critical_xids=(13, 68)), (13, 68, 79), (31, 43, 45, 109)),
+        (HealthConfig(ignored_xids=(79,)), (13, 31, 48), (79,)),
+        (HealthConfig(enabled=False), (), (13, 48, 79)),
+    ],
+    ids=["defaults", "additional", "critical-wins", "replaced", "disabled"],
+)
+def test_which_xids_are_critical(
+    health: HealthConfig, critical: tuple[int, ...], ignored: tuple[int, ...]
+) -> None:
+    assert [x for x in critical if not health.is_critical(x)] == []
+    assert [x for x in ignored if health.is_critical(x)] == []
+
+
+def test_critical_xids_may_name_a_default_ignored_xid() -> None:
+    config = parse_yaml("health: {criticalXids: [13, 68]}")
+
+    assert config.health.critical_xids == (13, 68)
+    assert config.health.is_critical(13)
 
 
 def test_an_unknown_key_lists_the_expected_keys() -> None:
@@ -580,7 +672,8 @@ NVIDIA_WARNINGS = [
     ("flags: {gfd: {oneshot: true, sleepInterval: 60s}}", "flags.gfd"),
     ("resources: {mig: [{pattern: '1g.10gb', name: mig-small}]}", "resources.mig"),
     ("imex: {channelIDs: [0], required: true}", "imex"),
-    ("health: {disabled: true}", "health"),
+    ("health: {criticalXIDs: [48, 79]}", "health.criticalXIDs"),
+    ("health: {eventTypes: [EventTypeSingleBitEccError]}", "health.eventTypes"),
     (
         "sharing: {timeSlicing: {failRequestsGreaterThanOne: true}}",
         "sharing.timeSlicing.failRequestsGreaterThanOne",
@@ -620,6 +713,34 @@ def test_nvidia_devices_other_than_all_are_warned_about(devices: str) -> None:
         "sharing.timeSlicing.resources[0].devices"
     ]
     assert "every GPU" in config.warnings[0]
+
+
+@pytest.mark.parametrize(
+    ("text", "health"),
+    [
+        ("health: {disabled: true}", HealthConfig(enabled=False)),
+        ("health: {disabled: false}", HealthConfig()),
+        ("health: {ignoredXIDs: [13, 79]}", HealthConfig(ignored_xids=(13, 79))),
+        ("health: {ignoredXIDs: []}", HealthConfig()),
+        ("health: {criticalXIDs: all}", HealthConfig()),
+        ("health: {criticalXIDs: ALL}", HealthConfig()),
+        ("health: {criticalXIDs: []}", HealthConfig()),
+        (
+            "health: {eventTypes: [EventTypeXidCriticalError, EventTypeDoubleBitEccError,"
+            " EventTypeSingleBitEccError]}",
+            HealthConfig(),
+        ),
+        ("health: {eventTypes: [EventTypeXidCriticalError]}", HealthConfig()),
+        ("health: null", HealthConfig()),
+    ],
+)
+def test_nvidia_health_maps_what_vgpu_acts_on(text: str, health: HealthConfig) -> None:
+    config = parse_yaml(
+        f"sharing: {{timeSlicing: {{resources: [{{name: gpu, replicas: 2}}]}}}}\n{text}"
+    )
+
+    assert config.health == health
+    assert config.warnings == ()
 
 
 def test_nvidia_devices_all_is_quiet() -> None:
@@ -702,6 +823,12 @@ NVIDIA_ERRORS = [
     ("flags: {gfd: yes}", "flags.gfd", "true"),
     ("flags: {}\nresources: {gpu: []}", "resources", '"gpu"'),
     ("flags: {}\nversion: v2", "version", '"v2"'),
+    ("flags: {}\nhealth: {disabled: 1}", "health.disabled", "1"),
+    ("flags: {}\nhealth: {ignoredXIDs: [x]}", "health.ignoredXIDs[0]", '"x"'),
+    ("flags: {}\nhealth: {criticalXIDs: some}", "health.criticalXIDs", '"some"'),
+    ("flags: {}\nhealth: {criticalXIDs: [0]}", "health.criticalXIDs[0]", "0 is too small"),
+    ("flags: {}\nhealth: {eventTypes: [Xid]}", "health.eventTypes[0]", '"Xid"'),
+    ("flags: {}\nhealth: {ignoredXids: [13]}", "health", '"ignoredXids"'),
 ]
 
 
@@ -878,6 +1005,13 @@ def test_default_config_yaml_shows_every_setting() -> None:
         "enforcement.compute.period",
         "enforcement.compute.workConserving",
         "mps.enabled",
+        "health.enabled",
+        "health.ignoredXids",
+        "health.additionalIgnoredXids",
+        "health.criticalXids",
+        "health.recovery",
+        "health.recoveryDelay",
+        "health.hangTimeout",
     }
 
 
