@@ -103,6 +103,26 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--verbose", action="store_true", help="also show the daemon's and kubelet's log lines"
     )
+
+    status = sub.add_parser(
+        "status", help="a terminal view of a running daemon, like nvidia-smi for slices"
+    )
+    status.add_argument(
+        "--address",
+        default=_env("VGPU_METRICS_ADDRESS", ":9410"),
+        help="host:port of the daemon's metrics endpoint [VGPU_METRICS_ADDRESS]; "
+        "an empty host means 127.0.0.1",
+    )
+    status.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until Ctrl-C",
+    )
+    status.add_argument("--json", action="store_true", help="print the raw /status JSON")
     return parser
 
 
@@ -175,9 +195,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(duration_s=args.duration, out=sys.stdout)
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from deviceplugin.statuscli import run_status  # noqa: PLC0415
+
+    return run_status(args.address, args.watch, as_json=args.json, out=sys.stdout, err=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"serve": cmd_serve, "check-config": cmd_check_config, "demo": cmd_demo}
+    commands = {
+        "serve": cmd_serve,
+        "check-config": cmd_check_config,
+        "demo": cmd_demo,
+        "status": cmd_status,
+    }
     return commands[args.command](args)
 
 

@@ -1,9 +1,11 @@
 """The composition root: builds the daemon from its settings, owns its tasks and its shutdown.
 
 One poll loop reads the GPU backend (in a worker thread, never on the event loop), turns the
-reading into the slice inventory and publishes it; ListAndWatch streams wake on every change. The
-plugin life cycle keeps the gRPC server registered with the kubelet. A part that fails for good
-ends the TaskGroup, and the daemon exits non-zero so the DaemonSet restarts it.
+reading into the slice inventory and the usage snapshot, and publishes both: ListAndWatch streams
+wake on an inventory change; the exporter and /status read the latest snapshot. The plugin life
+cycle keeps the gRPC server registered with the kubelet; the allocation tracker keeps the record
+of allocations in step with pod-resources. A part that fails for good ends the TaskGroup, and the
+daemon exits non-zero so the DaemonSet restarts it.
 """
 
 from __future__ import annotations
@@ -14,25 +16,41 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
 
+from deviceplugin import __version__
 from deviceplugin.config import Config
 from deviceplugin.errors import BackendError
 from deviceplugin.gpu.backend import GpuBackend
-from deviceplugin.model import AllocationRecord, Inventory, NodeReading, allocation_id
+from deviceplugin.httpserver import HttpServer
+from deviceplugin.metrics import DaemonMetrics, healthz
+from deviceplugin.model import (
+    AllocationRecord,
+    DaemonHealth,
+    Inventory,
+    NodeSnapshot,
+    allocation_id,
+)
 from deviceplugin.plugin.lifecycle import PluginLifecycle
 from deviceplugin.plugin.server import DevicePluginService
 from deviceplugin.podresources import list_container_devices
+from deviceplugin.procs import AllocationResolver, pid_namespace_warning
 from deviceplugin.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
 from deviceplugin.slicing import build_inventory, format_bytes
 from deviceplugin.state import AllocationBook, Published
+from deviceplugin.usage import SnapshotBuilder, mark_stale
 
 log = logging.getLogger(__name__)
 
-POD_RESOURCES_RETRY_S = 10.0
+POD_RESOURCES_INTERVAL_S = 10.0
+# /healthz fails when no poll has succeeded for this many intervals (and at least this long), or
+# when the plugin has not been registered with the kubelet for this long.
+HEALTHZ_STALE_POLLS = 20
+HEALTHZ_MIN_STALE_S = 10.0
+HEALTHZ_UNREGISTERED_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +66,9 @@ class DaemonSettings:
     node_name: str = ""
 
 
-def open_backend(spec: str) -> GpuBackend:
-    """`fake:PATH` or `nvml`. Raises BackendError with what to do instead."""
+def open_backend(spec: str, config: Config | None = None) -> GpuBackend:
+    """`fake:PATH` or `nvml`. Raises BackendError with what to do instead. `config` (default:
+    the defaults) sets the nvml backend's health checks and call timeout."""
     if spec.startswith("fake:"):
         from deviceplugin.gpu.fake import FakeBackend  # noqa: PLC0415 (only the chosen backend)
 
@@ -58,10 +77,9 @@ def open_backend(spec: str) -> GpuBackend:
             raise BackendError("--backend fake:PATH needs the path of a state file")
         return FakeBackend(Path(path))
     if spec == "nvml":
-        raise BackendError(
-            "the nvml backend is not part of this build yet; "
-            "use --backend fake:PATH to run on fake GPUs"
-        )
+        from deviceplugin.gpu.nvml import open_nvml_backend  # noqa: PLC0415 (pynvml only here)
+
+        return open_nvml_backend(config or Config())
     raise BackendError(f"unknown backend {spec!r}: use nvml or fake:PATH")
 
 
@@ -98,44 +116,93 @@ def describe_inventory_change(old: Inventory, new: Inventory) -> list[str]:
     return lines
 
 
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """What one poll produced, off the event loop."""
+
+    inventory: Inventory
+    snapshot: NodeSnapshot
+    unknown_allocations: frozenset[str]
+    duration_s: float
+
+
 class Poller:
-    """Polls the backend every interval in a worker thread and publishes the inventory."""
+    """The one poll loop. Each tick runs in a worker thread, never on the event loop: read the
+    backend, build the inventory, attribute processes and build the snapshot. The loop then
+    publishes the inventory (ListAndWatch wakes on a change) and swaps the snapshot in by
+    reference (the exporter and /status read it from their own thread)."""
 
     def __init__(
         self,
         backend: GpuBackend,
         config: Config,
         inventory: Published[Inventory],
+        book: AllocationBook,
         *,
+        node_name: str = "",
+        health: Callable[[], DaemonHealth] = DaemonHealth,
+        resolver: AllocationResolver | None = None,
+        on_poll_duration: Callable[[float], None] = lambda seconds: None,
         timeout_s: float | None = None,
-        on_reading: Callable[[NodeReading], None] = lambda reading: None,
     ) -> None:
         self._backend = backend
         self._config = config
         self._inventory = inventory
+        self._book = book
+        self._health = health
+        self._resolver = resolver or AllocationResolver()
+        self._builder = SnapshotBuilder(node_name, config.enforcement.compute.window_s)
+        self._on_poll_duration = on_poll_duration
         self._interval_s = config.enforcement.poll_interval_s
         self._timeout_s = timeout_s if timeout_s is not None else max(5.0, 4 * self._interval_s)
-        self._on_reading = on_reading
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vgpu-poll")
-        self._pending: asyncio.Future[NodeReading] | None = None
+        self._pending: asyncio.Future[Tick] | None = None
+        self._previous_reading_s: float | None = None
+        self.snapshot: NodeSnapshot | None = None
+        self.unknown_allocations = asyncio.Event()
         self.failures = 0
-        self.last_success_s = 0.0
+        self.last_success_wall_s = 0.0
+
+    def _tick(self, allocations: tuple[AllocationRecord, ...]) -> Tick:
+        started = time.perf_counter()
+        reading = self._backend.poll()
+        now_s = time.monotonic()
+        inventory = build_inventory(reading, self._config.slicing)
+        pids = {p.pid for gpu in reading.gpus for p in gpu.processes}
+        pid_allocation = self._resolver.resolve(pids)
+        snapshot, unknown = self._builder.build(
+            reading,
+            inventory,
+            allocations,
+            pid_allocation,
+            now_s=now_s,
+            wall_s=time.time(),
+            health=self._health(),
+            previous_reading_s=self._previous_reading_s,
+        )
+        self._previous_reading_s = now_s
+        return Tick(inventory, snapshot, unknown, time.perf_counter() - started)
 
     async def poll_once(self) -> None:
         """One poll; raises BackendError or TimeoutError when the backend does not answer."""
         if self._pending is None or self._pending.done():
             loop = asyncio.get_running_loop()
-            self._pending = loop.run_in_executor(self._executor, self._backend.poll)
+            self._pending = loop.run_in_executor(self._executor, self._tick, tuple(self._book))
         # A hung call keeps its worker; the next tick waits on the same call, never stacks more.
-        reading = await asyncio.wait_for(asyncio.shield(self._pending), self._timeout_s)
+        tick = await asyncio.wait_for(asyncio.shield(self._pending), self._timeout_s)
         self._pending = None
-        inventory = build_inventory(reading, self._config.slicing)
         old = self._inventory.value
-        if self._inventory.set(inventory):
-            for line in describe_inventory_change(old, inventory):
+        if self._inventory.set(tick.inventory):
+            for line in describe_inventory_change(old, tick.inventory):
                 (log.warning if "unhealthy" in line or "removed" in line else log.info)(line)
-        self.last_success_s = time.monotonic()
-        self._on_reading(reading)
+        self.last_success_wall_s = tick.snapshot.taken_at_s
+        self.failures = 0
+        self.snapshot = replace(tick.snapshot, health=self._health())
+        self._on_poll_duration(tick.duration_s)
+        # Ask pod-resources again when processes carry an allocation this daemon does not know
+        # (made before it started) or a container has no name yet (allocated since the last ask).
+        if tick.unknown_allocations or any(not c.pod for c in tick.snapshot.containers):
+            self.unknown_allocations.set()
 
     async def run(self, stop: asyncio.Event) -> None:
         try:
@@ -144,11 +211,11 @@ class Poller:
                     await asyncio.wait_for(stop.wait(), self._interval_s)
                 if stop.is_set():
                     return
+                failures = self.failures
                 try:
                     await self.poll_once()
-                    if self.failures:
-                        log.info("polling recovered after_failures=%d", self.failures)
-                    self.failures = 0
+                    if failures:
+                        log.info("polling recovered after_failures=%d", failures)
                 except (BackendError, TimeoutError) as e:
                     self.failures += 1
                     level = logging.ERROR if self.failures == 1 else logging.DEBUG
@@ -158,109 +225,213 @@ class Poller:
                         str(e) or type(e).__name__,
                         self.failures,
                     )
+                    if self.snapshot is not None:
+                        self.snapshot = mark_stale(self.snapshot, self._health())
         finally:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-async def recover_allocations(
-    book: AllocationBook,
-    socket: Path,
-    resource_name: str,
-    stop: asyncio.Event,
-    *,
-    retry_s: float = POD_RESOURCES_RETRY_S,
-) -> None:
-    """Rebuild the allocation record from the kubelet's pod-resources API, once it answers.
+class AllocationTracker:
+    """Keeps the allocation record in step with the kubelet's pod-resources API.
 
     The allocation ID is derived from the slice IDs, so what the kubelet reports is enough to
-    know every allocation made before this daemon (re)started, and who holds it."""
-    attempts = 0
-    while not stop.is_set():
-        attempts += 1
-        try:
-            containers = await list_container_devices(socket)
-        except grpc.aio.AioRpcError as e:
-            if attempts == 1:
-                log.warning(
-                    "pod-resources API not answering; allocations made before this start will be "
-                    "recovered when it does socket=%s error=%s",
-                    socket,
-                    e.code().name,
-                )
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), retry_s)
-            continue
+    know every allocation made before this daemon (re)started, and who holds it. Asked again
+    every `interval_s`, and at once (at most every `min_gap_s`) when GPU processes carry an
+    allocation this daemon does not know. An allocation the kubelet no longer reports (its pod
+    is gone) is dropped, unless it was handed out less than `grace_s` ago."""
+
+    def __init__(
+        self,
+        book: AllocationBook,
+        socket: Path,
+        resource_name: str,
+        *,
+        interval_s: float = POD_RESOURCES_INTERVAL_S,
+        min_gap_s: float = 1.0,
+        grace_s: float = 60.0,
+    ) -> None:
+        self._book = book
+        self._socket = socket
+        self._resource = resource_name
+        self._interval_s = interval_s
+        self._min_gap_s = min_gap_s
+        self._grace_s = grace_s
+        self.ok = False
+        self.refreshes = 0
+
+    async def refresh(self) -> None:
+        """Ask pod-resources once; raises grpc.aio.AioRpcError when it does not answer."""
+        containers = await list_container_devices(self._socket)
         now = time.time()
-        count = 0
-        for c in containers:
-            if c.resource_name != resource_name:
-                continue
-            book.record(
-                AllocationRecord(
-                    allocation_id(c.device_ids),
-                    tuple(sorted(c.device_ids)),
-                    now,
-                    namespace=c.namespace,
-                    pod=c.pod,
-                    container=c.container,
-                )
+        live = [
+            AllocationRecord(
+                allocation_id(c.device_ids),
+                tuple(sorted(c.device_ids)),
+                now,
+                namespace=c.namespace,
+                pod=c.pod,
+                container=c.container,
             )
-            count += 1
-        log.info("recovered allocations from pod-resources count=%d", count)
-        return
+            for c in containers
+            if c.resource_name == self._resource
+        ]
+        added, dropped = self._book.sync(live, now_s=now, grace_s=self._grace_s)
+        self.refreshes += 1
+        if added or dropped or self.refreshes == 1:
+            log.info(
+                "allocations in step with pod-resources live=%d added=%d dropped=%d",
+                len(live),
+                added,
+                dropped,
+            )
+
+    async def run(self, stop: asyncio.Event, wake: asyncio.Event) -> None:
+        while not stop.is_set():
+            wake.clear()
+            try:
+                await self.refresh()
+                if not self.ok:
+                    self.ok = True
+                    if self.refreshes > 1:
+                        log.info("pod-resources API answering again socket=%s", self._socket)
+            except grpc.aio.AioRpcError as e:
+                if self.ok or self.refreshes == 0:
+                    log.warning(
+                        "pod-resources API not answering; containers keep their allocation IDs "
+                        "but not their pod names until it does socket=%s error=%s",
+                        self._socket,
+                        e.code().name,
+                    )
+                self.ok = False
+                self.refreshes = max(self.refreshes, 1)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self._min_gap_s)
+            if stop.is_set():
+                return
+            waiters = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(wake.wait())}
+            try:
+                await asyncio.wait(
+                    waiters, timeout=self._interval_s, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                for waiter in waiters:
+                    waiter.cancel()
 
 
 class Daemon:
     """The running daemon's parts, for `serve`, the demo and the black-box tests."""
 
-    def __init__(self, settings: DaemonSettings, backend: GpuBackend) -> None:
+    def __init__(
+        self,
+        settings: DaemonSettings,
+        backend: GpuBackend,
+        *,
+        pod_resources_interval_s: float = POD_RESOURCES_INTERVAL_S,
+    ) -> None:
         self.settings = settings
         self.backend = backend
+        cfg = settings.config
         self.inventory: Published[Inventory] = Published(Inventory())
         self.book = AllocationBook()
-        self.poller = Poller(backend, settings.config, self.inventory)
+        self.metrics = DaemonMetrics(
+            settings.node_name, lambda: self.poller.snapshot, version=__version__
+        )
+        self.poller = Poller(
+            backend,
+            cfg,
+            self.inventory,
+            self.book,
+            node_name=settings.node_name,
+            health=self.health,
+            on_poll_duration=self.metrics.observe_poll,
+        )
         # The service and the life cycle refer to each other; the lambdas resolve the life cycle
         # when they are called, after it exists.
         self.service = DevicePluginService(
-            settings.config,
+            cfg,
             self.inventory,
             self.book,
             generation=lambda: self.lifecycle.generation(),  # noqa: PLW0108
             on_stream_end=lambda generation: self.lifecycle.stream_ended(generation),  # noqa: PLW0108
+            on_allocate_duration=self.metrics.observe_allocate,
         )
         self.lifecycle = PluginLifecycle(
             self.service,
             plugin_dir=settings.device_plugin_dir,
-            resource_name=settings.config.resource_name,
+            resource_name=cfg.resource_name,
+        )
+        self.tracker = AllocationTracker(
+            self.book,
+            settings.pod_resources_socket,
+            cfg.resource_name,
+            interval_s=pod_resources_interval_s,
+        )
+        self.http: HttpServer | None = None
+        if settings.metrics_address:
+            self.http = HttpServer(
+                settings.metrics_address,
+                self.metrics,
+                lambda: self.poller.snapshot,
+                self.healthz,
+            )
+
+    def health(self) -> DaemonHealth:
+        stats = self.lifecycle.stats
+        return DaemonHealth(
+            registered=self.lifecycle.registered,
+            unregistered_since_s=self.lifecycle.unregistered_since_s,
+            registrations_total=stats.registrations,
+            registration_failures_total=stats.registration_failures,
+            last_poll_success_s=self.poller.last_success_wall_s,
+            poll_failures_consecutive=self.poller.failures,
+            pod_resources_ok=self.tracker.ok,
+        )
+
+    def healthz(self) -> tuple[bool, str]:
+        interval = self.settings.config.enforcement.poll_interval_s
+        return healthz(
+            self.poller.snapshot,
+            now_mono_s=time.monotonic(),
+            now_wall_s=time.time(),
+            poll_stale_after_s=max(HEALTHZ_STALE_POLLS * interval, HEALTHZ_MIN_STALE_S),
+            unregistered_after_s=HEALTHZ_UNREGISTERED_S,
         )
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run until `stop` is set. The first poll must succeed: nothing can be served before."""
         cfg = self.settings.config
         log.info(
-            "starting vgpu device plugin backend=%s resource=%s device_plugin_dir=%s",
+            "starting vgpu device plugin version=%s backend=%s resource=%s device_plugin_dir=%s",
+            __version__,
             self.backend.name,
             cfg.resource_name,
             self.settings.device_plugin_dir,
         )
         for warning in cfg.warnings:
             log.warning("config: %s", warning)
+        pid_namespace = pid_namespace_warning()
+        if pid_namespace:
+            log.warning("%s", pid_namespace)
         await self.poller.poll_once()
-        async with asyncio.TaskGroup() as tasks:
-            tasks.create_task(self.poller.run(stop), name="poll")
-            tasks.create_task(self.lifecycle.run(stop), name="plugin")
-            tasks.create_task(
-                recover_allocations(
-                    self.book, self.settings.pod_resources_socket, cfg.resource_name, stop
-                ),
-                name="recover-allocations",
-            )
+        if self.http is not None:
+            self.http.start()
+            log.info("serving metrics and status address=%s", self.settings.metrics_address)
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self.poller.run(stop), name="poll")
+                tasks.create_task(self.lifecycle.run(stop), name="plugin")
+                tasks.create_task(
+                    self.tracker.run(stop, self.poller.unknown_allocations), name="pod-resources"
+                )
+        finally:
+            if self.http is not None:
+                self.http.stop()
         log.info("stopped")
 
 
 async def serve(settings: DaemonSettings, stop: asyncio.Event) -> None:
     """Open the backend, run the daemon until `stop`, and release the backend on every path."""
-    backend = open_backend(settings.backend)
+    backend = open_backend(settings.backend, settings.config)
     try:
         await Daemon(settings, backend).run(stop)
     finally:

@@ -4,16 +4,21 @@ It runs in a temporary directory on any machine: writes a fake GPU state file (t
 different models), starts the kubelet simulator and the daemon, schedules example pods and shows
 what a user wants to see: the slices, which pod got which slice on which GPU, and the env each
 container got. Then it restarts the kubelet, as a node upgrade would, and shows the plugin
-re-registering with every allocation intact. It runs until Ctrl-C or --duration, then stops
-everything it started and removes its directory.
+re-registering with every allocation intact. Then the containers do GPU work (real processes
+carrying their Allocate env, listed in the state file), and it shows the live per-container
+usage, as `vgpu-device-plugin status` and the metrics endpoint do. It runs until Ctrl-C or
+--duration, then stops everything it started and removes its directory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
@@ -29,10 +34,11 @@ from deviceplugin.config import (
     SliceRule,
     SlicingConfig,
 )
-from deviceplugin.gpu.fake import FakeBackend, FakeGpu, FakeState, write_state_file
+from deviceplugin.gpu.fake import FakeBackend, FakeGpu, FakeProcess, FakeState, write_state_file
 from deviceplugin.kubelet_sim import KubeletSimulator, PodGrant
 from deviceplugin.model import GpuInfo, Inventory
 from deviceplugin.slicing import format_bytes
+from deviceplugin.statusview import render_status, snapshot_to_json
 
 GiB = 1024**3
 MiB = 1024**2
@@ -73,6 +79,59 @@ DEMO_PODS: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = (
     ("inference", (("server", 2), ("metrics-sidecar", 1))),
     ("notebook", (("jupyter", 1),)),
 )
+
+# The GPU work each container does: (memory in use, SM demand in percent). The sidecar holds a
+# slice but never touches the GPU; it still has its series, from the moment it was allocated.
+DEMO_WORKLOADS: dict[tuple[str, str], tuple[int, float]] = {
+    ("llm-finetune", "trainer"): (30 * GiB, 90.0),
+    ("inference", "server"): (12 * GiB, 50.0),
+    ("notebook", "jupyter"): (6 * GiB, 20.0),
+}
+# A process on the node that no pod asked slices for: counted as unattributed, never touched.
+HOST_PROCESS = (2 * GiB, 30.0)
+STATUS_EVERY_S = 5.0
+
+
+class DemoWorkloads:
+    """Real processes standing in for the containers' GPU processes: each carries its
+    container's Allocate env, as a container's processes do, and is listed in the state file."""
+
+    def __init__(self, state_file: Path) -> None:
+        self._state_file = state_file
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self.processes: dict[str, list[FakeProcess]] = {}
+
+    def start(self, pods: Sequence[PodGrant]) -> None:
+        for pod in pods:
+            for c in pod.containers:
+                work = DEMO_WORKLOADS.get((pod.name, c.name))
+                if work is None or not c.device_ids:
+                    continue
+                uuid = c.device_ids[0].rsplit("::", 1)[0]
+                self._add(uuid, dict(c.envs), *work)
+        self._add(DEMO_GPUS[1].uuid, {}, *HOST_PROCESS)
+        self.write()
+
+    def _add(self, gpu_uuid: str, envs: dict[str, str], memory: int, demand: float) -> None:
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **envs}
+        proc = subprocess.Popen(["sleep", "86400"], env=env)
+        self._procs.append(proc)
+        self.processes.setdefault(gpu_uuid, []).append(FakeProcess(proc.pid, memory, demand))
+
+    def write(self) -> None:
+        gpus = tuple(
+            dataclasses.replace(g, processes=tuple(self.processes.get(g.uuid, ())))
+            for g in DEMO_GPUS
+        )
+        write_state_file(self._state_file, FakeState(gpus=gpus))
+
+    def stop(self) -> None:
+        for proc in self._procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
 
 
 def example_gpus() -> list[GpuInfo]:
@@ -154,19 +213,19 @@ async def _demo(duration_s: float | None, out: TextIO, workdir: Path) -> int:
         device_plugin_dir=plugin_dir,
         pod_resources_socket=podres_socket,
         state_dir=workdir / "state",
+        metrics_address="127.0.0.1:0",
         node_name="demo-node",
     )
     backend = FakeBackend(state_file)
-    daemon = Daemon(settings, backend)
+    daemon = Daemon(settings, backend, pod_resources_interval_s=1.0)
+    workloads = DemoWorkloads(state_file)
     started = time.monotonic()
     run = asyncio.create_task(daemon.run(stop), name="daemon")
     try:
-        expected = sum(p.replicas for p in daemon.inventory.value.plans) or None
         await sim.wait_for(
             lambda: (
                 sim.is_registered(resource)
-                and len(sim.healthy_ids(resource))
-                == (expected or len(daemon.inventory.value.slices))
+                and len(sim.healthy_ids(resource)) == len(daemon.inventory.value.slices) > 0
             ),
             timeout_s=10,
         )
@@ -203,20 +262,65 @@ async def _demo(duration_s: float | None, out: TextIO, workdir: Path) -> int:
             f"{intact} allocated slices intact, {len(sim.healthy_ids(resource))} healthy",
             "",
         )
+        workloads.start(sim.pods())
+        assert daemon.http is not None
+        address = f"127.0.0.1:{daemon.http.port}"
+        say(
+            "the containers now run GPU work: real processes that carry their Allocate env,",
+            "listed in the state file; a host process with no slices uses the L4",
+            f"metrics: http://{address}/metrics   status: vgpu-device-plugin status "
+            f"--address {address} --watch",
+            "",
+        )
+        await _wait_for_usage(daemon, timeout_s=3.0)
+        say(*_status_lines(daemon), "")
         say(
             "running; press Ctrl-C to stop"
             if duration_s is None
             else f"running for {duration_s:g} s; Ctrl-C stops earlier"
         )
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), duration_s)
+        deadline = None if duration_s is None else loop.time() + duration_s
+        while not stop.is_set():
+            wait_s = (
+                STATUS_EVERY_S if deadline is None else min(STATUS_EVERY_S, deadline - loop.time())
+            )
+            if wait_s <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait_s)
+            if not stop.is_set() and (deadline is None or loop.time() < deadline):
+                say(*_status_lines(daemon), "")
         say("stopping")
         return 0
     finally:
         stop.set()
         await run
+        workloads.stop()
         backend.close()
         await sim.stop()
+
+
+async def _wait_for_usage(daemon: Daemon, timeout_s: float) -> None:
+    """Until every container with work is named and measured, or the timeout."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        snap = daemon.poller.snapshot
+        busy = (
+            {(c.pod, c.container) for c in snap.containers if c.sm_utilization_ratio > 0}
+            if snap
+            else set()
+        )
+        if busy >= set(DEMO_WORKLOADS):
+            return
+        await asyncio.sleep(0.1)
+
+
+def _status_lines(daemon: Daemon) -> list[str]:
+    snapshot = daemon.poller.snapshot
+    if snapshot is None:
+        return ["(no snapshot yet)"]
+    return render_status(snapshot_to_json(snapshot), width=80)
 
 
 def run_demo(duration_s: float | None, out: TextIO) -> int:

@@ -175,3 +175,95 @@ class AllocationRecord:
     namespace: str = ""
     pod: str = ""
     container: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerUsage:
+    """One container's use of one GPU, in one snapshot.
+
+    A container is known by its allocation; namespace, pod and container stay "" until the
+    kubelet's pod-resources API has named it. Ratios are 0..1, averaged over the compute window.
+    `processes` are its GPU processes on this GPU, as the backend measured them."""
+
+    allocation_id: str
+    gpu_uuid: str
+    gpu_index: int
+    slices: int
+    memory_used_bytes: int
+    memory_limit_bytes: int
+    sm_utilization_ratio: float
+    compute_share_ratio: float
+    processes: tuple[ProcessSample, ...] = ()
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
+    # Enforcement state (the enforcer fills these): the fraction of each duty cycle its processes
+    # may run (None when not throttled), and the total time they have spent stopped.
+    duty_cycle_ratio: float | None = None
+    throttled_seconds_total: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class GpuUsage:
+    """One GPU in one snapshot: the backend's reading plus what the daemon derived from it."""
+
+    reading: GpuReading
+    # SM utilisation averaged over the compute window, 0..1; None where the GPU does not report it.
+    sm_utilization_ratio: float | None
+    slices_total: int = 0
+    slices_allocated: int = 0
+    slices_unhealthy: int = 0
+    # GPU processes that belong to no allocation of this daemon: counted, never acted upon.
+    unattributed: tuple[ProcessSample, ...] = ()
+
+    @property
+    def info(self) -> GpuInfo:
+        return self.reading.info
+
+    @property
+    def slices_free(self) -> int:
+        return self.slices_total - self.slices_allocated - self.slices_unhealthy
+
+
+@dataclass(frozen=True, slots=True)
+class EnforcementCount:
+    """How many times the enforcer took `action` for `kind` on one container and GPU."""
+
+    allocation_id: str
+    gpu_uuid: str
+    kind: str  # "memory" | "compute"
+    action: str  # "kill" | "throttle" | "monitor"
+    count: int
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonHealth:
+    """The daemon's own state, for /healthz and the self-metrics."""
+
+    registered: bool = False
+    # Monotonic time since which the plugin has not been registered; 0 while registered.
+    unregistered_since_s: float = 0.0
+    registrations_total: int = 0
+    registration_failures_total: int = 0
+    last_poll_success_s: float = 0.0  # wall-clock time of the last successful poll, 0 = never
+    poll_failures_consecutive: int = 0
+    pod_resources_ok: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSnapshot:
+    """Everything the exporter, /status and the enforcer read, replaced whole after every poll.
+
+    `stale` is true when the latest poll failed and these figures are from an earlier one."""
+
+    taken_at_s: float
+    node_name: str
+    gpus: tuple[GpuUsage, ...] = ()
+    containers: tuple[ContainerUsage, ...] = ()
+    allocations: tuple[AllocationRecord, ...] = ()
+    stale: bool = False
+    health: DaemonHealth = field(default_factory=DaemonHealth)
+    enforcement: tuple[EnforcementCount, ...] = ()

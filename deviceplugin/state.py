@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from typing import Generic, TypeVar
 
 from deviceplugin.model import AllocationRecord
@@ -53,6 +54,8 @@ class AllocationBook:
 
     def __init__(self) -> None:
         self._records: dict[str, AllocationRecord] = {}
+        # Allocations the kubelet has listed at least once: gone as soon as it stops listing them.
+        self._confirmed: set[str] = set()
 
     def record(self, record: AllocationRecord) -> None:
         """Add or replace a record. A recovered record with pod names replaces an anonymous one;
@@ -70,6 +73,42 @@ class AllocationBook:
 
     def __iter__(self) -> Iterator[AllocationRecord]:
         return iter(list(self._records.values()))
+
+    def sync(
+        self, live: Iterable[AllocationRecord], *, now_s: float, grace_s: float
+    ) -> tuple[int, int]:
+        """Bring the book in step with what the kubelet reports as live: add or name the live
+        allocations; drop the others that the kubelet listed before (their pod is gone), and
+        those it never listed once they are `grace_s` old. Returns (added, dropped)."""
+        live_ids = set()
+        added = 0
+        for record in live:
+            live_ids.add(record.allocation_id)
+            known = self._records.get(record.allocation_id)
+            if known is None:
+                added += 1
+                self._records[record.allocation_id] = record
+            elif (known.namespace, known.pod, known.container) != (
+                record.namespace,
+                record.pod,
+                record.container,
+            ):
+                self._records[record.allocation_id] = replace(
+                    known,
+                    namespace=record.namespace,
+                    pod=record.pod,
+                    container=record.container,
+                )
+        stale = [
+            r.allocation_id
+            for r in self._records.values()
+            if r.allocation_id not in live_ids
+            and (r.allocation_id in self._confirmed or now_s - r.allocated_at_s >= grace_s)
+        ]
+        for allocation in stale:
+            del self._records[allocation]
+        self._confirmed = live_ids
+        return added, len(stale)
 
     def slice_ids(self) -> Iterable[str]:
         for record in self._records.values():

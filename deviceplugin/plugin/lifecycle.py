@@ -82,7 +82,19 @@ class PluginLifecycle:
         self._kubelet_inode: tuple[int, int] | None = None
         self._stream_ended = asyncio.Event()
         self.stats = LifecycleStats()
-        self.registered = False
+        self._registered = False
+        # Monotonic time since which the plugin has not been registered; 0 while registered.
+        self.unregistered_since_s = time.monotonic()
+
+    @property
+    def registered(self) -> bool:
+        return self._registered
+
+    @registered.setter
+    def registered(self, value: bool) -> None:
+        if value != self._registered:
+            self.unregistered_since_s = 0.0 if value else time.monotonic()
+        self._registered = value
 
     @property
     def socket_path(self) -> Path:
@@ -122,14 +134,21 @@ class PluginLifecycle:
             self._remove_socket()
 
     async def _serve(self) -> grpc.aio.Server:
+        self._dir.mkdir(parents=True, exist_ok=True)
         self._remove_socket()
         server = grpc.aio.server()
         dp_grpc.add_DevicePluginServicer_to_server(self._service, server)
         server.add_insecure_port(f"unix://{self._socket}")
         self._service.stopping = False
         await server.start()
-        os.chmod(self._socket, 0o600)
-        log.info("serving device plugin socket=%s", self._socket)
+        try:
+            os.chmod(self._socket, 0o600)
+        except FileNotFoundError:
+            # A restarting kubelet cleaned the directory between the bind and here; registration
+            # notices that the socket is gone and serves again.
+            log.info("plugin socket removed right after it was created socket=%s", self._socket)
+        else:
+            log.info("serving device plugin socket=%s", self._socket)
         return server
 
     async def _close(self, server: grpc.aio.Server) -> None:
@@ -146,6 +165,8 @@ class PluginLifecycle:
         """Register, retrying with backoff until accepted. Returns _REGISTERED, _STOPPED, or
         _SOCKET_GONE when our socket disappeared and must be served again first."""
         own = _inode(self._socket)
+        if own is None:
+            return _SOCKET_GONE
         delay = BACKOFF_FIRST_S
         started = time.monotonic()
         last_report = started

@@ -73,6 +73,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         generation: Callable[[], int] = lambda: 0,
         on_stream_end: Callable[[int], None] = lambda generation: None,
         clock: Callable[[], float] = time.time,
+        on_allocate_duration: Callable[[float], None] = lambda seconds: None,
     ) -> None:
         self._config = config
         self._inventory = inventory
@@ -80,6 +81,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         self._generation = generation
         self._on_stream_end = on_stream_end
         self._clock = clock
+        self._on_allocate_duration = on_allocate_duration
         self.stopping = False
         self.open_streams = 0
 
@@ -140,6 +142,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
     async def Allocate(  # noqa: N802
         self, request: dp.AllocateRequest, context: grpc.aio.ServicerContext
     ) -> dp.AllocateResponse:
+        started = time.perf_counter()
         inventory = self._inventory.value
         allocations: list[ContainerAllocation] = []
         for i, req in enumerate(request.container_requests):
@@ -169,7 +172,11 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 ",".join(allocation.slice_ids),
                 ",".join(allocation.gpu_uuids),
             )
-        return dp.AllocateResponse(container_responses=[allocate_response(a) for a in allocations])
+        response = dp.AllocateResponse(
+            container_responses=[allocate_response(a) for a in allocations]
+        )
+        self._on_allocate_duration(time.perf_counter() - started)
+        return response
 
     async def PreStartContainer(  # noqa: N802
         self, request: dp.PreStartContainerRequest, context: grpc.aio.ServicerContext

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+import dataclasses
+import os
+import signal
+import subprocess
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from deviceplugin.app import Daemon, DaemonSettings
 from deviceplugin.config import Config, EnforcementConfig
-from deviceplugin.gpu.fake import FakeBackend, FakeGpu, FakeState, write_state_file
+from deviceplugin.gpu.fake import FakeBackend, FakeGpu, FakeProcess, FakeState, write_state_file
 from deviceplugin.kubelet_sim import KubeletSimulator
 from deviceplugin.plugin.lifecycle import endpoint_name
 
@@ -83,16 +87,25 @@ class Node:
             device_plugin_dir=self.plugin_dir,
             pod_resources_socket=self.podres_socket,
             state_dir=self.root / "state",
+            metrics_address="127.0.0.1:0",
             node_name="test-node",
         )
 
 
 @contextlib.asynccontextmanager
-async def running_daemon(node: Node, config: Config | None = None) -> AsyncIterator[Daemon]:
+async def running_daemon(
+    node: Node,
+    config: Config | None = None,
+    *,
+    pod_resources_interval_s: float = 10.0,
+    pod_resources_socket: Path | None = None,
+) -> AsyncIterator[Daemon]:
     """Run a daemon until the block ends; fail the test if it died on its own."""
     settings = node.settings(config)
+    if pod_resources_socket is not None:
+        settings = dataclasses.replace(settings, pod_resources_socket=pod_resources_socket)
     backend = FakeBackend(node.state_file)
-    daemon = Daemon(settings, backend)
+    daemon = Daemon(settings, backend, pod_resources_interval_s=pod_resources_interval_s)
     stop = asyncio.Event()
     task = asyncio.create_task(daemon.run(stop))
     try:
@@ -109,3 +122,42 @@ async def registered(node: Node, count: int, resource: str = RESOURCE) -> None:
     await sim.wait_for(
         lambda: sim.is_registered(resource) and len(sim.devices(resource)) == count, timeout_s=10
     )
+
+
+class Workloads:
+    """Real processes standing in for containers' GPU processes. Only processes spawned here are
+    ever listed in the fake state, and every one is resumed and killed when the test ends."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(self, envs: Mapping[str, str] | None = None) -> int:
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **(envs or {})}
+        proc = subprocess.Popen(["sleep", "300"], env=env)
+        self.procs.append(proc)
+        return proc.pid
+
+    def close(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait(5)
+
+
+def with_processes(base: FakeGpu, *processes: FakeProcess) -> FakeGpu:
+    return dataclasses.replace(base, processes=tuple(processes))
+
+
+async def eventually(
+    predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "the condition"
+) -> None:
+    """Wait until `predicate()` holds, checking every 20 ms: for conditions on the daemon's own
+    state, which the simulator's wait_for (woken only by kubelet-side events) does not see."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        if loop.time() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:g}s waiting for {what}")
+        await asyncio.sleep(0.02)

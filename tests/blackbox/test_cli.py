@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,6 +48,8 @@ async def _serve(node: Node, *extra: str) -> asyncio.subprocess.Process:
         str(node.podres_socket),
         "--state-dir",
         str(node.root / "state"),
+        "--metrics-address",
+        "127.0.0.1:0",
         *extra,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -79,6 +82,7 @@ async def test_serve_reads_its_flags_from_the_environment(node: Node) -> None:
         "VGPU_DEVICE_PLUGIN_DIR": str(node.plugin_dir),
         "VGPU_POD_RESOURCES_SOCKET": str(node.podres_socket),
         "VGPU_STATE_DIR": str(node.root / "state"),
+        "VGPU_METRICS_ADDRESS": "127.0.0.1:0",
     }
     proc = await asyncio.create_subprocess_exec(
         *CLI,
@@ -118,10 +122,14 @@ def test_serve_with_an_invalid_config_exits_2_naming_the_key(short_tmp: Path) ->
     assert "slicing.replicas" in result.stderr
 
 
-def test_serve_on_nvml_without_the_backend_says_what_to_do() -> None:
-    result = run_cli("serve", "--backend", "nvml")
+@pytest.mark.skipif(
+    shutil.which("nvidia-smi") is not None, reason="this machine has an NVIDIA driver"
+)
+def test_serve_on_nvml_without_a_driver_says_what_to_do(short_tmp: Path) -> None:
+    result = run_cli("serve", "--backend", "nvml", "--device-plugin-dir", str(short_tmp))
     assert result.returncode == 2
     assert "fake:" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1  # one line, with the hint
 
 
 def test_check_config_prints_the_plan(short_tmp: Path) -> None:

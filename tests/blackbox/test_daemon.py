@@ -28,6 +28,7 @@ from tests.blackbox.daemon_harness import (
     TWO_GPUS,
     GiB,
     Node,
+    eventually,
     gpu,
     registered,
     running_daemon,
@@ -329,7 +330,7 @@ async def test_plugin_restart_recovers_its_allocations_from_pod_resources(node: 
     async with running_daemon(node) as daemon:
         await registered(node, 8)
         allocation = held.envs["VGPU_ALLOCATION_ID"]
-        await node.sim.wait_for(lambda: daemon.book.get(allocation) is not None)
+        await eventually(lambda: daemon.book.get(allocation) is not None)
         record = daemon.book.get(allocation)
         assert record is not None
         assert (record.namespace, record.pod, record.container) == ("prod", "web", "server")
@@ -349,3 +350,18 @@ async def test_daemon_waits_for_a_kubelet_that_is_not_there_yet(short_tmp: Path)
             await registered(node, 8)
         finally:
             await node.sim.stop()
+
+
+async def test_kubelet_restarts_in_quick_succession_never_stop_the_daemon(node: Node) -> None:
+    # Restarts land while the plugin is serving again after the previous one, including between
+    # its bind and its chmod: it must keep re-registering, never die.
+    async with running_daemon(node) as daemon:
+        await registered(node, 8)
+        for _ in range(15):
+            await node.sim.restart()
+            await asyncio.sleep(0.003)
+        # It may register once more than needed (it saw kubelet.sock of the restart before the
+        # one that answered), never once too few.
+        await eventually(lambda: daemon.lifecycle.registered)
+        await registered(node, 8)
+        assert len(node.sim.healthy_ids(RESOURCE)) == 8

@@ -82,6 +82,7 @@ async def bench_allocate(root: Path, iterations: int) -> dict[str, dict[str, flo
         backend=f"fake:{state}",
         device_plugin_dir=root / "dp",
         pod_resources_socket=root / "podres.sock",
+        metrics_address="127.0.0.1:0",
     )
     daemon = Daemon(settings, backend)
     stop = asyncio.Event()
@@ -155,7 +156,7 @@ async def time_to_full_list_subprocess(root: Path) -> float:
         "--config", str(config), "--backend", f"fake:{state}",
         "--device-plugin-dir", str(root / "dp"),
         "--pod-resources-socket", str(root / "podres.sock"),
-        "--log-level", "error",
+        "--log-level", "error", "--metrics-address", "127.0.0.1:0",
     )  # fmt: skip
     try:
         await sim.wait_for(lambda: len(sim.healthy_ids(RESOURCE)) == GPUS * SLICES, timeout_s=30)
@@ -178,6 +179,7 @@ async def time_to_full_list_in_process(root: Path) -> float:
         backend=f"fake:{state}",
         device_plugin_dir=root / "dp",
         pod_resources_socket=root / "podres.sock",
+        metrics_address="127.0.0.1:0",
     )
     task = asyncio.create_task(Daemon(settings, backend).run(stop))
     try:

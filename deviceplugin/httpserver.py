@@ -1,0 +1,160 @@
+"""The exporter's HTTP endpoint: /metrics, /healthz and /status, on a thread of its own.
+
+Every request reads the latest snapshot reference and nothing else: no GPU backend call, no lock
+shared with the poll loop. The snapshot is immutable, so a request sees one consistent poll.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from deviceplugin.metrics import DaemonMetrics
+from deviceplugin.model import NodeSnapshot
+from deviceplugin.statusview import snapshot_to_json
+
+log = logging.getLogger(__name__)
+
+JSON_TYPE = "application/json"
+TEXT_TYPE = "text/plain; charset=utf-8"
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """ "host:port", ":port" (all interfaces) or "[v6addr]:port" as (host, port); ValueError
+    naming the address when it is none of these."""
+    host, sep, port_text = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        host = ""  # an unbracketed IPv6 address: refused below
+        sep = ""
+    if not sep or not port_text.isdigit() or int(port_text) > 65535:
+        raise ValueError(
+            f"metrics address {address!r} is not HOST:PORT, :PORT or [IPV6]:PORT (port 0-65535)"
+        )
+    return host, int(port_text)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    # Rebinding right after a restart of the daemon must not wait for TIME_WAIT.
+    allow_reuse_address = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class HttpServer:
+    """Serves GET /metrics, /healthz and /status on a daemon thread; `stop()` ends and joins it."""
+
+    def __init__(
+        self,
+        address: str,
+        metrics: DaemonMetrics,
+        get_snapshot: Callable[[], NodeSnapshot | None],
+        healthz: Callable[[], tuple[bool, str]],
+    ) -> None:
+        self.address = address
+        self._host, self._port = parse_address(address)
+        self._metrics = metrics
+        self._get_snapshot = get_snapshot
+        self._healthz = healthz
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (the ephemeral one for ":0") once started, else the configured one."""
+        if self._server is not None:
+            return int(self._server.server_address[1])
+        return self._port
+
+    def start(self) -> None:
+        """Bind and serve. OSError (e.g. the port is taken) propagates, naming the address."""
+        if self._server is not None:
+            raise RuntimeError("HttpServer already started")
+        handler = _make_handler(self)
+        try:
+            server_class = _Server6 if ":" in self._host else _Server
+            server = server_class((self._host, self._port), handler)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot listen on {self.address!r}: {e.strerror}") from e
+        self._server = server
+        self._thread = threading.Thread(
+            target=server.serve_forever,
+            kwargs={"poll_interval": 0.2},
+            name="vgpu-http",
+            daemon=True,
+        )
+        self._thread.start()
+        log.info("http listening address=%s port=%d", self.address, self.port)
+
+    def stop(self) -> None:
+        """Stop serving and join the thread; requests in flight finish on their own threads."""
+        server, thread = self._server, self._thread
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if thread is not None:
+            thread.join()
+        self._server = self._thread = None
+        log.info("http stopped address=%s", self.address)
+
+    # --- routes, called on the request's thread --------------------------------------------
+
+    def route(self, path: str) -> tuple[int, str, bytes]:
+        """(status, content type, body) for a GET of `path`."""
+        path = path.split("?", 1)[0]
+        if path == "/metrics":
+            payload, content_type = self._metrics.render()
+            return HTTPStatus.OK, content_type, payload
+        if path == "/healthz":
+            ok, reason = self._healthz()
+            if ok:
+                return HTTPStatus.OK, TEXT_TYPE, b"ok\n"
+            return HTTPStatus.SERVICE_UNAVAILABLE, TEXT_TYPE, f"{reason}\n".encode()
+        if path == "/status":
+            snapshot = self._get_snapshot()
+            if snapshot is None:
+                return _json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "no poll yet"})
+            return _json(HTTPStatus.OK, snapshot_to_json(snapshot))
+        return HTTPStatus.NOT_FOUND, TEXT_TYPE, b"not found: try /metrics, /healthz, /status\n"
+
+
+def _json(status: int, doc: Any) -> tuple[int, str, bytes]:
+    return status, JSON_TYPE, (json.dumps(doc, allow_nan=False) + "\n").encode()
+
+
+def _make_handler(owner: HttpServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "vgpu"
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:  # the name http.server dispatches to
+            try:
+                status, content_type, body = owner.route(self.path)
+            except Exception:  # a broken route answers 500; serving goes on
+                log.exception("http request failed path=%s", self.path)
+                status, content_type, body = (
+                    HTTPStatus.INTERNAL_SERVER_ERROR,
+                    TEXT_TYPE,
+                    b"internal error\n",
+                )
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug("http %s %s", self.address_string(), format % args)
+
+    return Handler

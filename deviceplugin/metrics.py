@@ -1,0 +1,355 @@
+"""Prometheus metrics (DESIGN 5, a contract): the daemon's own registry, read on every scrape.
+
+A scrape does no work of its own: `SnapshotCollector` turns the latest `NodeSnapshot` (an
+immutable value swapped in by reference after every poll) into fresh metric families. Nothing
+carries over between scrapes, so a container that leaves the snapshot leaves the next scrape.
+The only state kept here is the two histograms that the daemon observes as it works.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from deviceplugin.model import ContainerUsage, EnforcementCount, NodeSnapshot, ProcessSample
+
+# The classic text format that generate_latest writes (what Prometheus asks for by default).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Allocate and a poll take milliseconds; the top buckets catch a stalled driver call.
+DURATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+GPU_LABELS = ("node", "gpu_uuid", "gpu_index")
+GPU_INFO_LABELS = (*GPU_LABELS, "model", "minor", "numa_node", "pci_bus_id")
+SLICE_LABELS = (*GPU_LABELS, "state")
+# namespace/pod/container are "" until pod-resources has named the container; allocation_id
+# identifies it from the moment it was allocated.
+CONTAINER_LABELS = ("node", "namespace", "pod", "container", "gpu_uuid", "allocation_id")
+ENFORCEMENT_LABELS = (*CONTAINER_LABELS, "kind", "action")
+NODE_LABELS = ("node",)
+BUILD_LABELS = ("node", "version")
+
+
+def _ratio(value: float) -> float:
+    """A ratio as exposed: within 0..1 (per-process SM figures can sum past 100 %)."""
+    if math.isnan(value):
+        return 0.0
+    return min(max(value, 0.0), 1.0)
+
+
+def _flag(value: bool) -> float:
+    return 1.0 if value else 0.0
+
+
+def _memory_of(processes: Iterable[ProcessSample]) -> int:
+    return sum(p.used_memory_bytes for p in processes if p.used_memory_bytes is not None)
+
+
+def _container_labels(node: str, c: ContainerUsage | EnforcementCount) -> list[str]:
+    return [node, c.namespace, c.pod, c.container, c.gpu_uuid, c.allocation_id]
+
+
+def _gauge(name: str, doc: str, labels: tuple[str, ...]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=labels)
+
+
+def _counter(name: str, doc: str, labels: tuple[str, ...]) -> CounterMetricFamily:
+    # CounterMetricFamily exposes `<name>_total`: `name` is given without the suffix.
+    return CounterMetricFamily(name, doc, labels=labels)
+
+
+class SnapshotCollector(Collector):
+    """Builds every snapshot-derived family from one snapshot reference per scrape."""
+
+    def __init__(
+        self,
+        node_name: str,
+        get_snapshot: Callable[[], NodeSnapshot | None],
+        *,
+        version: str,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._node = node_name
+        self._get_snapshot = get_snapshot
+        self._version = version
+        self._clock = clock
+
+    def describe(self) -> Iterable[Metric]:
+        # Names only, for the registry's duplicate check; no snapshot is read.
+        return [self._build_info(), *self._families(None, 0.0)]
+
+    def collect(self) -> Iterable[Metric]:
+        snapshot = self._get_snapshot()  # one reference: every family sees the same poll
+        yield self._build_info()
+        if snapshot is not None:
+            yield from self._families(snapshot, self._clock())
+
+    def _build_info(self) -> Metric:
+        build = _gauge("vgpu_build_info", "Build of the vgpu daemon; always 1.", BUILD_LABELS)
+        build.add_metric([self._node, self._version], 1.0)
+        return build
+
+    def _families(self, snapshot: NodeSnapshot | None, now_s: float) -> Iterator[Metric]:
+        node = self._node
+        gpu_info = _gauge(
+            "vgpu_gpu_info",
+            "Static facts about a physical GPU as labels; always 1.",
+            GPU_INFO_LABELS,
+        )
+        gpu_healthy = _gauge(
+            "vgpu_gpu_healthy",
+            "1 if the GPU is healthy, 0 if not (its slices are withdrawn).",
+            GPU_LABELS,
+        )
+        gpu_mem_total = _gauge(
+            "vgpu_gpu_memory_total_bytes", "Total memory of the GPU, in bytes.", GPU_LABELS
+        )
+        gpu_mem_used = _gauge(
+            "vgpu_gpu_memory_used_bytes",
+            "Memory in use on the GPU, in bytes, as the driver reports it.",
+            GPU_LABELS,
+        )
+        gpu_sm = _gauge(
+            "vgpu_gpu_sm_utilization_ratio",
+            "SM utilisation of the GPU, 0..1, averaged over the compute window.",
+            GPU_LABELS,
+        )
+        slices = _gauge(
+            "vgpu_slices",
+            "Slices of the GPU by state (allocated, free, unhealthy), a count.",
+            SLICE_LABELS,
+        )
+        unattributed = _gauge(
+            "vgpu_gpu_unattributed_processes",
+            "GPU processes that belong to no allocation of this daemon, a count; never acted on.",
+            GPU_LABELS,
+        )
+        unattributed_mem = _gauge(
+            "vgpu_gpu_unattributed_memory_bytes",
+            "GPU memory used by processes that belong to no allocation of this daemon, in bytes.",
+            GPU_LABELS,
+        )
+        c_mem_used = _gauge(
+            "vgpu_container_gpu_memory_used_bytes",
+            "GPU memory used by the container's processes on the GPU, in bytes.",
+            CONTAINER_LABELS,
+        )
+        c_mem_limit = _gauge(
+            "vgpu_container_gpu_memory_limit_bytes",
+            "The container's GPU memory limit on the GPU (its slices' share), in bytes.",
+            CONTAINER_LABELS,
+        )
+        c_sm = _gauge(
+            "vgpu_container_sm_utilization_ratio",
+            "SM utilisation of the GPU by the container, 0..1, averaged over the compute window.",
+            CONTAINER_LABELS,
+        )
+        c_share = _gauge(
+            "vgpu_container_compute_share_ratio",
+            "The container's compute share of the GPU (its slices' share), 0..1.",
+            CONTAINER_LABELS,
+        )
+        c_throttled = _counter(
+            "vgpu_container_throttled_seconds",
+            "Time the container's processes on the GPU have spent stopped by the throttle, "
+            "in seconds.",
+            CONTAINER_LABELS,
+        )
+        enforcement = _counter(
+            "vgpu_enforcement_actions",
+            "Enforcement actions taken on the container, by kind (memory, compute) and action "
+            "(kill, throttle, monitor), a count.",
+            ENFORCEMENT_LABELS,
+        )
+        registrations = _counter(
+            "vgpu_kubelet_registrations",
+            "Successful registrations of the plugin with the kubelet, a count.",
+            NODE_LABELS,
+        )
+        registration_failures = _counter(
+            "vgpu_kubelet_registration_failures",
+            "Failed attempts to register the plugin with the kubelet, a count.",
+            NODE_LABELS,
+        )
+        registered = _gauge(
+            "vgpu_kubelet_registered",
+            "1 while the plugin is registered with the kubelet, else 0.",
+            NODE_LABELS,
+        )
+        pod_resources_up = _gauge(
+            "vgpu_pod_resources_up",
+            "1 if the kubelet's pod-resources API answered the last query, else 0.",
+            NODE_LABELS,
+        )
+        stale = _gauge(
+            "vgpu_snapshot_stale",
+            "1 if the latest poll failed and the figures are from an earlier one, else 0.",
+            NODE_LABELS,
+        )
+        last_poll = _gauge(
+            "vgpu_last_successful_poll_timestamp_seconds",
+            "Unix time of the last successful GPU poll, in seconds; 0 if none yet.",
+            NODE_LABELS,
+        )
+        age = _gauge(
+            "vgpu_snapshot_age_seconds",
+            "Age of the figures this scrape exposes at scrape time, in seconds.",
+            NODE_LABELS,
+        )
+
+        if snapshot is not None:
+            for gpu in snapshot.gpus:
+                info = gpu.info
+                g = [node, info.uuid, str(info.index)]
+                gpu_info.add_metric(
+                    [
+                        *g,
+                        info.name,
+                        str(info.minor),
+                        "" if info.numa_node is None else str(info.numa_node),
+                        info.pci_bus_id or "",
+                    ],
+                    1.0,
+                )
+                gpu_healthy.add_metric(g, _flag(gpu.reading.healthy))
+                gpu_mem_total.add_metric(g, float(info.memory_total_bytes))
+                if gpu.reading.memory_used_bytes is not None:
+                    gpu_mem_used.add_metric(g, float(gpu.reading.memory_used_bytes))
+                if gpu.sm_utilization_ratio is not None:
+                    gpu_sm.add_metric(g, _ratio(gpu.sm_utilization_ratio))
+                slices.add_metric([*g, "allocated"], float(gpu.slices_allocated))
+                slices.add_metric([*g, "free"], float(max(gpu.slices_free, 0)))
+                slices.add_metric([*g, "unhealthy"], float(gpu.slices_unhealthy))
+                unattributed.add_metric(g, float(len(gpu.unattributed)))
+                unattributed_mem.add_metric(g, float(_memory_of(gpu.unattributed)))
+
+            for c in snapshot.containers:
+                labels = _container_labels(node, c)
+                c_mem_used.add_metric(labels, float(c.memory_used_bytes))
+                c_mem_limit.add_metric(labels, float(c.memory_limit_bytes))
+                c_sm.add_metric(labels, _ratio(c.sm_utilization_ratio))
+                c_share.add_metric(labels, _ratio(c.compute_share_ratio))
+                c_throttled.add_metric(labels, c.throttled_seconds_total)
+
+            for e in snapshot.enforcement:
+                enforcement.add_metric([*_container_labels(node, e), e.kind, e.action], e.count)
+
+            health = snapshot.health
+            n = [node]
+            registrations.add_metric(n, health.registrations_total)
+            registration_failures.add_metric(n, health.registration_failures_total)
+            registered.add_metric(n, _flag(health.registered))
+            pod_resources_up.add_metric(n, _flag(health.pod_resources_ok))
+            stale.add_metric(n, _flag(snapshot.stale))
+            last_poll.add_metric(n, health.last_poll_success_s)
+            age.add_metric(n, max(now_s - snapshot.taken_at_s, 0.0))
+
+        yield from (
+            gpu_info,
+            gpu_healthy,
+            gpu_mem_total,
+            gpu_mem_used,
+            gpu_sm,
+            slices,
+            unattributed,
+            unattributed_mem,
+            c_mem_used,
+            c_mem_limit,
+            c_sm,
+            c_share,
+            c_throttled,
+            enforcement,
+            registrations,
+            registration_failures,
+            registered,
+            pod_resources_up,
+            stale,
+            last_poll,
+            age,
+        )
+
+
+class DaemonMetrics:
+    """The daemon's metrics: a private registry with the snapshot collector and two histograms.
+
+    `observe_allocate` and `observe_poll` are safe to call from any thread."""
+
+    def __init__(
+        self,
+        node_name: str,
+        get_snapshot: Callable[[], NodeSnapshot | None],
+        *,
+        version: str,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.node_name = node_name
+        self.registry = CollectorRegistry()
+        allocate = Histogram(
+            "vgpu_allocate_duration_seconds",
+            "Time the plugin took to answer an Allocate call, in seconds.",
+            labelnames=NODE_LABELS,
+            buckets=DURATION_BUCKETS_S,
+            registry=self.registry,
+        )
+        poll = Histogram(
+            "vgpu_poll_duration_seconds",
+            "Time one poll of the GPUs took, from the backend call to the new snapshot, "
+            "in seconds.",
+            labelnames=NODE_LABELS,
+            buckets=DURATION_BUCKETS_S,
+            registry=self.registry,
+        )
+        # Children made now, so that both histograms are exposed (at zero) from the start.
+        self._allocate = allocate.labels(node=node_name)
+        self._poll = poll.labels(node=node_name)
+        self.collector = SnapshotCollector(node_name, get_snapshot, version=version, clock=clock)
+        self.registry.register(self.collector)
+
+    def observe_allocate(self, seconds: float) -> None:
+        self._allocate.observe(seconds)
+
+    def observe_poll(self, seconds: float) -> None:
+        self._poll.observe(seconds)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition for GET /metrics: (payload, content type)."""
+        return generate_latest(self.registry), CONTENT_TYPE
+
+
+def healthz(
+    snapshot: NodeSnapshot | None,
+    *,
+    now_mono_s: float,
+    now_wall_s: float,
+    poll_stale_after_s: float,
+    unregistered_after_s: float,
+) -> tuple[bool, str]:
+    """Liveness for GET /healthz: (ok, reason).
+
+    Not ok before the first snapshot, when the last successful poll is older than
+    `poll_stale_after_s` (wall clock), or when the plugin has been unregistered from the kubelet
+    for longer than `unregistered_after_s` (monotonic clock)."""
+    if snapshot is None:
+        return False, "no poll yet"
+    health = snapshot.health
+    if health.last_poll_success_s <= 0:
+        return False, "no successful poll yet"
+    poll_age_s = now_wall_s - health.last_poll_success_s
+    if poll_age_s > poll_stale_after_s:
+        return False, (
+            f"last successful poll {poll_age_s:.1f}s ago (limit {poll_stale_after_s:g}s)"
+        )
+    if not health.registered and health.unregistered_since_s > 0:
+        unregistered_s = now_mono_s - health.unregistered_since_s
+        if unregistered_s > unregistered_after_s:
+            return False, (
+                f"not registered with the kubelet for {unregistered_s:.1f}s "
+                f"(limit {unregistered_after_s:g}s)"
+            )
+    return True, "ok"

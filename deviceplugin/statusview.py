@@ -1,0 +1,375 @@
+"""The /status document and its terminal view (`vgpu-device-plugin status`). Pure: no I/O.
+
+`snapshot_to_json` turns a `NodeSnapshot` into plain JSON data; `render_status` draws that data
+(not model objects), so the command line needs nothing but the document it fetched.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from deviceplugin.model import (
+    AllocationRecord,
+    ContainerUsage,
+    DaemonHealth,
+    EnforcementCount,
+    GpuUsage,
+    NodeSnapshot,
+    ProcessSample,
+)
+from deviceplugin.slicing import format_bytes
+
+ELLIPSIS = "…"
+MIN_WIDTH = 40
+MAX_BAR = 40
+USAGE_INDENT = 4  # GPU and container usage lines share one layout, so their bars align
+
+
+# --- the document ----------------------------------------------------------------------------
+
+
+def rfc3339(epoch_s: float) -> str:
+    """Wall-clock seconds as RFC 3339 UTC, to the second ("2024-05-01T12:00:00Z")."""
+    return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _num(value: float | None) -> float | None:
+    """A float JSON can carry: NaN and infinities become null."""
+    if value is None or not math.isfinite(value):
+        return None
+    return value
+
+
+def _process(p: ProcessSample) -> dict[str, Any]:
+    return {
+        "pid": p.pid,
+        "used_memory_bytes": p.used_memory_bytes,
+        "sm_util_percent": _num(p.sm_util_percent),
+    }
+
+
+def _health(h: DaemonHealth) -> dict[str, Any]:
+    return {
+        "registered": h.registered,
+        "unregistered_since_s": h.unregistered_since_s,
+        "registrations_total": h.registrations_total,
+        "registration_failures_total": h.registration_failures_total,
+        "last_poll_success": rfc3339(h.last_poll_success_s) if h.last_poll_success_s > 0 else None,
+        "last_poll_success_s": h.last_poll_success_s,
+        "poll_failures_consecutive": h.poll_failures_consecutive,
+        "pod_resources_ok": h.pod_resources_ok,
+    }
+
+
+def _gpu(g: GpuUsage) -> dict[str, Any]:
+    info = g.info
+    return {
+        "uuid": info.uuid,
+        "index": info.index,
+        "model": info.name,
+        "minor": info.minor,
+        "numa_node": info.numa_node,
+        "pci_bus_id": info.pci_bus_id,
+        "mig_enabled": info.mig_enabled,
+        "healthy": g.reading.healthy,
+        "health_reason": g.reading.health_reason,
+        "memory_total_bytes": info.memory_total_bytes,
+        "memory_used_bytes": g.reading.memory_used_bytes,
+        "sm_utilization_ratio": _num(g.sm_utilization_ratio),
+        "slices": {
+            "total": g.slices_total,
+            "allocated": g.slices_allocated,
+            "free": g.slices_free,
+            "unhealthy": g.slices_unhealthy,
+        },
+        "unattributed": [_process(p) for p in g.unattributed],
+    }
+
+
+def _container(c: ContainerUsage) -> dict[str, Any]:
+    return {
+        "allocation_id": c.allocation_id,
+        "namespace": c.namespace,
+        "pod": c.pod,
+        "container": c.container,
+        "gpu_uuid": c.gpu_uuid,
+        "gpu_index": c.gpu_index,
+        "slices": c.slices,
+        "memory_used_bytes": c.memory_used_bytes,
+        "memory_limit_bytes": c.memory_limit_bytes,
+        "sm_utilization_ratio": _num(c.sm_utilization_ratio),
+        "compute_share_ratio": _num(c.compute_share_ratio),
+        "throttled": c.duty_cycle_ratio is not None,
+        "duty_cycle_ratio": _num(c.duty_cycle_ratio),
+        "throttled_seconds_total": _num(c.throttled_seconds_total),
+        "processes": [_process(p) for p in c.processes],
+    }
+
+
+def _allocation(a: AllocationRecord) -> dict[str, Any]:
+    return {
+        "allocation_id": a.allocation_id,
+        "namespace": a.namespace,
+        "pod": a.pod,
+        "container": a.container,
+        "slice_ids": list(a.slice_ids),
+        "allocated_at": rfc3339(a.allocated_at_s) if a.allocated_at_s > 0 else None,
+        "allocated_at_s": a.allocated_at_s,
+    }
+
+
+def _enforcement(e: EnforcementCount) -> dict[str, Any]:
+    return {
+        "allocation_id": e.allocation_id,
+        "namespace": e.namespace,
+        "pod": e.pod,
+        "container": e.container,
+        "gpu_uuid": e.gpu_uuid,
+        "kind": e.kind,
+        "action": e.action,
+        "count": e.count,
+    }
+
+
+def snapshot_to_json(snapshot: NodeSnapshot) -> dict[str, Any]:
+    """The /status document: plain JSON data with a fixed key order."""
+    return {
+        "node": snapshot.node_name,
+        "taken_at": rfc3339(snapshot.taken_at_s),
+        "taken_at_s": snapshot.taken_at_s,
+        "stale": snapshot.stale,
+        "health": _health(snapshot.health),
+        "gpus": [_gpu(g) for g in snapshot.gpus],
+        "containers": [_container(c) for c in snapshot.containers],
+        "allocations": [_allocation(a) for a in snapshot.allocations],
+        "enforcement": [_enforcement(e) for e in snapshot.enforcement],
+    }
+
+
+# --- the terminal view -----------------------------------------------------------------------
+
+
+def _clip(text: str, width: int) -> str:
+    """`text` in at most `width` characters, cut with an ellipsis."""
+    if len(text) <= width:
+        return text
+    if width <= 0:
+        return ""
+    return text[: width - 1] + ELLIPSIS
+
+
+def _int(value: Any) -> int:
+    return int(value) if isinstance(value, int | float) and math.isfinite(value) else 0
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+def _percent(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{round(ratio * 100)}%"
+
+
+def memory_bar(used: int, limit: int, inner: int) -> str:
+    """`[####....]` of `used` against `limit`. Over the limit, the bar is scaled to `used` and the
+    part beyond the limit is drawn with '!'."""
+    if inner <= 0:
+        return "[]"
+    if limit <= 0:
+        return "[" + ("!" if used > 0 else ".") * inner + "]"
+    scale = max(used, limit)
+    n_limit = round(limit / scale * inner)
+    n_used = round(used / scale * inner)
+    if used > limit and n_used <= n_limit:
+        n_limit = n_used - 1  # always show that the limit is passed
+    cells = [
+        "#" if i < min(n_used, n_limit) else "!" if n_limit <= i < n_used else "."
+        for i in range(inner)
+    ]
+    return "[" + "".join(cells) + "]"
+
+
+def share_bar(used_ratio: float | None, share_ratio: float | None, inner: int) -> str:
+    """`[###..|....]` of an SM utilisation of 0..1, with '|' where `share_ratio` ends."""
+    if inner <= 0:
+        return "[]"
+    used = 0.0 if used_ratio is None else min(max(used_ratio, 0.0), 1.0)
+    n_used = round(used * inner)
+    cells = ["#" if i < n_used else "." for i in range(inner)]
+    if share_ratio is not None:
+        mark = round(min(max(share_ratio, 0.0), 1.0) * inner)
+        if 0 < mark < inner:
+            cells[mark] = "|"
+    return "[" + "".join(cells) + "]"
+
+
+def _usage_line(
+    indent: int,
+    memory: tuple[int, int, str],
+    sm: tuple[float | None, float | None, str],
+    width: int,
+) -> str:
+    """`<indent>mem [bar] <text>  SM [bar] <text>`; the two bars share the room that is left.
+    `memory` is (used, limit, text); `sm` is (used ratio, share ratio or None, text)."""
+    mem_text = f"{memory[2]:>15}"
+    sm_text = f"{sm[2]:>9}"
+    fixed = indent + len("mem [] ") + len(mem_text) + len("  SM [] ") + len(sm_text)
+    inner = max(min((width - fixed) // 2, MAX_BAR), 4)
+    line = (
+        f"{' ' * indent}mem {memory_bar(memory[0], memory[1], inner)} {mem_text}"
+        f"  SM {share_bar(sm[0], sm[1], inner)} {sm_text}"
+    )
+    return _clip(line, width)
+
+
+def _name_and_tail(indent: int, name: str, tail: str, width: int) -> str:
+    """`<indent><name>  <tail>`, the name cut so that the tail always shows."""
+    room = width - indent - (len(tail) + 2 if tail else 0)
+    line = " " * indent + _clip(name, max(room, 8))
+    if tail:
+        line += "  " + tail
+    return _clip(line, width)
+
+
+def container_name(c: Mapping[str, Any], room: int = 10_000) -> str:
+    """namespace/pod/container in at most `room` characters, or the allocation ID while
+    pod-resources has not named it. The pod name (usually the longest, with generated suffixes)
+    is cut first, so that the namespace and container stay readable."""
+    parts = [str(c.get(k) or "") for k in ("namespace", "pod", "container")]
+    if not any(parts):
+        return _clip(f"allocation {c.get('allocation_id', '?')} (unnamed)", room)
+    full = "/".join(parts)
+    excess = len(full) - room
+    if excess <= 0:
+        return full
+    namespace, pod, container = parts
+    if len(pod) - excess >= 8:
+        return f"{namespace}/{_clip(pod, len(pod) - excess)}/{container}"
+    return _clip(full, room)
+
+
+def _header(doc: Mapping[str, Any], width: int) -> list[str]:
+    health = doc.get("health") or {}
+    gpus = doc.get("gpus") or []
+    healthy = sum(1 for g in gpus if g.get("healthy"))
+    when = str(doc.get("taken_at", "?"))
+    freshness = "STALE" if doc.get("stale") else "fresh"
+    first = _name_and_tail(0, f"node {doc.get('node', '?')}", f"{when}  {freshness}", width)
+    flags = [
+        "kubelet registered" if health.get("registered") else "kubelet NOT REGISTERED",
+        "pod-resources up" if health.get("pod_resources_ok") else "pod-resources DOWN",
+        f"GPUs {healthy}/{len(gpus)} healthy",
+    ]
+    failures = _int(health.get("poll_failures_consecutive"))
+    if failures:
+        flags.append(f"last {failures} poll{'s' if failures != 1 else ''} FAILED")
+    return [first, _clip(", ".join(flags), width)]
+
+
+def _gpu_lines(
+    g: Mapping[str, Any], containers: Sequence[Mapping[str, Any]], width: int
+) -> list[str]:
+    slices = g.get("slices") or {}
+    health = "healthy" if g.get("healthy") else "UNHEALTHY"
+    reason = str(g.get("health_reason") or "")
+    tail = (
+        f"{health}  slices: {_int(slices.get('allocated'))} used, "
+        f"{_int(slices.get('free'))} free, {_int(slices.get('unhealthy'))} unhealthy"
+    )
+    name = f"GPU {g.get('index', '?')}  {g.get('model', '?')}"
+    lines = [_name_and_tail(0, name, tail, width)]
+    if reason and not g.get("healthy"):
+        lines.append(_clip(f"  reason: {reason}", width))
+
+    total = _int(g.get("memory_total_bytes"))
+    used_raw = g.get("memory_used_bytes")
+    used = _int(used_raw)
+    used_text = "?" if used_raw is None else format_bytes(used)
+    sm = _float(g.get("sm_utilization_ratio"))
+    lines.append(
+        _usage_line(
+            USAGE_INDENT,
+            (used, total, f"{used_text}/{format_bytes(total)}"),
+            (sm, None, _percent(sm)),
+            width,
+        )
+    )
+
+    for c in containers:
+        tail_parts = [f"{_int(c.get('slices'))} slice{'s' if _int(c.get('slices')) != 1 else ''}"]
+        if c.get("throttled"):
+            duty = _float(c.get("duty_cycle_ratio"))
+            tail_parts.append(f"THROTTLED duty={_percent(duty)}")
+        tail = "  ".join(tail_parts)
+        room = width - len("  - ") - len(tail) - 2
+        lines.append(_name_and_tail(2, "- " + container_name(c, room), tail, width))
+        c_used = _int(c.get("memory_used_bytes"))
+        c_limit = _int(c.get("memory_limit_bytes"))
+        c_sm = _float(c.get("sm_utilization_ratio"))
+        c_share = _float(c.get("compute_share_ratio"))
+        lines.append(
+            _usage_line(
+                USAGE_INDENT,
+                (c_used, c_limit, f"{format_bytes(c_used)}/{format_bytes(c_limit)}"),
+                (c_sm, c_share, f"{_percent(c_sm)}/{_percent(c_share)}"),
+                width,
+            )
+        )
+
+    stray = g.get("unattributed") or []
+    stray_memory = sum(_int(p.get("used_memory_bytes")) for p in stray)
+    lines.append(
+        _clip(
+            f"  unattributed: {len(stray)} process{'es' if len(stray) != 1 else ''}, "
+            f"{format_bytes(stray_memory)}",
+            width,
+        )
+    )
+    return lines
+
+
+def _enforcement_line(entries: Iterable[Mapping[str, Any]], width: int) -> str:
+    totals: dict[str, int] = {}
+    for e in entries:
+        key = f"{e.get('kind', '?')}/{e.get('action', '?')}"
+        totals[key] = totals.get(key, 0) + _int(e.get("count"))
+    text = ", ".join(f"{k} {v}" for k, v in sorted(totals.items())) or "none"
+    return _clip(f"enforcement actions: {text}", width)
+
+
+def render_status(doc: Mapping[str, Any], *, width: int = 80) -> list[str]:
+    """The /status document as terminal lines, each at most `width` characters: a header, then
+    per GPU its usage, its containers and its unattributed processes, then totals. Laid out for
+    80 columns and more; narrower views are cut."""
+    limit = width
+    width = max(width, MIN_WIDTH)
+    lines = _header(doc, width)
+    gpus = list(doc.get("gpus") or [])
+    containers = list(doc.get("containers") or [])
+    by_gpu: dict[str, list[Mapping[str, Any]]] = {}
+    for c in containers:
+        by_gpu.setdefault(str(c.get("gpu_uuid", "")), []).append(c)
+    known = {str(g.get("uuid", "")) for g in gpus}
+    for g in gpus:
+        lines.append("")
+        lines.extend(_gpu_lines(g, by_gpu.get(str(g.get("uuid", "")), []), width))
+    orphans = [c for c in containers if str(c.get("gpu_uuid", "")) not in known]
+    if orphans:
+        lines.append("")
+        lines.append(_clip(f"containers on GPUs not in this snapshot: {len(orphans)}", width))
+        lines.extend(_clip("  - " + container_name(c), width) for c in orphans)
+    lines.append("")
+    allocations = doc.get("allocations") or []
+    named = sum(1 for a in allocations if a.get("pod"))
+    lines.append(
+        _clip(
+            f"allocations: {len(allocations)} ({named} named), "
+            f"containers on GPUs: {len(containers)}",
+            width,
+        )
+    )
+    lines.append(_enforcement_line(doc.get("enforcement") or [], width))
+    return [_clip(line, limit) for line in lines]

@@ -1,0 +1,321 @@
+"""Pure: one GPU reading, the inventory and the allocations -> the node's usage snapshot.
+
+Every container that holds slices gets one ContainerUsage per GPU it holds slices on, from the
+moment of its allocation; a GPU process joins its container's usage when its allocation ID (found
+by the caller in the process environment) names an allocation this daemon knows. Any other GPU
+process is unattributed: it is counted on its GPU and never appears in a ContainerUsage, so the
+enforcer, which acts only on containers' processes, cannot touch it.
+
+Utilisation ratios are time-weighted averages over a sliding window (DESIGN 5), so that a scrape
+does not beat against a duty cycle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+
+from deviceplugin.model import (
+    AllocationRecord,
+    ContainerUsage,
+    DaemonHealth,
+    GpuReading,
+    GpuUsage,
+    Inventory,
+    NodeReading,
+    NodeSnapshot,
+    ProcessSample,
+)
+
+
+def _ratio(percent: float) -> float:
+    """A percentage as a ratio clamped to 0..1 (drivers' per-process sums may exceed 100)."""
+    return min(max(percent / 100.0, 0.0), 1.0)
+
+
+# Running sums are recomputed from the samples after this many updates, so that rounding
+# errors of adding and subtracting cannot accumulate over a long run.
+_RESUM_EVERY = 1024
+# Total weights below this many seconds count as no time at all (rounding residue).
+_MIN_WEIGHT_S = 1e-9
+
+
+class _Series:
+    """The samples of one key, oldest first, with the running sums of their full weights."""
+
+    __slots__ = ("in_order", "samples", "updates", "weight_total", "weighted_sum")
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[float, float, float]] = deque()  # (start_s, end_s, value)
+        self.weighted_sum = 0.0
+        self.weight_total = 0.0
+        self.updates = 0
+        # True while starts and ends never decrease: then the samples that reach back before the
+        # window are a prefix of the deque, and an average needs to look at that prefix only.
+        self.in_order = True
+
+    def resum(self) -> None:
+        self.weighted_sum = math.fsum((end - start) * value for start, end, value in self.samples)
+        self.weight_total = math.fsum(end - start for start, end, _ in self.samples)
+        self.updates = 0
+
+
+def _clipped_average(
+    samples: Iterable[tuple[float, float, float]], window_start_s: float, now_s: float
+) -> float | None:
+    """The average of samples over [window_start_s, now_s], each weighed by its overlap."""
+    seen = False
+    weight_total = 0.0
+    weighted_sum = 0.0
+    for start, end, value in samples:
+        if end <= window_start_s or start > now_s:
+            continue
+        seen = True
+        weight = min(end, now_s) - max(start, window_start_s)
+        if weight > 0:
+            weight_total += weight
+            weighted_sum += weight * value
+    if not seen:
+        return None
+    return weighted_sum / weight_total if weight_total > _MIN_WEIGHT_S else 0.0
+
+
+class UtilizationWindow:
+    """Time-weighted averages over the last `window_s` seconds, per key.
+
+    A sample is the average of a value over [end_s - duration_s, end_s]; it weighs in proportion to
+    the part of that interval that lies inside the window. Samples that ended before the window of
+    the newest one are dropped as new ones arrive. Samples added in time order (the usual case: one
+    per poll) are averaged in constant time; any order gives the same result, more slowly."""
+
+    def __init__(self, window_s: float) -> None:
+        if not window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        self.window_s = window_s
+        self._series: dict[Hashable, _Series] = {}
+
+    def __len__(self) -> int:
+        """How many keys hold samples."""
+        return len(self._series)
+
+    def add(self, key: Hashable, end_s: float, duration_s: float, value: float) -> None:
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = _Series()
+        samples = series.samples
+        start_s = end_s - max(duration_s, 0.0)
+        if samples and (start_s < samples[-1][0] or end_s < samples[-1][1]):
+            series.in_order = False
+        samples.append((start_s, end_s, value))
+        series.weighted_sum += (end_s - start_s) * value
+        series.weight_total += end_s - start_s
+        if series.in_order:
+            horizon = end_s - self.window_s
+            while samples[0][1] <= horizon:
+                old_start, old_end, old_value = samples.popleft()
+                series.weighted_sum -= (old_end - old_start) * old_value
+                series.weight_total -= old_end - old_start
+        else:
+            horizon = max(end for _, end, _ in samples) - self.window_s
+            kept = [sample for sample in samples if sample[1] > horizon]
+            if len(kept) != len(samples):
+                series.samples = deque(kept)
+                series.updates = _RESUM_EVERY  # recompute the sums below
+        series.updates += 1
+        if series.updates >= _RESUM_EVERY:
+            series.resum()
+
+    def average(self, key: Hashable, now_s: float) -> float | None:
+        """The time-weighted mean of the key's samples within [now_s - window_s, now_s]; None when
+        there is none. Samples that cover no time there (duration 0) give 0.0."""
+        series = self._series.get(key)
+        if series is None or not series.samples:
+            return None
+        samples = series.samples
+        window_start_s = now_s - self.window_s
+        if not series.in_order or now_s < samples[-1][1]:
+            return _clipped_average(samples, window_start_s, now_s)
+        if samples[-1][1] <= window_start_s:
+            return None
+        # Every sample ends by now_s; only a prefix reaches back before the window: take its
+        # full weight out of the running sums and put back the part inside the window.
+        weighted_sum = series.weighted_sum
+        weight_total = series.weight_total
+        for start, end, value in samples:
+            if start >= window_start_s:
+                break
+            weighted_sum -= (end - start) * value
+            weight_total -= end - start
+            if end > window_start_s:
+                weighted_sum += (end - window_start_s) * value
+                weight_total += end - window_start_s
+        return weighted_sum / weight_total if weight_total > _MIN_WEIGHT_S else 0.0
+
+    def forget_except(self, keys: AbstractSet[Hashable]) -> None:
+        """Drop every key not in `keys`, so that memory follows what is still there."""
+        for key in [k for k in self._series if k not in keys]:
+            del self._series[key]
+
+
+@dataclasses.dataclass(slots=True)
+class _Accumulator:
+    """One (allocation, GPU) while a snapshot is built."""
+
+    record: AllocationRecord
+    slices: int = 0
+    memory_limit_bytes: int = 0
+    compute_share_ratio: float = 0.0
+    memory_used_bytes: int = 0
+    sm_util_percent: float = 0.0
+    processes: list[ProcessSample] = dataclasses.field(default_factory=list)
+
+
+class SnapshotBuilder:
+    """Builds the NodeSnapshot after every poll. Holds only the utilisation windows between
+    builds, keyed by (allocation ID, GPU UUID) for containers and by GPU UUID for GPUs."""
+
+    def __init__(self, node_name: str, window_s: float) -> None:
+        self.node_name = node_name
+        self._window = UtilizationWindow(window_s)
+
+    def build(
+        self,
+        reading: NodeReading,
+        inventory: Inventory,
+        allocations: Sequence[AllocationRecord],
+        pid_allocation: Mapping[int, str | None],
+        *,
+        now_s: float,
+        wall_s: float,
+        health: DaemonHealth,
+        previous_reading_s: float | None,
+    ) -> tuple[NodeSnapshot, frozenset[str]]:
+        """The snapshot of `reading`, and the allocation IDs found on GPU processes that are not in
+        `allocations` (the caller asks pod-resources again when there are any).
+
+        `now_s` is the monotonic time of the reading, `previous_reading_s` that of the one before
+        (None on the first build: this reading then covers no time and averages to 0.0); `wall_s`
+        becomes `taken_at_s`. `pid_allocation` maps a process's PID to the allocation ID found in
+        its environment; a PID it does not list counts as None."""
+        duration_s = 0.0 if previous_reading_s is None else max(now_s - previous_reading_s, 0.0)
+        gpus = sorted(reading.gpus, key=lambda g: g.info.index)
+        gpu_by_uuid: dict[str, GpuReading] = {g.info.uuid: g for g in gpus}
+        records = {r.allocation_id: r for r in allocations}
+
+        slices_total = dict.fromkeys(gpu_by_uuid, 0)
+        slices_unhealthy = dict.fromkeys(gpu_by_uuid, 0)
+        for slice_ in inventory.slices:
+            uuid = slice_.id.gpu_uuid
+            if uuid in slices_total:
+                slices_total[uuid] += 1
+                if not slice_.healthy:
+                    slices_unhealthy[uuid] += 1
+
+        accumulators: dict[tuple[str, str], _Accumulator] = {}
+        held_healthy: set[str] = set()
+        by_id = inventory.by_id
+        for record in records.values():
+            for slice_id in record.slice_ids:
+                s = by_id.get(slice_id)
+                if s is None or s.id.gpu_uuid not in gpu_by_uuid:
+                    continue
+                key = (record.allocation_id, s.id.gpu_uuid)
+                acc = accumulators.get(key)
+                if acc is None:
+                    acc = accumulators[key] = _Accumulator(record)
+                acc.slices += 1
+                acc.memory_limit_bytes += s.memory_limit_bytes
+                acc.compute_share_ratio += s.compute_share_ratio
+                if s.healthy:
+                    held_healthy.add(slice_id)
+        slices_allocated = dict.fromkeys(gpu_by_uuid, 0)
+        for slice_id in held_healthy:
+            slices_allocated[by_id[slice_id].id.gpu_uuid] += 1
+
+        unknown: set[str] = set()
+        unattributed: dict[str, list[ProcessSample]] = {uuid: [] for uuid in gpu_by_uuid}
+        for gpu in gpus:
+            uuid = gpu.info.uuid
+            for process in gpu.processes:
+                found = pid_allocation.get(process.pid)
+                if found is None:
+                    unattributed[uuid].append(process)
+                    continue
+                owner = records.get(found)
+                if owner is None:
+                    unattributed[uuid].append(process)
+                    unknown.add(found)
+                    continue
+                key = (found, uuid)
+                acc = accumulators.get(key)
+                if acc is None:
+                    acc = accumulators[key] = _Accumulator(owner)
+                acc.processes.append(process)
+                acc.memory_used_bytes += process.used_memory_bytes or 0
+                acc.sm_util_percent += process.sm_util_percent or 0.0
+
+        window = self._window
+        live_keys: set[Hashable] = set(gpu_by_uuid)
+        containers: list[ContainerUsage] = []
+        for (allocation_id, uuid), acc in accumulators.items():
+            key = (allocation_id, uuid)
+            live_keys.add(key)
+            window.add(key, now_s, duration_s, _ratio(acc.sm_util_percent))
+            record = acc.record
+            containers.append(
+                ContainerUsage(
+                    allocation_id=allocation_id,
+                    gpu_uuid=uuid,
+                    gpu_index=gpu_by_uuid[uuid].info.index,
+                    slices=acc.slices,
+                    memory_used_bytes=acc.memory_used_bytes,
+                    memory_limit_bytes=acc.memory_limit_bytes,
+                    sm_utilization_ratio=window.average(key, now_s) or 0.0,
+                    compute_share_ratio=acc.compute_share_ratio,
+                    processes=tuple(acc.processes),
+                    namespace=record.namespace,
+                    pod=record.pod,
+                    container=record.container,
+                )
+            )
+        containers.sort(
+            key=lambda c: (c.gpu_index, c.namespace, c.pod, c.container, c.allocation_id)
+        )
+
+        gpu_usages: list[GpuUsage] = []
+        for gpu in gpus:
+            uuid = gpu.info.uuid
+            sm_ratio: float | None = None
+            if gpu.sm_util_percent is not None:
+                window.add(uuid, now_s, duration_s, _ratio(gpu.sm_util_percent))
+                sm_ratio = window.average(uuid, now_s)
+            gpu_usages.append(
+                GpuUsage(
+                    reading=gpu,
+                    sm_utilization_ratio=sm_ratio,
+                    slices_total=slices_total[uuid],
+                    slices_allocated=slices_allocated[uuid],
+                    slices_unhealthy=slices_unhealthy[uuid],
+                    unattributed=tuple(unattributed[uuid]),
+                )
+            )
+        window.forget_except(live_keys)
+
+        snapshot = NodeSnapshot(
+            taken_at_s=wall_s,
+            node_name=self.node_name,
+            gpus=tuple(gpu_usages),
+            containers=tuple(containers),
+            allocations=tuple(allocations),
+            stale=False,
+            health=health,
+        )
+        return snapshot, frozenset(unknown)
+
+
+def mark_stale(snapshot: NodeSnapshot, health: DaemonHealth) -> NodeSnapshot:
+    """The same figures, marked stale, with the daemon's current health: for when a poll fails."""
+    return dataclasses.replace(snapshot, stale=True, health=health)

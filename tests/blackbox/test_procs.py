@@ -1,0 +1,354 @@
+"""deviceplugin.procs against real processes and against fake /proc trees.
+
+Every process here is spawned by the test in its own session; the `spawn` fixture kills each one's
+process group and reaps it whatever the outcome.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+from deviceplugin.procs import ENV_NAME, AllocationResolver, pid_namespace_warning
+
+ALLOC = "abcdef0123456789"
+OTHER = "0123456789abcdef"
+PATH_ONLY = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+
+Spawn = Callable[[Sequence[str], Mapping[str, str]], "subprocess.Popen[bytes]"]
+
+
+@pytest.fixture
+def spawn() -> Iterator[Spawn]:
+    children: list[subprocess.Popen[bytes]] = []
+
+    def start(argv: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+        child = subprocess.Popen(
+            list(argv), env=dict(env), stdout=subprocess.PIPE, start_new_session=True
+        )
+        children.append(child)
+        if env:
+            # Popen returns once exec has begun; the kernel shows the new program's environment
+            # only a moment later, once the program is mapped.
+            wait_for(lambda: Path(f"/proc/{child.pid}/environ").read_bytes() != b"")
+        return child
+
+    yield start
+    for child in children:
+        if child.poll() is None:  # not reaped: its group ID is still this child's
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)  # the child and what it started
+        child.wait(timeout=10)
+        if child.stdout is not None:
+            child.stdout.close()
+
+
+def own_environ_has_variable() -> bool:
+    return (b"\0" + ENV_NAME.encode() + b"=") in b"\0" + Path("/proc/self/environ").read_bytes()
+
+
+needs_clean_ancestry = pytest.mark.skipif(
+    own_environ_has_variable(), reason=f"the test runner itself was started with {ENV_NAME}"
+)
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.01)
+
+
+def comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Real processes
+
+
+def test_child_with_the_variable_resolves(spawn: Spawn) -> None:
+    child = spawn(["sleep", "30"], {**PATH_ONLY, ENV_NAME: ALLOC})
+    assert AllocationResolver().resolve([child.pid]) == {child.pid: ALLOC}
+
+
+def test_no_other_variable_leaks(spawn: Spawn, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    env = {**PATH_ONLY, "SECRET": "hunter2", ENV_NAME: ALLOC, "TOKEN": "s3cr3t-t0ken"}
+    child = spawn(["sleep", "30"], env)
+    resolver = AllocationResolver()
+    first = resolver.resolve([child.pid])
+    second = resolver.resolve([child.pid])
+    assert first == second == {child.pid: ALLOC}
+    kept = repr(first) + repr(vars(resolver)) + caplog.text
+    for secret in ("hunter2", "s3cr3t-t0ken", "SECRET", "TOKEN", "PATH"):
+        assert secret not in kept
+
+
+@needs_clean_ancestry
+def test_grandchild_with_a_cleared_environment_resolves_through_its_parent(
+    spawn: Spawn,
+) -> None:
+    shell = spawn(["sh", "-c", "env -i sleep 30 & echo $!; wait"], {**PATH_ONLY, ENV_NAME: ALLOC})
+    assert shell.stdout is not None
+    grandchild = int(shell.stdout.readline())
+    wait_for(lambda: comm(grandchild) == "sleep")  # `env` has exec'd `sleep` with no environment
+    assert ENV_NAME.encode() not in Path(f"/proc/{grandchild}/environ").read_bytes()
+
+    resolver = AllocationResolver()
+    assert resolver.resolve([grandchild]) == {grandchild: ALLOC}
+    assert resolver.resolve([grandchild, shell.pid]) == {grandchild: ALLOC, shell.pid: ALLOC}
+
+
+@needs_clean_ancestry
+def test_process_without_the_variable_is_none(spawn: Spawn) -> None:
+    child = spawn(["sleep", "30"], PATH_ONLY)
+    assert AllocationResolver().resolve([child.pid]) == {child.pid: None}
+
+
+def test_second_call_is_served_from_the_cache(spawn: Spawn) -> None:
+    child = spawn(["sleep", "30"], {**PATH_ONLY, ENV_NAME: ALLOC})
+    resolver = AllocationResolver()
+    resolver.resolve([child.pid])
+    assert (resolver.hits, resolver.misses) == (0, 1)
+    assert resolver.resolve([child.pid]) == {child.pid: ALLOC}
+    assert (resolver.hits, resolver.misses) == (1, 1)
+    assert len(resolver) == 1
+
+
+def test_a_process_that_exited_is_none_and_dropped(spawn: Spawn) -> None:
+    child = spawn(["sleep", "30"], {**PATH_ONLY, ENV_NAME: ALLOC})
+    resolver = AllocationResolver()
+    assert resolver.resolve([child.pid]) == {child.pid: ALLOC}
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait(timeout=10)
+    assert resolver.resolve([child.pid]) == {child.pid: None}
+    assert len(resolver) == 0
+
+
+def test_pid_namespace_warning_matches_this_machine() -> None:
+    nspid = [
+        line.split()[1:]
+        for line in Path("/proc/self/status").read_text().splitlines()
+        if line.startswith("NSpid:")
+    ]
+    warning = pid_namespace_warning()
+    if not nspid or len(nspid[0]) == 1:
+        assert warning is None
+    else:
+        assert warning is not None
+        assert "hostPID: true" in warning
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake /proc trees
+
+
+def fake_process(
+    root: Path,
+    pid: int,
+    *,
+    ppid: int = 1,
+    start: int = 1000,
+    env: Mapping[str, str] | None = None,
+    name: str = "python3",
+) -> None:
+    """A /proc/<pid> with `stat` (the kernel's layout: field 4 the ppid, field 22 the start time)
+    and `environ` (NUL-separated)."""
+    directory = root / str(pid)
+    directory.mkdir(parents=True, exist_ok=True)
+    fields_after_name = f"S {ppid} {pid} {pid} 0 -1 4194304 0 0 0 0 0 0 0 0 20 0 1 0 {start} 0 0"
+    (directory / "stat").write_text(f"{pid} ({name}) {fields_after_name}\n")
+    environ = b"".join(f"{k}={v}".encode() + b"\0" for k, v in (env or {}).items())
+    (directory / "environ").write_bytes(environ)
+
+
+def test_fake_tree_recycled_pid_is_not_served_from_the_cache(tmp_path: Path) -> None:
+    fake_process(tmp_path, 4242, start=1000, env={ENV_NAME: ALLOC})
+    resolver = AllocationResolver(tmp_path)
+    assert resolver.resolve([4242]) == {4242: ALLOC}
+    assert resolver.resolve([4242]) == {4242: ALLOC}
+    assert (resolver.hits, resolver.misses) == (1, 1)
+
+    # The process exits; another one gets the same PID, with another start time and allocation.
+    fake_process(tmp_path, 4242, start=2000, env={ENV_NAME: OTHER})
+    assert resolver.resolve([4242]) == {4242: OTHER}
+    assert (resolver.hits, resolver.misses) == (1, 2)
+
+
+def test_fake_tree_empty_environment_is_looked_at_twice_before_it_is_cached(
+    tmp_path: Path,
+) -> None:
+    """A process caught between exec and the mapping of its new program shows an empty
+    environment; so does one started with a cleared environment. Neither answer is cached at
+    first sight."""
+    fake_process(tmp_path, 2000, env={ENV_NAME: OTHER})
+    fake_process(tmp_path, 2001, ppid=2000)  # mid-exec: empty for now
+    fake_process(tmp_path, 2002, ppid=2000)  # cleared environment: empty for good
+    resolver = AllocationResolver(tmp_path)
+    assert resolver.resolve([2001, 2002]) == {2001: OTHER, 2002: OTHER}
+    (tmp_path / "2001" / "environ").write_bytes(f"{ENV_NAME}={ALLOC}\0".encode())
+    assert resolver.resolve([2001, 2002]) == {2001: ALLOC, 2002: OTHER}
+    assert (resolver.hits, resolver.misses) == (0, 4)
+    assert resolver.resolve([2001, 2002]) == {2001: ALLOC, 2002: OTHER}
+    assert (resolver.hits, resolver.misses) == (2, 4)
+
+
+def test_fake_tree_command_names_with_parentheses_and_spaces(tmp_path: Path) -> None:
+    fake_process(tmp_path, 10, name="a) (b 1 2", start=77, env={ENV_NAME: ALLOC})
+    resolver = AllocationResolver(tmp_path)
+    assert resolver.resolve([10]) == {10: ALLOC}
+    fake_process(tmp_path, 10, name="a) (b 1 2", start=78, env={ENV_NAME: OTHER})
+    assert resolver.resolve([10]) == {10: OTHER}
+
+
+def test_fake_tree_nearest_ancestor_wins(tmp_path: Path) -> None:
+    fake_process(tmp_path, 100, ppid=1, env={ENV_NAME: OTHER})
+    fake_process(tmp_path, 200, ppid=100, env={ENV_NAME: ALLOC})
+    fake_process(tmp_path, 300, ppid=200, env={"HOME": "/root"})
+    fake_process(tmp_path, 301, ppid=300)
+    fake_process(tmp_path, 302, ppid=300)
+    resolver = AllocationResolver(tmp_path)
+    assert resolver.resolve([301, 302, 100]) == {301: ALLOC, 302: ALLOC, 100: OTHER}
+
+
+def test_fake_tree_walk_stops_at_pid_one_and_after_max_ancestors(tmp_path: Path) -> None:
+    fake_process(tmp_path, 1, ppid=0, env={ENV_NAME: OTHER})  # init's own variable is never used
+    fake_process(tmp_path, 50, ppid=1)
+    fake_process(tmp_path, 60, ppid=0)
+    # 500 has the variable; 501..505 each descend from the previous one.
+    fake_process(tmp_path, 500, ppid=50, env={ENV_NAME: ALLOC})
+    for pid in range(501, 506):
+        fake_process(tmp_path, pid, ppid=pid - 1)
+    assert AllocationResolver(tmp_path).resolve([50, 60]) == {50: None, 60: None}
+    assert AllocationResolver(tmp_path, max_ancestors=5).resolve([505]) == {505: ALLOC}
+    assert AllocationResolver(tmp_path, max_ancestors=4).resolve([505]) == {505: None}
+    # A bounded-out walk must not leave a wrong answer for an ancestor asked later in the call.
+    assert AllocationResolver(tmp_path, max_ancestors=4).resolve([505, 502]) == {
+        505: None,
+        502: ALLOC,
+    }
+
+
+def test_fake_tree_parent_loop_ends(tmp_path: Path) -> None:
+    fake_process(tmp_path, 70, ppid=71)
+    fake_process(tmp_path, 71, ppid=70)
+    fake_process(tmp_path, 72, ppid=72)
+    assert AllocationResolver(tmp_path).resolve([70, 72]) == {70: None, 72: None}
+
+
+def test_fake_tree_malformed_value_is_none_and_not_inherited(tmp_path: Path) -> None:
+    fake_process(tmp_path, 80, env={ENV_NAME: ALLOC})
+    for pid, value in ((81, "ABCDEF0123456789"), (82, "abc"), (83, ""), (84, ALLOC + "00")):
+        fake_process(tmp_path, pid, ppid=80, env={ENV_NAME: value})
+    result = AllocationResolver(tmp_path).resolve([81, 82, 83, 84])
+    assert result == {81: None, 82: None, 83: None, 84: None}
+
+
+def test_fake_tree_variable_anywhere_in_the_block(tmp_path: Path) -> None:
+    env = {"A": "1", f"X{ENV_NAME}": OTHER, ENV_NAME: ALLOC, "Z": "2"}
+    fake_process(tmp_path, 90, env=env)
+    fake_process(tmp_path, 91, env={f"X{ENV_NAME}": OTHER})  # a longer name is another variable
+    (tmp_path / "92").mkdir()
+    fake_process(tmp_path, 92)
+    (tmp_path / "92" / "environ").write_bytes(f"{ENV_NAME}={ALLOC}".encode())  # no final NUL
+    assert AllocationResolver(tmp_path).resolve([90, 91, 92]) == {90: ALLOC, 91: None, 92: ALLOC}
+
+
+def test_fake_tree_cache_holds_only_the_latest_pids(tmp_path: Path) -> None:
+    for pid in (1001, 1002, 1003):
+        fake_process(tmp_path, pid, env={ENV_NAME: ALLOC})
+    resolver = AllocationResolver(tmp_path)
+    resolver.resolve([1001, 1002, 1003])
+    assert len(resolver) == 3
+    resolver.resolve([1002])
+    assert len(resolver) == 1
+    resolver.resolve([1001, 1002])
+    assert (resolver.hits, resolver.misses) == (2, 4)  # 1001 was dropped, so resolved afresh
+
+
+def test_fake_tree_duplicates_and_invalid_pids(tmp_path: Path) -> None:
+    fake_process(tmp_path, 1100, env={ENV_NAME: ALLOC})
+    resolver = AllocationResolver(tmp_path)
+    assert resolver.resolve([1100, 1100, 0, -5, 99999]) == {
+        1100: ALLOC,
+        0: None,
+        -5: None,
+        99999: None,
+    }
+    assert len(resolver) == 1
+
+
+def test_fake_tree_unreadable_environ_is_none_and_retried(tmp_path: Path) -> None:
+    fake_process(tmp_path, 1200, env={ENV_NAME: ALLOC})
+    environ = tmp_path / "1200" / "environ"
+    environ.unlink()
+    environ.mkdir()  # reading it fails, as a process's environ may
+    resolver = AllocationResolver(tmp_path)
+    assert resolver.resolve([1200]) == {1200: None}
+    assert len(resolver) == 0
+    environ.rmdir()
+    environ.write_bytes(f"{ENV_NAME}={ALLOC}\0".encode())
+    assert resolver.resolve([1200]) == {1200: ALLOC}
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_fake_tree_permission_denied_is_none_and_not_cached(tmp_path: Path) -> None:
+    fake_process(tmp_path, 1300, env={ENV_NAME: ALLOC})
+    environ = tmp_path / "1300" / "environ"
+    environ.chmod(0)
+    resolver = AllocationResolver(tmp_path)
+    assert resolver.resolve([1300]) == {1300: None}
+    assert len(resolver) == 0
+
+
+def test_fake_tree_vanished_ancestor_is_none_and_not_cached(tmp_path: Path) -> None:
+    fake_process(tmp_path, 1400, ppid=1399)  # its parent has no /proc entry
+    resolver = AllocationResolver(tmp_path)
+    assert resolver.resolve([1400]) == {1400: None}
+    assert len(resolver) == 0
+
+
+def test_negative_max_ancestors_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_ancestors"):
+        AllocationResolver(max_ancestors=-1)
+
+
+def status_tree(root: Path, text: str | None) -> Path:
+    (root / "self").mkdir(parents=True)
+    if text is not None:
+        (root / "self" / "status").write_text(text)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("status", "warns"),
+    [
+        ("Name:\tvgpu\nPid:\t42\nNSpid:\t42\nNSpgid:\t42\n", False),
+        ("Name:\tvgpu\nPid:\t42\nNSpid:\t4242\t42\n", True),
+        ("Name:\tvgpu\nNSpid:\t9\t5\t1\n", True),
+        ("Name:\tvgpu\nPid:\t42\n", False),  # kernels before 4.1 have no NSpid line
+        (None, False),
+    ],
+)
+def test_fake_tree_pid_namespace_warning(tmp_path: Path, status: str | None, warns: bool) -> None:
+    warning = pid_namespace_warning(status_tree(tmp_path, status))
+    if warns:
+        assert warning is not None
+        assert "hostPID: true" in warning
+        assert "host PID" in warning
+        assert "\n" not in warning
+    else:
+        assert warning is None

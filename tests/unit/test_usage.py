@@ -1,0 +1,493 @@
+"""Unit tests for deviceplugin.usage: the utilisation window and the snapshot builder."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from deviceplugin.model import (
+    AllocationRecord,
+    ContainerUsage,
+    DaemonHealth,
+    GpuInfo,
+    GpuPlan,
+    GpuReading,
+    Inventory,
+    NodeReading,
+    NodeSnapshot,
+    ProcessSample,
+    Slice,
+    SliceId,
+    allocation_id,
+)
+from deviceplugin.usage import SnapshotBuilder, UtilizationWindow, mark_stale
+
+GI = 1 << 30
+REPLICAS = 4
+GPU_MEMORY = 80 * GI
+SLICE_MEMORY = GPU_MEMORY // REPLICAS
+UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
+UUID1 = "GPU-11111111-1111-1111-1111-111111111111"
+HEALTH = DaemonHealth(registered=True, pod_resources_ok=True)
+
+# ---------------------------------------------------------------------------------------------
+# UtilizationWindow
+
+
+def test_window_weights_samples_by_duration() -> None:
+    window = UtilizationWindow(10.0)
+    window.add("k", end_s=1.0, duration_s=1.0, value=0.2)
+    window.add("k", end_s=3.0, duration_s=2.0, value=0.8)
+    assert window.average("k", 3.0) == pytest.approx((1 * 0.2 + 2 * 0.8) / 3)
+
+
+def test_window_counts_only_the_part_of_a_sample_inside_it() -> None:
+    window = UtilizationWindow(3.0)
+    window.add("k", end_s=2.0, duration_s=2.0, value=1.0)  # [0, 2]: only [1, 2] is in the window
+    window.add("k", end_s=4.0, duration_s=2.0, value=0.0)
+    assert window.average("k", 4.0) == pytest.approx(1 / 3)
+
+
+def test_window_expires_old_samples() -> None:
+    window = UtilizationWindow(5.0)
+    window.add("k", end_s=1.0, duration_s=1.0, value=1.0)
+    for end in (2.0, 3.0, 4.0, 5.0, 6.0, 7.0):
+        window.add("k", end_s=end, duration_s=1.0, value=0.0)
+    assert window.average("k", 7.0) == 0.0  # the 1.0 sample ended before the window began
+    assert window.average("k", 100.0) is None  # nothing left inside the window
+
+
+def test_window_zero_duration_samples_average_to_zero() -> None:
+    window = UtilizationWindow(5.0)
+    window.add("k", end_s=1.0, duration_s=0.0, value=0.9)
+    assert window.average("k", 1.0) == 0.0
+    window.add("k", end_s=2.0, duration_s=1.0, value=0.4)
+    assert window.average("k", 2.0) == pytest.approx(0.4)
+
+
+def test_window_unknown_key_is_none() -> None:
+    assert UtilizationWindow(5.0).average("nobody", 1.0) is None
+
+
+def test_window_keys_are_independent() -> None:
+    window = UtilizationWindow(5.0)
+    window.add(("a", UUID0), 1.0, 1.0, 0.3)
+    window.add(("b", UUID0), 1.0, 1.0, 0.7)
+    assert window.average(("a", UUID0), 1.0) == pytest.approx(0.3)
+    assert window.average(("b", UUID0), 1.0) == pytest.approx(0.7)
+
+
+def test_window_forget_except_drops_the_rest() -> None:
+    window = UtilizationWindow(5.0)
+    for key in ("a", "b", "c"):
+        window.add(key, 1.0, 1.0, 0.5)
+    window.forget_except({"b", "zzz"})
+    assert len(window) == 1
+    assert window.average("a", 1.0) is None
+    assert window.average("b", 1.0) == pytest.approx(0.5)
+    assert window.average("c", 1.0) is None
+
+
+def test_window_stays_bounded_over_many_samples() -> None:
+    window = UtilizationWindow(5.0)
+    for tick in range(1, 2001):
+        window.add("k", end_s=tick * 0.5, duration_s=0.5, value=(tick % 2) * 1.0)
+    assert window.average("k", 1000.0) == pytest.approx(0.5)
+    # Samples older than the window are dropped as new ones arrive (a private detail, checked
+    # here because memory must stay bounded).
+    assert len(window._series["k"].samples) <= 11
+
+
+def test_window_samples_out_of_order_give_the_same_average() -> None:
+    ordered = UtilizationWindow(4.0)
+    shuffled = UtilizationWindow(4.0)
+    samples = [(1.0, 1.0, 0.9), (2.0, 1.0, 0.1), (4.0, 2.0, 0.5), (5.0, 1.0, 0.3)]
+    for sample in samples:
+        ordered.add("k", *sample)
+    for sample in (samples[2], samples[0], samples[3], samples[1]):
+        shuffled.add("k", *sample)
+    expected = (1 * 0.1 + 2 * 0.5 + 1 * 0.3) / 4  # [1, 5]: the first sample is outside
+    assert ordered.average("k", 5.0) == pytest.approx(expected)
+    assert shuffled.average("k", 5.0) == pytest.approx(expected)
+
+
+def test_window_average_at_an_earlier_time_clips_at_that_time() -> None:
+    window = UtilizationWindow(10.0)
+    window.add("k", end_s=2.0, duration_s=2.0, value=1.0)
+    window.add("k", end_s=4.0, duration_s=2.0, value=0.0)
+    assert window.average("k", 3.0) == pytest.approx(2 / 3)  # [0, 2] at 1.0, [2, 3] at 0.0
+
+
+sample_lists = st.lists(
+    st.tuples(
+        st.one_of(st.just(0.0), st.floats(1e-3, 3.0)),  # from the previous sample's end
+        st.one_of(st.just(0.0), st.floats(1e-3, 4.0)),  # duration
+        st.floats(0.0, 1.0),  # value
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@given(
+    samples=sample_lists,
+    window_s=st.floats(0.1, 10.0),
+    contiguous=st.booleans(),
+    later_s=st.floats(0.0, 5.0),
+)
+def test_window_matches_a_direct_computation(
+    samples: list[tuple[float, float, float]], window_s: float, contiguous: bool, later_s: float
+) -> None:
+    """Against the definition, with every sample kept: contiguous polls (the daemon's case), and
+    samples with gaps or reaching back over earlier ones; queried at the newest sample's end and
+    later."""
+    window = UtilizationWindow(window_s)
+    added: list[tuple[float, float, float]] = []
+    end = 0.0
+    for step, duration, value in samples:
+        end += step
+        span = step if contiguous else duration
+        window.add("k", end, span, value)
+        added.append((end - span, end, value))
+        for now in (end, end + later_s):
+            lo = now - window_s
+            inside = [(s, e, v) for s, e, v in added if e > lo and s <= now]
+            weights = [(min(e, now) - max(s, lo), v) for s, e, v in inside]
+            total = sum(w for w, _ in weights)
+            got = window.average("k", now)
+            if not inside:
+                assert got is None
+            elif total < 1e-6:
+                assert got == 0.0
+            else:
+                assert got is not None
+                expected = sum(w * v for w, v in weights) / total
+                assert got == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("window_s", [0.0, -1.0])
+def test_window_needs_a_positive_length(window_s: float) -> None:
+    with pytest.raises(ValueError, match="window_s"):
+        UtilizationWindow(window_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# SnapshotBuilder
+
+
+def gpu_info(index: int, uuid: str) -> GpuInfo:
+    return GpuInfo(uuid, index, "NVIDIA A100-SXM4-80GB", GPU_MEMORY, minor=index)
+
+
+def inventory(*gpus: tuple[GpuInfo, bool]) -> Inventory:
+    plans: list[GpuPlan] = []
+    slices: list[Slice] = []
+    for info, healthy in gpus:
+        plans.append(GpuPlan(info, REPLICAS, SLICE_MEMORY, 1 / REPLICAS))
+        slices.extend(
+            Slice(SliceId(info.uuid, n), info.index, None, SLICE_MEMORY, 1 / REPLICAS, healthy)
+            for n in range(REPLICAS)
+        )
+    return Inventory.of(plans, slices)
+
+
+def record(
+    *slice_ids: str, namespace: str = "", pod: str = "", container: str = ""
+) -> AllocationRecord:
+    return AllocationRecord(
+        allocation_id(slice_ids),
+        tuple(sorted(slice_ids)),
+        100.0,
+        namespace=namespace,
+        pod=pod,
+        container=container,
+    )
+
+
+def sid(uuid: str, n: int) -> str:
+    return str(SliceId(uuid, n))
+
+
+def reading(
+    gpu0: Sequence[ProcessSample] = (),
+    gpu1: Sequence[ProcessSample] = (),
+    *,
+    healthy1: bool = True,
+    sm0: float | None = None,
+    sm1: float | None = None,
+) -> NodeReading:
+    return NodeReading(
+        timestamp_s=0.0,
+        gpus=(
+            # Deliberately out of index order: the snapshot orders GPUs by index.
+            GpuReading(
+                gpu_info(1, UUID1), healthy=healthy1, sm_util_percent=sm1, processes=tuple(gpu1)
+            ),
+            GpuReading(gpu_info(0, UUID0), sm_util_percent=sm0, processes=tuple(gpu0)),
+        ),
+    )
+
+
+INVENTORY = inventory((gpu_info(0, UUID0), True), (gpu_info(1, UUID1), True))
+# A: two slices of GPU 0. B: one slice on each GPU. C: one slice of GPU 0, no processes.
+A = record(sid(UUID0, 0), sid(UUID0, 1), namespace="ml", pod="train-0", container="worker")
+B = record(sid(UUID0, 2), sid(UUID1, 0), namespace="ml", pod="infer-0", container="server")
+C = record(sid(UUID0, 3), namespace="dev", pod="idle", container="main")
+
+
+def build(
+    builder: SnapshotBuilder,
+    node: NodeReading,
+    records: Sequence[AllocationRecord],
+    pids: Mapping[int, str | None],
+    *,
+    inv: Inventory = INVENTORY,
+    now_s: float = 10.0,
+    previous_s: float | None = 9.0,
+) -> tuple[NodeSnapshot, frozenset[str]]:
+    return builder.build(
+        node,
+        inv,
+        records,
+        pids,
+        now_s=now_s,
+        wall_s=1_700_000_000.0,
+        health=HEALTH,
+        previous_reading_s=previous_s,
+    )
+
+
+def usage_of(snapshot: NodeSnapshot, rec: AllocationRecord, uuid: str) -> ContainerUsage:
+    matches = [
+        c
+        for c in snapshot.containers
+        if c.allocation_id == rec.allocation_id and c.gpu_uuid == uuid
+    ]
+    assert len(matches) == 1, matches
+    return matches[0]
+
+
+def test_processes_are_attributed_by_allocation() -> None:
+    node = reading(
+        gpu0=[
+            ProcessSample(101, 3 * GI, 20.0),
+            ProcessSample(102, 5 * GI, 30.0),
+            ProcessSample(201, 1 * GI, 10.0),
+        ]
+    )
+    pids = {101: A.allocation_id, 102: A.allocation_id, 201: B.allocation_id}
+    snapshot, unknown = build(SnapshotBuilder("node-a", 5.0), node, [A, B, C], pids)
+
+    assert unknown == frozenset()
+    a0 = usage_of(snapshot, A, UUID0)
+    assert [p.pid for p in a0.processes] == [101, 102]
+    assert a0.memory_used_bytes == 8 * GI
+    assert a0.sm_utilization_ratio == pytest.approx(0.5)
+    b0 = usage_of(snapshot, B, UUID0)
+    assert [p.pid for p in b0.processes] == [201]
+    assert b0.memory_used_bytes == 1 * GI
+    assert b0.sm_utilization_ratio == pytest.approx(0.1)
+    assert snapshot.gpus[0].unattributed == ()
+
+
+def test_limits_and_shares_scale_with_slices_per_gpu() -> None:
+    snapshot, _ = build(SnapshotBuilder("n", 5.0), reading(), [A, B, C], {})
+    a0 = usage_of(snapshot, A, UUID0)
+    assert (a0.slices, a0.memory_limit_bytes) == (2, 2 * SLICE_MEMORY)
+    assert a0.compute_share_ratio == pytest.approx(0.5)
+    # B holds one slice on each GPU: one ContainerUsage per GPU, each with one slice's worth.
+    for uuid, index in ((UUID0, 0), (UUID1, 1)):
+        b = usage_of(snapshot, B, uuid)
+        assert (b.gpu_index, b.slices, b.memory_limit_bytes) == (index, 1, SLICE_MEMORY)
+        assert b.compute_share_ratio == pytest.approx(0.25)
+
+
+def test_all_slices_of_a_gpu_give_the_whole_gpu() -> None:
+    whole = record(*(sid(UUID1, n) for n in range(REPLICAS)))
+    snapshot, _ = build(SnapshotBuilder("n", 5.0), reading(), [whole], {})
+    usage = usage_of(snapshot, whole, UUID1)
+    assert usage.slices == REPLICAS
+    assert usage.memory_limit_bytes == GPU_MEMORY
+    assert usage.compute_share_ratio == pytest.approx(1.0)
+
+
+def test_container_without_processes_is_present_with_zeros() -> None:
+    snapshot, _ = build(SnapshotBuilder("n", 5.0), reading(), [C], {}, previous_s=None)
+    usage = usage_of(snapshot, C, UUID0)
+    assert usage.processes == ()
+    assert usage.memory_used_bytes == 0
+    assert usage.sm_utilization_ratio == 0.0
+    assert usage.memory_limit_bytes == SLICE_MEMORY
+    assert len(snapshot.containers) == 1
+
+
+def test_unknown_allocation_is_unattributed_and_reported() -> None:
+    stranger = "0123456789abcdef"
+    node = reading(gpu0=[ProcessSample(301, 2 * GI, 40.0), ProcessSample(101, GI, 5.0)])
+    snapshot, unknown = build(
+        SnapshotBuilder("n", 5.0), node, [A], {301: stranger, 101: A.allocation_id}
+    )
+    assert unknown == frozenset({stranger})
+    assert [p.pid for p in snapshot.gpus[0].unattributed] == [301]
+    assert all(301 not in {p.pid for p in c.processes} for c in snapshot.containers)
+    assert all(c.allocation_id != stranger for c in snapshot.containers)
+    assert usage_of(snapshot, A, UUID0).memory_used_bytes == GI
+
+
+def test_process_without_allocation_id_is_unattributed() -> None:
+    # 401 maps to None (no variable found); 402 is missing from the mapping altogether.
+    node = reading(gpu0=[ProcessSample(401, GI, 50.0), ProcessSample(402, GI, 50.0)])
+    snapshot, unknown = build(SnapshotBuilder("n", 5.0), node, [A], {401: None})
+    assert unknown == frozenset()
+    assert [p.pid for p in snapshot.gpus[0].unattributed] == [401, 402]
+    assert usage_of(snapshot, A, UUID0).processes == ()
+
+
+def test_process_on_a_gpu_without_slices_gets_a_zero_limit_usage() -> None:
+    node = reading(gpu1=[ProcessSample(103, 4 * GI, 60.0)])
+    snapshot, unknown = build(SnapshotBuilder("n", 5.0), node, [A], {103: A.allocation_id})
+    assert unknown == frozenset()
+    stray = usage_of(snapshot, A, UUID1)
+    assert (stray.slices, stray.memory_limit_bytes, stray.compute_share_ratio) == (0, 0, 0.0)
+    assert stray.memory_used_bytes == 4 * GI
+    assert stray.sm_utilization_ratio == pytest.approx(0.6)
+    assert [p.pid for p in stray.processes] == [103]
+    assert usage_of(snapshot, A, UUID0).slices == 2
+    assert snapshot.gpus[1].unattributed == ()
+
+
+def test_slice_states_count_allocated_free_and_unhealthy() -> None:
+    inv = inventory((gpu_info(0, UUID0), True), (gpu_info(1, UUID1), False))
+    snapshot, _ = build(SnapshotBuilder("n", 5.0), reading(healthy1=False), [A, B], {}, inv=inv)
+    gpu0, gpu1 = snapshot.gpus
+    assert (gpu0.slices_total, gpu0.slices_allocated, gpu0.slices_unhealthy) == (4, 3, 0)
+    assert gpu0.slices_free == 1
+    # B's slice on the unhealthy GPU counts as unhealthy, not allocated; B keeps its limit there.
+    assert (gpu1.slices_total, gpu1.slices_allocated, gpu1.slices_unhealthy) == (4, 0, 4)
+    assert gpu1.slices_free == 0
+    assert usage_of(snapshot, B, UUID1).memory_limit_bytes == SLICE_MEMORY
+
+
+def test_a_slice_held_twice_is_allocated_once() -> None:
+    older = record(sid(UUID0, 0))
+    newer = AllocationRecord("feedfacefeedface", (sid(UUID0, 0),), 200.0)
+    snapshot, _ = build(SnapshotBuilder("n", 5.0), reading(), [older, newer], {})
+    assert snapshot.gpus[0].slices_allocated == 1
+    assert snapshot.gpus[0].slices_free == 3
+
+
+def test_slices_unknown_to_the_inventory_are_skipped() -> None:
+    gone = record(sid("GPU-gone", 0), sid(UUID0, 1))
+    snapshot, _ = build(SnapshotBuilder("n", 5.0), reading(), [gone], {})
+    assert [(c.gpu_uuid, c.slices) for c in snapshot.containers] == [(UUID0, 1)]
+
+
+def test_names_come_from_records_and_anonymous_ones_stay_empty() -> None:
+    anonymous = record(sid(UUID0, 3))
+    snapshot, _ = build(SnapshotBuilder("n", 5.0), reading(), [A, anonymous], {})
+    a0 = usage_of(snapshot, A, UUID0)
+    assert (a0.namespace, a0.pod, a0.container) == ("ml", "train-0", "worker")
+    anon = usage_of(snapshot, anonymous, UUID0)
+    assert (anon.namespace, anon.pod, anon.container) == ("", "", "")
+
+
+def test_order_gpus_by_index_and_containers_by_gpu_then_names() -> None:
+    z = record(sid(UUID0, 3), namespace="zz", pod="p", container="c")
+    anonymous = record(sid(UUID1, 1))
+    snapshot, _ = build(SnapshotBuilder("n", 5.0), reading(), [z, B, anonymous, A], {})
+    assert [g.info.index for g in snapshot.gpus] == [0, 1]
+    assert [(c.gpu_index, c.namespace, c.pod) for c in snapshot.containers] == [
+        (0, "ml", "infer-0"),
+        (0, "ml", "train-0"),
+        (0, "zz", "p"),
+        (1, "", ""),
+        (1, "ml", "infer-0"),
+    ]
+
+
+def test_ties_in_names_are_ordered_by_allocation_id() -> None:
+    one = record(sid(UUID0, 0))
+    two = record(sid(UUID0, 1))
+    snapshot, _ = build(SnapshotBuilder("n", 5.0), reading(), [one, two], {})
+    ids = [c.allocation_id for c in snapshot.containers]
+    assert ids == sorted([one.allocation_id, two.allocation_id])
+
+
+def test_missing_memory_and_utilisation_count_as_zero() -> None:
+    node = reading(gpu0=[ProcessSample(101, None, None), ProcessSample(102, 2 * GI, 30.0)])
+    snapshot, _ = build(
+        SnapshotBuilder("n", 5.0), node, [A], {101: A.allocation_id, 102: A.allocation_id}
+    )
+    a0 = usage_of(snapshot, A, UUID0)
+    assert a0.memory_used_bytes == 2 * GI
+    assert a0.sm_utilization_ratio == pytest.approx(0.3)
+    assert len(a0.processes) == 2
+
+
+def test_utilisation_is_averaged_over_the_window_across_builds() -> None:
+    builder = SnapshotBuilder("n", 5.0)
+    pids = {101: A.allocation_id}
+
+    def at(now_s: float, previous_s: float | None, percent: float) -> NodeSnapshot:
+        node = reading(gpu0=[ProcessSample(101, GI, percent)], sm0=percent)
+        return build(builder, node, [A], pids, now_s=now_s, previous_s=previous_s)[0]
+
+    first = at(10.0, None, 80.0)
+    assert usage_of(first, A, UUID0).sm_utilization_ratio == 0.0  # covers no time yet
+    assert first.gpus[0].sm_utilization_ratio == 0.0
+    second = at(11.0, 10.0, 50.0)
+    assert usage_of(second, A, UUID0).sm_utilization_ratio == pytest.approx(0.5)
+    third = at(13.0, 11.0, 20.0)  # 1 s at 50 % and 2 s at 20 %
+    assert usage_of(third, A, UUID0).sm_utilization_ratio == pytest.approx(0.3)
+    assert third.gpus[0].sm_utilization_ratio == pytest.approx(0.3)
+    later = at(30.0, 13.0, 0.0)  # one long poll covering the whole window at 0 %
+    assert usage_of(later, A, UUID0).sm_utilization_ratio == 0.0
+
+
+def test_utilisation_ratios_are_clamped_to_one() -> None:
+    node = reading(gpu0=[ProcessSample(101, GI, 90.0), ProcessSample(102, GI, 70.0)], sm0=130.0)
+    pids = {101: A.allocation_id, 102: A.allocation_id}
+    snapshot, _ = build(SnapshotBuilder("n", 5.0), node, [A], pids)
+    assert usage_of(snapshot, A, UUID0).sm_utilization_ratio == 1.0
+    assert snapshot.gpus[0].sm_utilization_ratio == 1.0
+
+
+def test_gpu_without_utilisation_reports_none() -> None:
+    snapshot, _ = build(SnapshotBuilder("n", 5.0), reading(sm0=40.0, sm1=None), [], {})
+    assert snapshot.gpus[0].sm_utilization_ratio == pytest.approx(0.4)
+    assert snapshot.gpus[1].sm_utilization_ratio is None
+
+
+def test_a_departed_allocation_leaves_no_history_behind() -> None:
+    builder = SnapshotBuilder("n", 60.0)
+    busy = reading(gpu0=[ProcessSample(101, GI, 100.0)])
+    build(builder, busy, [A], {101: A.allocation_id}, now_s=10.0, previous_s=9.0)
+    build(builder, reading(), [], {}, now_s=11.0, previous_s=10.0)
+    snapshot, _ = build(builder, reading(), [A], {}, now_s=12.0, previous_s=11.0)
+    assert usage_of(snapshot, A, UUID0).sm_utilization_ratio == 0.0
+
+
+def test_snapshot_carries_node_time_allocations_and_health() -> None:
+    snapshot, _ = build(SnapshotBuilder("node-7", 5.0), reading(), [A, B], {})
+    assert snapshot.node_name == "node-7"
+    assert snapshot.taken_at_s == 1_700_000_000.0
+    assert snapshot.allocations == (A, B)
+    assert snapshot.health == HEALTH
+    assert snapshot.stale is False
+    assert snapshot.enforcement == ()
+    assert [g.reading.info.uuid for g in snapshot.gpus] == [UUID0, UUID1]
+
+
+def test_mark_stale_keeps_the_figures_and_replaces_health() -> None:
+    node = reading(gpu0=[ProcessSample(101, GI, 10.0)])
+    snapshot, _ = build(SnapshotBuilder("n", 5.0), node, [A], {101: A.allocation_id})
+    failing = DaemonHealth(registered=True, poll_failures_consecutive=3)
+    stale = mark_stale(snapshot, failing)
+    assert stale.stale is True
+    assert stale.health == failing
+    assert dataclasses.replace(stale, stale=False, health=HEALTH) == snapshot
+    assert snapshot.stale is False  # the original is unchanged
