@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -24,16 +23,6 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
     return subprocess.run(
         [*CLI, *args], capture_output=True, text=True, timeout=timeout, check=False
     )
-
-
-@pytest.fixture
-async def node(short_tmp: Path) -> AsyncIterator[Node]:
-    n = Node(short_tmp, TWO_GPUS)
-    await n.sim.start()
-    try:
-        yield n
-    finally:
-        await n.sim.stop()
 
 
 async def _serve(node: Node, *extra: str) -> asyncio.subprocess.Process:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -33,16 +33,6 @@ from tests.blackbox.daemon_harness import (
     registered,
     running_daemon,
 )
-
-
-@pytest.fixture
-async def node(short_tmp: Path) -> AsyncIterator[Node]:
-    n = Node(short_tmp, TWO_GPUS)
-    await n.sim.start()
-    try:
-        yield n
-    finally:
-        await n.sim.stop()
 
 
 async def plugin_call(node: Node, method: str, request: object) -> object:

@@ -6,8 +6,7 @@ import asyncio
 import json
 import sys
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -43,16 +42,6 @@ DESIGN_METRICS = {
     "vgpu_poll_duration_seconds",
     "vgpu_kubelet_registrations_total",
 }
-
-
-@pytest.fixture
-async def node(short_tmp: Path) -> AsyncIterator[Node]:
-    n = Node(short_tmp, TWO_GPUS)
-    await n.sim.start()
-    try:
-        yield n
-    finally:
-        await n.sim.stop()
 
 
 @pytest.fixture

@@ -1,0 +1,565 @@
+"""Enforcement against real processes: the fake GPU backend, attribution from /proc, the snapshot
+builder and the enforcer, polled in a loop as the daemon does.
+
+Every process signalled here is a `sleep` child spawned by the test; the `spawn` fixture resumes
+and kills each one whatever the outcome, and stopped-process records name only those children.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+
+from deviceplugin.config import (
+    ComputeAction,
+    ComputeEnforcement,
+    EnforcementConfig,
+    MemoryAction,
+    MemoryEnforcement,
+    SliceRule,
+    SlicingConfig,
+)
+from deviceplugin.enforcer import (
+    STOPPED_RECORD_NAME,
+    EnforcementError,
+    Enforcer,
+    PsutilControl,
+    read_stopped_record,
+    write_stopped_record,
+)
+from deviceplugin.gpu.fake import FakeBackend, proc_stat_state, write_state_file
+from deviceplugin.model import (
+    AllocationRecord,
+    ContainerUsage,
+    DaemonHealth,
+    EnforcementCount,
+    NodeReading,
+    NodeSnapshot,
+    allocation_id,
+)
+from deviceplugin.procs import AllocationResolver
+from deviceplugin.slicing import build_inventory
+from deviceplugin.usage import SnapshotBuilder
+
+GIB = 1024**3
+GPU = "GPU-00000000-0000-4000-8000-00000000e0f0"
+POLL_S = 0.2
+PERIOD_S = 0.1
+SLICE_GIB = 20  # an 80 GiB GPU in 4 slices
+
+Spawn = Callable[..., "subprocess.Popen[bytes]"]
+
+
+def slices(*numbers: int) -> tuple[str, ...]:
+    return tuple(f"{GPU}::{n}" for n in numbers)
+
+
+A_SLICES = slices(0)  # compute share 0.25
+B_SLICES = slices(1, 2, 3)  # compute share 0.75
+A = allocation_id(A_SLICES)
+B = allocation_id(B_SLICES)
+
+
+@pytest.fixture
+def spawn() -> Iterator[Spawn]:
+    children: list[subprocess.Popen[bytes]] = []
+
+    def start(allocation: str | None = None) -> subprocess.Popen[bytes]:
+        env = {k: v for k, v in os.environ.items() if k != "VGPU_ALLOCATION_ID"}
+        if allocation is not None:
+            env["VGPU_ALLOCATION_ID"] = allocation
+        child = subprocess.Popen(["sleep", "120"], env=env)
+        children.append(child)
+        return child
+
+    yield start
+    for child in children:
+        try:
+            if child.poll() is None:
+                child.send_signal(signal.SIGCONT)
+                child.kill()
+        finally:
+            child.wait(timeout=10)
+
+
+def run_state(pid: int) -> str:
+    try:
+        return proc_stat_state(Path(f"/proc/{pid}/stat").read_bytes())
+    except FileNotFoundError:
+        return "gone"
+
+
+def is_stopped(pid: int) -> bool:
+    return run_state(pid) in ("T", "t")
+
+
+def wait_until(test: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if test():
+            return True
+        time.sleep(0.005)
+    return test()
+
+
+@dataclass
+class Proc:
+    child: subprocess.Popen[bytes]
+    memory_gib: float = 1
+    demand: float = 0
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
+
+
+class SpyControl(PsutilControl):
+    """The real process control, counting what it sends; optionally failing on demand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[tuple[int, signal.Signals]] = []
+        self.sent_at: list[float] = []
+        self.fail_watch = False
+        self.fail_stop_after: int | None = None
+        self._lock_sent = threading.Lock()
+
+    def watch(self, pids: Collection[int]) -> None:
+        if self.fail_watch:
+            raise RuntimeError("injected failure")
+        super().watch(pids)
+
+    def send(self, pid: int, sig: signal.Signals) -> bool:
+        with self._lock_sent:
+            stops = sum(1 for _, s in self.sent if s == signal.SIGSTOP)
+            limit = self.fail_stop_after
+            in_thread = threading.current_thread().name == "vgpu-duty-cycle"
+            if sig == signal.SIGSTOP and in_thread and limit is not None and stops >= limit:
+                raise RuntimeError("injected failure in the duty-cycle thread")
+            self.sent.append((pid, sig))
+            self.sent_at.append(time.monotonic())
+        return super().send(pid, sig)
+
+
+@dataclass
+class Node:
+    """One fake GPU whose processes are real children, and the daemon's poll pipeline: backend
+    -> attribution -> snapshot -> enforcer."""
+
+    root: Path
+    config: EnforcementConfig
+    processes: list[Proc]
+    control: SpyControl = field(default_factory=SpyControl)
+    allocations: tuple[AllocationRecord, ...] = (
+        AllocationRecord(A, A_SLICES, 0.0, "team-a", "pod-a", "main"),
+        AllocationRecord(B, B_SLICES, 0.0, "team-b", "pod-b", "main"),
+    )
+    readings: list[NodeReading] = field(default_factory=list)
+    tick_times: list[float] = field(default_factory=list)
+    snapshots: list[NodeSnapshot] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.state_file = self.root / "gpus.json"
+        self.state_dir = self.root / "state"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.write()
+        self.backend = FakeBackend(self.state_file, sample_interval_s=0.004)
+        self.resolver = AllocationResolver()
+        self.builder = SnapshotBuilder("node", self.config.compute.window_s)
+        self.enforcer = Enforcer(self.config, self.state_dir, control=self.control)
+        self.enforcer.recover()
+        self._previous_s: float | None = None
+
+    def write(self) -> None:
+        processes = [
+            {
+                "pid": p.pid,
+                "used_memory_bytes": int(p.memory_gib * GIB),
+                "sm_demand_percent": p.demand,
+            }
+            for p in self.processes
+        ]
+        gpu = {
+            "uuid": GPU,
+            "index": 0,
+            "name": "NVIDIA A100-SXM4-80GB",
+            "memory_total_bytes": 80 * GIB,
+            "minor": 0,
+            "processes": processes,
+        }
+        write_state_file(self.state_file, {"gpus": [gpu]})
+
+    def tick(self) -> NodeSnapshot:
+        for p in self.processes:
+            p.child.poll()  # reap what was killed, as a container runtime does
+        self.tick_times.append(time.monotonic())
+        reading = self.backend.poll()
+        inventory = build_inventory(reading, SlicingConfig(default=SliceRule(replicas=4)))
+        owners = self.resolver.resolve(p.pid for g in reading.gpus for p in g.processes)
+        snap, _ = self.builder.build(
+            reading,
+            inventory,
+            self.allocations,
+            owners,
+            now_s=reading.timestamp_s,
+            wall_s=time.time(),
+            health=DaemonHealth(),
+            previous_reading_s=self._previous_s,
+        )
+        self._previous_s = reading.timestamp_s
+        snap = self.enforcer.on_snapshot(snap)
+        self.readings.append(reading)
+        self.snapshots.append(snap)
+        return snap
+
+    def run(self, seconds: float, each: Callable[[NodeSnapshot], None] | None = None) -> None:
+        start = time.monotonic()
+        ticks = round(seconds / self.config.poll_interval_s)
+        for k in range(1, ticks + 1):
+            delay = start + k * self.config.poll_interval_s - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            snap = self.tick()
+            if each is not None:
+                each(snap)
+
+    def utilisation(self, pid: int, last_s: float) -> float:
+        """The fake's utilisation of `pid`, averaged over the readings of the last `last_s`."""
+        end = self.readings[-1].timestamp_s
+        weighted = 0.0
+        total = 0.0
+        for before, reading in zip(self.readings, self.readings[1:], strict=False):
+            if reading.timestamp_s <= end - last_s:
+                continue
+            span = reading.timestamp_s - before.timestamp_s
+            util = next(p.sm_util_percent for p in reading.gpus[0].processes if p.pid == pid)
+            weighted += span * (util or 0.0)
+            total += span
+        return weighted / total / 100
+
+    def container(self, allocation: str) -> ContainerUsage:
+        return next(c for c in self.snapshots[-1].containers if c.allocation_id == allocation)
+
+    def counts(self) -> dict[tuple[str, str, str], int]:
+        return {
+            (c.allocation_id, c.kind, c.action): c.count for c in self.snapshots[-1].enforcement
+        }
+
+    def close(self) -> None:
+        self.enforcer.close()
+        self.backend.close()
+
+
+@pytest.fixture
+def make_node(tmp_path: Path) -> Iterator[Callable[..., Node]]:
+    nodes: list[Node] = []
+
+    def make(config: EnforcementConfig, processes: Sequence[Proc]) -> Node:
+        node = Node(tmp_path / f"node{len(nodes)}", config, list(processes))
+        nodes.append(node)
+        return node
+
+    yield make
+    for node in nodes:
+        node.close()
+
+
+def config(
+    *,
+    memory: MemoryAction = MemoryAction.KILL,
+    grace_s: float = 1.0,
+    compute: ComputeAction = ComputeAction.THROTTLE,
+    work_conserving: bool = True,
+) -> EnforcementConfig:
+    return EnforcementConfig(
+        poll_interval_s=POLL_S,
+        memory=MemoryEnforcement(action=memory, grace_period_s=grace_s),
+        compute=ComputeEnforcement(
+            action=compute, window_s=2.0, period_s=PERIOD_S, work_conserving=work_conserving
+        ),
+    )
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+
+def test_memory_over_the_limit_is_killed_after_the_grace_period_and_not_before(
+    spawn: Spawn, make_node: Callable[..., Node], caplog: pytest.LogCaptureFixture
+) -> None:
+    big = Proc(spawn(A), memory_gib=15)
+    small = Proc(spawn(A), memory_gib=10)
+    neighbour = Proc(spawn(B), memory_gib=30)
+    node = make_node(config(grace_s=1.0), [big, small, neighbour])
+    node.run(2.4)
+    kills = [
+        (at, pid)
+        for at, (pid, sig) in zip(node.control.sent_at, node.control.sent, strict=True)
+        if sig == signal.SIGKILL
+    ]
+    assert [pid for _, pid in kills] == [big.pid]
+    waited = kills[0][0] - node.tick_times[0]  # from the first snapshot that showed it
+    assert 1.0 - 0.1 * POLL_S <= waited <= 1.0 + 1.5 * POLL_S  # G1: within one poll of grace
+    big.child.wait(timeout=5)
+    assert big.child.returncode == -signal.SIGKILL
+    assert small.child.poll() is None
+    assert neighbour.child.poll() is None
+    assert node.counts() == {(A, "memory", "kill"): 1}
+    count = node.snapshots[-1].enforcement[0]
+    assert count == EnforcementCount(A, GPU, "memory", "kill", 1, "team-a", "pod-a", "main")
+    (line,) = [r for r in caplog.records if "action=kill" in r.getMessage()]
+    assert line.levelname == "WARNING"
+    for part in (
+        "namespace=team-a",
+        "pod=pod-a",
+        "container=main",
+        f"pid={big.pid}",
+        f"gpu={GPU}",
+        f"used_bytes={25 * GIB}",
+        f"limit_bytes={SLICE_GIB * GIB}",
+    ):
+        assert part in line.getMessage()
+
+
+def test_a_process_of_no_allocation_over_any_limit_is_never_touched(
+    spawn: Spawn, make_node: Callable[..., Node]
+) -> None:
+    host = Proc(spawn(None), memory_gib=70, demand=100)
+    tenant = Proc(spawn(A), memory_gib=2, demand=100)
+    node = make_node(config(grace_s=0, work_conserving=False), [host, tenant])
+    states: list[str] = []
+    node.run(1.6, lambda snap: states.append(run_state(host.pid)))
+    assert host.child.poll() is None
+    assert "T" not in states
+    assert all(pid != host.pid for pid, _ in node.control.sent)
+    (gpu,) = node.snapshots[-1].gpus
+    assert [p.pid for p in gpu.unattributed] == [host.pid]
+    # The tenant, held to its share, was signalled: enforcement was live all along.
+    assert any(pid == tenant.pid for pid, _ in node.control.sent)
+
+
+# -- compute -------------------------------------------------------------------------------------
+
+
+def test_two_containers_wanting_the_whole_gpu_converge_to_their_shares(
+    spawn: Spawn, make_node: Callable[..., Node], caplog: pytest.LogCaptureFixture
+) -> None:
+    a = Proc(spawn(A), demand=100)
+    b = Proc(spawn(B), demand=100)
+    node = make_node(config(), [a, b])
+    node.run(8.0)
+    assert node.utilisation(a.pid, 3.0) == pytest.approx(0.25, abs=0.05)
+    assert node.utilisation(b.pid, 3.0) == pytest.approx(0.75, abs=0.05)
+
+    usage_a, usage_b = node.container(A), node.container(B)
+    assert usage_a.duty_cycle_ratio is not None
+    assert 0.05 <= usage_a.duty_cycle_ratio < 1
+    assert usage_a.throttled_seconds_total > 2.0
+    assert usage_b.duty_cycle_ratio is None
+    assert usage_b.throttled_seconds_total == 0.0
+    assert node.counts()[(A, "compute", "throttle")] >= 1
+    assert (B, "compute", "throttle") not in node.counts()
+    started = [r for r in caplog.records if "compute share exceeded" in r.getMessage()]
+    assert started
+    assert all(r.levelname == "WARNING" for r in started)
+    assert f"pid={a.pid}" in started[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    ("work_conserving", "expected"),
+    [pytest.param(True, 1.0, id="work-conserving"), pytest.param(False, 0.25, id="strict")],
+)
+def test_a_lone_container_uses_the_whole_gpu_only_when_work_conserving(
+    spawn: Spawn, make_node: Callable[..., Node], work_conserving: bool, expected: float
+) -> None:
+    a = Proc(spawn(A), demand=100)
+    node = make_node(config(work_conserving=work_conserving), [a])
+    node.run(5.0)
+    assert node.utilisation(a.pid, 2.5) == pytest.approx(expected, abs=0.05)
+    if work_conserving:
+        assert node.control.sent == []
+
+
+def test_monitor_never_signals(spawn: Spawn, make_node: Callable[..., Node]) -> None:
+    a = Proc(spawn(A), memory_gib=30, demand=100)
+    b = Proc(spawn(B), demand=100)
+    node = make_node(
+        config(memory=MemoryAction.MONITOR, grace_s=0, compute=ComputeAction.MONITOR), [a, b]
+    )
+    states: list[str] = []
+    node.run(2.0, lambda snap: states.extend((run_state(a.pid), run_state(b.pid))))
+    assert node.control.sent == []
+    assert a.child.poll() is None
+    assert "T" not in states
+    assert node.counts() == {(A, "memory", "monitor"): 1, (A, "compute", "monitor"): 1}
+    assert node.utilisation(a.pid, 1.0) == pytest.approx(0.5, abs=0.05)
+
+
+# -- every exit path resumes --------------------------------------------------------------------
+
+
+def test_close_leaves_every_process_running(spawn: Spawn, make_node: Callable[..., Node]) -> None:
+    pair = [Proc(spawn(A), demand=100), Proc(spawn(A), demand=100), Proc(spawn(B), demand=100)]
+    node = make_node(config(), pair)
+    node.run(1.0)
+    assert node.enforcer.policy.throttled()
+    record = read_stopped_record(node.state_dir / STOPPED_RECORD_NAME)
+    assert {pid for pid, _ in record} == {pair[0].pid, pair[1].pid}
+    # Close in the middle of a stop phase.
+    assert wait_until(lambda: is_stopped(pair[0].pid), 2.0)
+    node.enforcer.close()
+    for _ in range(10):
+        assert all(run_state(p.pid) not in ("T", "t") for p in pair)
+        time.sleep(PERIOD_S / 4)
+    assert not node.enforcer.cycler.alive
+    assert not (node.state_dir / STOPPED_RECORD_NAME).exists()
+    node.enforcer.close()  # idempotent
+
+
+def test_a_failure_while_enforcing_resumes_everything_before_it_propagates(
+    spawn: Spawn, make_node: Callable[..., Node]
+) -> None:
+    pair = [Proc(spawn(A), demand=100), Proc(spawn(B), demand=100)]
+    node = make_node(config(), pair)
+    node.run(1.0)
+    assert wait_until(lambda: is_stopped(pair[0].pid), 2.0)
+    node.control.fail_watch = True
+    with pytest.raises(RuntimeError, match="injected"):
+        node.tick()
+    for _ in range(5):
+        assert not is_stopped(pair[0].pid)
+        time.sleep(PERIOD_S / 2)
+
+
+def test_a_failed_duty_cycle_thread_resumes_everything_and_stops_enforcement(
+    spawn: Spawn, make_node: Callable[..., Node]
+) -> None:
+    pair = [Proc(spawn(A), demand=100), Proc(spawn(B), demand=100)]
+    node = make_node(config(), pair)
+    node.control.fail_stop_after = 3
+    with pytest.raises(EnforcementError, match="duty-cycle thread failed"):
+        node.run(2.0)
+    assert node.enforcer.cycler.error is not None
+    assert not node.enforcer.cycler.alive
+    for _ in range(5):
+        assert not is_stopped(pair[0].pid)
+        time.sleep(PERIOD_S / 2)
+
+
+_DAEMON = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from deviceplugin.config import ComputeEnforcement, EnforcementConfig
+    from deviceplugin.enforcer import Enforcer
+    from deviceplugin.model import (
+        ContainerUsage, GpuInfo, GpuReading, GpuUsage, NodeSnapshot, ProcessSample,
+    )
+
+    state_dir, a, b, mode = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    info = GpuInfo("GPU-x", 0, "fake", 1 << 34, 0)
+    def usage(allocation, pid, share):
+        process = ProcessSample(pid, 0, 50.0)
+        return ContainerUsage(allocation, "GPU-x", 0, 1, 0, 1 << 32, 0.5, share, (process,))
+    snapshot = NodeSnapshot(
+        0.0, "node", (GpuUsage(GpuReading(info), None),),
+        (usage("a" * 16, a, 0.25), usage("b" * 16, b, 0.75)),
+    )
+    config = EnforcementConfig(
+        poll_interval_s=0.05, compute=ComputeEnforcement(period_s=0.2)
+    )
+    enforcer = Enforcer(config, state_dir)
+    enforcer.recover()
+    for _ in range(10):
+        enforcer.on_snapshot(snapshot)
+        time.sleep(0.05)
+    print("throttling", flush=True)
+    if mode == "hang":
+        time.sleep(60)
+    """
+)
+
+
+def start_daemon(state_dir: Path, a: int, b: int, mode: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", _DAEMON, str(state_dir), str(a), str(b), mode],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_daemon_killed_outright_has_its_stopped_processes_resumed_at_the_next_start(
+    spawn: Spawn, tmp_path: Path
+) -> None:
+    a, b = spawn(A), spawn(B)
+    daemon = start_daemon(tmp_path, a.pid, b.pid, "hang")
+    try:
+        assert daemon.stdout is not None
+        assert daemon.stdout.readline().strip() == "throttling"
+        # Its duty is at the minimum by now: stopped 95 % of the time.
+        assert wait_until(lambda: is_stopped(a.pid), 2.0)
+        daemon.kill()
+        daemon.wait(timeout=10)
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait(timeout=10)
+    if not is_stopped(a.pid):  # killed while in its run phase: stop it as it would be
+        a.send_signal(signal.SIGSTOP)
+    assert wait_until(lambda: is_stopped(a.pid), 2.0)
+    assert [pid for pid, _ in read_stopped_record(tmp_path / STOPPED_RECORD_NAME)] == [a.pid]
+
+    with Enforcer(config(), tmp_path) as enforcer:
+        assert enforcer.recover() == 1
+    assert wait_until(lambda: not is_stopped(a.pid), 2.0)
+    assert not (tmp_path / STOPPED_RECORD_NAME).exists()
+    assert not is_stopped(b.pid)
+
+
+def test_a_daemon_that_exits_without_closing_resumes_at_exit(spawn: Spawn, tmp_path: Path) -> None:
+    a, b = spawn(A), spawn(B)
+    daemon = start_daemon(tmp_path, a.pid, b.pid, "exit")
+    try:
+        assert daemon.wait(timeout=20) == 0
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait(timeout=10)
+    for _ in range(5):
+        assert not is_stopped(a.pid)
+        time.sleep(0.05)
+    assert not (tmp_path / STOPPED_RECORD_NAME).exists()
+
+
+def test_recovery_resumes_only_processes_whose_identity_matches(
+    spawn: Spawn, tmp_path: Path
+) -> None:
+    ours, reused = spawn(A), spawn(A)
+    gone = spawn(A)
+    gone.kill()
+    gone.wait(timeout=10)
+    for child in (ours, reused):
+        child.send_signal(signal.SIGSTOP)
+    assert wait_until(lambda: is_stopped(ours.pid) and is_stopped(reused.pid))
+    created = psutil.Process(ours.pid).create_time()
+    other = psutil.Process(reused.pid).create_time() - 30  # as if the pid had been reused
+    write_stopped_record(
+        tmp_path / STOPPED_RECORD_NAME,
+        [(ours.pid, created), (reused.pid, other), (gone.pid, created)],
+    )
+    with Enforcer(config(), tmp_path) as enforcer:
+        assert enforcer.recover() == 1
+    assert wait_until(lambda: not is_stopped(ours.pid))
+    time.sleep(0.05)
+    assert is_stopped(reused.pid)  # not ours any more: left alone (the fixture resumes it)
+    assert not (tmp_path / STOPPED_RECORD_NAME).exists()
