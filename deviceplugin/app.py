@@ -23,6 +23,7 @@ import grpc
 
 from deviceplugin import __version__
 from deviceplugin.config import Config
+from deviceplugin.enforcer import Enforcer, RecordingControl
 from deviceplugin.errors import BackendError
 from deviceplugin.gpu.backend import GpuBackend
 from deviceplugin.httpserver import HttpServer
@@ -128,7 +129,8 @@ class Tick:
 
 class Poller:
     """The one poll loop. Each tick runs in a worker thread, never on the event loop: read the
-    backend, build the inventory, attribute processes and build the snapshot. The loop then
+    backend, build the inventory, attribute processes, build the snapshot and hand it to the
+    enforcer, which acts on it and fills in the enforcement state. The loop then
     publishes the inventory (ListAndWatch wakes on a change) and swaps the snapshot in by
     reference (the exporter and /status read it from their own thread)."""
 
@@ -142,6 +144,7 @@ class Poller:
         node_name: str = "",
         health: Callable[[], DaemonHealth] = DaemonHealth,
         resolver: AllocationResolver | None = None,
+        enforce: Callable[[NodeSnapshot], NodeSnapshot] = lambda snapshot: snapshot,
         on_poll_duration: Callable[[float], None] = lambda seconds: None,
         timeout_s: float | None = None,
     ) -> None:
@@ -152,6 +155,7 @@ class Poller:
         self._health = health
         self._resolver = resolver or AllocationResolver()
         self._builder = SnapshotBuilder(node_name, config.enforcement.compute.window_s)
+        self._enforce = enforce
         self._on_poll_duration = on_poll_duration
         self._interval_s = config.enforcement.poll_interval_s
         self._timeout_s = timeout_s if timeout_s is not None else max(5.0, 4 * self._interval_s)
@@ -159,7 +163,7 @@ class Poller:
         self._pending: asyncio.Future[Tick] | None = None
         self._previous_reading_s: float | None = None
         self.snapshot: NodeSnapshot | None = None
-        self.unknown_allocations = asyncio.Event()
+        self.names_wanted = asyncio.Event()
         self.failures = 0
         self.last_success_wall_s = 0.0
 
@@ -181,7 +185,8 @@ class Poller:
             previous_reading_s=self._previous_reading_s,
         )
         self._previous_reading_s = now_s
-        return Tick(inventory, snapshot, unknown, time.perf_counter() - started)
+        duration_s = time.perf_counter() - started
+        return Tick(inventory, self._enforce(snapshot), unknown, duration_s)
 
     async def poll_once(self) -> None:
         """One poll; raises BackendError or TimeoutError when the backend does not answer."""
@@ -202,7 +207,7 @@ class Poller:
         # Ask pod-resources again when processes carry an allocation this daemon does not know
         # (made before it started) or a container has no name yet (allocated since the last ask).
         if tick.unknown_allocations or any(not c.pod for c in tick.snapshot.containers):
-            self.unknown_allocations.set()
+            self.names_wanted.set()
 
     async def run(self, stop: asyncio.Event) -> None:
         try:
@@ -226,7 +231,9 @@ class Poller:
                         self.failures,
                     )
                     if self.snapshot is not None:
-                        self.snapshot = mark_stale(self.snapshot, self._health())
+                        # The enforcer sees stale snapshots too: it acts on none, and releases
+                        # its throttles when polling stays down.
+                        self.snapshot = self._enforce(mark_stale(self.snapshot, self._health()))
         finally:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -236,9 +243,10 @@ class AllocationTracker:
 
     The allocation ID is derived from the slice IDs, so what the kubelet reports is enough to
     know every allocation made before this daemon (re)started, and who holds it. Asked again
-    every `interval_s`, and at once (at most every `min_gap_s`) when GPU processes carry an
-    allocation this daemon does not know. An allocation the kubelet no longer reports (its pod
-    is gone) is dropped, unless it was handed out less than `grace_s` ago."""
+    every `interval_s`, and at once (at most every `min_gap_s`) after an Allocate, when a GPU
+    process carries an allocation this daemon does not know, or when a container has no name
+    yet. An allocation the kubelet listed and no longer lists (its pod is gone) is dropped; one
+    it never listed is dropped `grace_s` after it was handed out."""
 
     def __init__(
         self,
@@ -247,7 +255,7 @@ class AllocationTracker:
         resource_name: str,
         *,
         interval_s: float = POD_RESOURCES_INTERVAL_S,
-        min_gap_s: float = 1.0,
+        min_gap_s: float = 0.25,
         grace_s: float = 60.0,
     ) -> None:
         self._book = book
@@ -336,6 +344,8 @@ class Daemon:
         self.metrics = DaemonMetrics(
             settings.node_name, lambda: self.poller.snapshot, version=__version__
         )
+        # Made in run(): its duty-cycle thread must not outlive a daemon that never ran.
+        self.enforcer: Enforcer | None = None
         self.poller = Poller(
             backend,
             cfg,
@@ -343,6 +353,7 @@ class Daemon:
             self.book,
             node_name=settings.node_name,
             health=self.health,
+            enforce=self._enforce,
             on_poll_duration=self.metrics.observe_poll,
         )
         # The service and the life cycle refer to each other; the lambdas resolve the life cycle
@@ -354,6 +365,9 @@ class Daemon:
             generation=lambda: self.lifecycle.generation(),  # noqa: PLW0108
             on_stream_end=lambda generation: self.lifecycle.stream_ended(generation),  # noqa: PLW0108
             on_allocate_duration=self.metrics.observe_allocate,
+            # The kubelet lists an allocation in pod-resources right after Allocate: ask soon,
+            # so that the container's series and any action on it carry its pod's name.
+            on_allocated=self.poller.names_wanted.set,
         )
         self.lifecycle = PluginLifecycle(
             self.service,
@@ -374,6 +388,24 @@ class Daemon:
                 lambda: self.poller.snapshot,
                 self.healthz,
             )
+
+    def _enforce(self, snapshot: NodeSnapshot) -> NodeSnapshot:
+        return snapshot if self.enforcer is None else self.enforcer.on_snapshot(snapshot)
+
+    def _start_enforcer(self) -> Enforcer:
+        cfg = self.settings.config.enforcement
+        state_dir = self.settings.state_dir
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise BackendError(
+                f"cannot create the state directory {state_dir}: {e.strerror or e}; "
+                "set --state-dir to a writable directory"
+            ) from e
+        enforcer = Enforcer(cfg, state_dir, control=RecordingControl() if cfg.dry_run else None)
+        # Resume whatever a daemon killed outright left stopped, before anything else runs.
+        enforcer.recover()
+        return enforcer
 
     def health(self) -> DaemonHealth:
         stats = self.lifecycle.stats
@@ -412,20 +444,23 @@ class Daemon:
         pid_namespace = pid_namespace_warning()
         if pid_namespace:
             log.warning("%s", pid_namespace)
-        await self.poller.poll_once()
-        if self.http is not None:
-            self.http.start()
-            log.info("serving metrics and status address=%s", self.settings.metrics_address)
+        self.enforcer = await asyncio.to_thread(self._start_enforcer)
         try:
+            await self.poller.poll_once()
+            if self.http is not None:
+                self.http.start()
+                log.info("serving metrics and status address=%s", self.settings.metrics_address)
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self.poller.run(stop), name="poll")
                 tasks.create_task(self.lifecycle.run(stop), name="plugin")
                 tasks.create_task(
-                    self.tracker.run(stop, self.poller.unknown_allocations), name="pod-resources"
+                    self.tracker.run(stop, self.poller.names_wanted), name="pod-resources"
                 )
         finally:
             if self.http is not None:
                 self.http.stop()
+            # Every process it holds stopped runs again, whatever ended the daemon.
+            self.enforcer.close()
         log.info("stopped")
 
 

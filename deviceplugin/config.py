@@ -100,6 +100,8 @@ class EnforcementConfig:
     poll_interval_s: float = 0.5
     memory: MemoryEnforcement = field(default_factory=MemoryEnforcement)
     compute: ComputeEnforcement = field(default_factory=ComputeEnforcement)
+    # Decide, log and count every action, but send no signal.
+    dry_run: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,7 +255,7 @@ _SLICING_KEYS = ("replicas", "memoryPerSlice", "overrides")
 _OVERRIDE_KEYS = ("match", "replicas", "memoryPerSlice")
 _MATCH_KEYS = ("model", "index", "uuid")
 _ALLOCATION_KEYS = ("policy", "deviceListStrategy")
-_ENFORCEMENT_KEYS = ("pollInterval", "memory", "compute")
+_ENFORCEMENT_KEYS = ("pollInterval", "dryRun", "memory", "compute")
 _MEMORY_KEYS = ("action", "gracePeriod")
 _COMPUTE_KEYS = ("action", "window", "period", "workConserving")
 _MPS_KEYS = ("enabled",)
@@ -640,6 +642,11 @@ def _enforcement(r: _Reader, value: object) -> EnforcementConfig:
         )
         poll = defaults.poll_interval_s if parsed is None else parsed
 
+    dry_run = defaults.dry_run
+    if "dryRun" in section:
+        parsed_dry_run = r.boolean(section["dryRun"], _join(path, "dryRun"))
+        dry_run = dry_run if parsed_dry_run is None else parsed_dry_run
+
     memory_path = _join(path, "memory")
     memory = r.section(section.get("memory"), memory_path, _MEMORY_KEYS)
     memory_action = defaults.memory.action
@@ -682,6 +689,7 @@ def _enforcement(r: _Reader, value: object) -> EnforcementConfig:
 
     return EnforcementConfig(
         poll_interval_s=poll,
+        dry_run=dry_run,
         memory=MemoryEnforcement(action=memory_action, grace_period_s=grace),
         compute=ComputeEnforcement(
             action=compute_action,
@@ -1271,6 +1279,8 @@ allocation:
 enforcement:
   # How often GPU memory and utilisation are measured.
   pollInterval: {format_duration(e.poll_interval_s)}
+  # Decide, log and count every enforcement action, but send no signal to any process.
+  dryRun: {"true" if e.dry_run else "false"}
   memory:
     # kill: SIGKILL the largest GPU process of a container that stays above its memory limit for
     # longer than gracePeriod; monitor: only record the violation.

@@ -6,8 +6,9 @@ what a user wants to see: the slices, which pod got which slice on which GPU, an
 container got. Then it restarts the kubelet, as a node upgrade would, and shows the plugin
 re-registering with every allocation intact. Then the containers do GPU work (real processes
 carrying their Allocate env, listed in the state file), and it shows the live per-container
-usage, as `vgpu-device-plugin status` and the metrics endpoint do. It runs until Ctrl-C or
---duration, then stops everything it started and removes its directory.
+usage, as `vgpu-device-plugin status` and the metrics endpoint do, while the enforcer throttles
+the noisy neighbour and kills a container's process that went over its memory limit. It runs
+until Ctrl-C or --duration, then stops everything it started and removes its directory.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -36,7 +37,7 @@ from deviceplugin.config import (
 )
 from deviceplugin.gpu.fake import FakeBackend, FakeGpu, FakeProcess, FakeState, write_state_file
 from deviceplugin.kubelet_sim import KubeletSimulator, PodGrant
-from deviceplugin.model import GpuInfo, Inventory
+from deviceplugin.model import GpuInfo, Inventory, NodeSnapshot
 from deviceplugin.slicing import format_bytes
 from deviceplugin.statusview import render_status, snapshot_to_json
 
@@ -83,10 +84,13 @@ DEMO_PODS: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = (
 # The GPU work each container does: (memory in use, SM demand in percent). The sidecar holds a
 # slice but never touches the GPU; it still has its series, from the moment it was allocated.
 DEMO_WORKLOADS: dict[tuple[str, str], tuple[int, float]] = {
-    ("llm-finetune", "trainer"): (30 * GiB, 90.0),
-    ("inference", "server"): (12 * GiB, 50.0),
+    ("llm-finetune", "trainer"): (30 * GiB, 100.0),
+    ("inference", "server"): (12 * GiB, 100.0),  # the noisy neighbour: 25% share, wants it all
     ("notebook", "jupyter"): (6 * GiB, 20.0),
 }
+# A second into the live view the notebook grows past its 10Gi: killed after the grace period.
+GROW_AFTER_S = 1.0
+GROWN = (("notebook", "jupyter"), 14 * GiB)
 # A process on the node that no pod asked slices for: counted as unattributed, never touched.
 HOST_PROCESS = (2 * GiB, 30.0)
 STATUS_EVERY_S = 5.0
@@ -94,12 +98,13 @@ STATUS_EVERY_S = 5.0
 
 class DemoWorkloads:
     """Real processes standing in for the containers' GPU processes: each carries its
-    container's Allocate env, as a container's processes do, and is listed in the state file."""
+    container's Allocate env, as a container's processes do, and is listed in the state file
+    for as long as it lives, as the driver lists a GPU process."""
 
     def __init__(self, state_file: Path) -> None:
         self._state_file = state_file
-        self._procs: list[subprocess.Popen[bytes]] = []
-        self.processes: dict[str, list[FakeProcess]] = {}
+        # pid -> (process, GPU UUID, what it does, whose it is)
+        self._work: dict[int, tuple[subprocess.Popen[bytes], str, FakeProcess, str]] = {}
 
     def start(self, pods: Sequence[PodGrant]) -> None:
         for pod in pods:
@@ -108,30 +113,91 @@ class DemoWorkloads:
                 if work is None or not c.device_ids:
                     continue
                 uuid = c.device_ids[0].rsplit("::", 1)[0]
-                self._add(uuid, dict(c.envs), *work)
-        self._add(DEMO_GPUS[1].uuid, {}, *HOST_PROCESS)
+                self._add(uuid, dict(c.envs), *work, owner=f"{pod.name}/{c.name}")
+        self._add(DEMO_GPUS[1].uuid, {}, *HOST_PROCESS, owner="host")
         self.write()
 
-    def _add(self, gpu_uuid: str, envs: dict[str, str], memory: int, demand: float) -> None:
+    def _add(
+        self, gpu_uuid: str, envs: dict[str, str], memory: int, demand: float, *, owner: str
+    ) -> None:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **envs}
         proc = subprocess.Popen(["sleep", "86400"], env=env)
-        self._procs.append(proc)
-        self.processes.setdefault(gpu_uuid, []).append(FakeProcess(proc.pid, memory, demand))
+        self._work[proc.pid] = (proc, gpu_uuid, FakeProcess(proc.pid, memory, demand), owner)
+
+    def grow(self, owner: str, memory: int) -> int:
+        """Make `owner`'s process use `memory`; returns its pid."""
+        for pid, (proc, uuid, work, who) in self._work.items():
+            if who == owner:
+                self._work[pid] = (
+                    proc,
+                    uuid,
+                    dataclasses.replace(work, used_memory_bytes=memory),
+                    who,
+                )
+                self.write()
+                return pid
+        raise KeyError(owner)
+
+    def reap(self) -> list[tuple[int, str]]:
+        """Forget processes that have exited (the driver stops listing them); (pid, owner)."""
+        gone = [(pid, w[3]) for pid, w in self._work.items() if w[0].poll() is not None]
+        for pid, _ in gone:
+            del self._work[pid]
+        if gone:
+            self.write()
+        return gone
 
     def write(self) -> None:
+        per_gpu: dict[str, list[FakeProcess]] = {}
+        for _, uuid, work, _ in self._work.values():
+            per_gpu.setdefault(uuid, []).append(work)
         gpus = tuple(
-            dataclasses.replace(g, processes=tuple(self.processes.get(g.uuid, ())))
-            for g in DEMO_GPUS
+            dataclasses.replace(g, processes=tuple(per_gpu.get(g.uuid, ()))) for g in DEMO_GPUS
         )
         write_state_file(self._state_file, FakeState(gpus=gpus))
 
     def stop(self) -> None:
-        for proc in self._procs:
+        for proc, *_ in self._work.values():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGCONT)
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             proc.wait()
+        self._work.clear()
+
+
+def describe_actions(before: NodeSnapshot | None, after: NodeSnapshot | None) -> list[str]:
+    """A line for each enforcement action counted between two snapshots."""
+    if after is None:
+        return []
+    seen = {
+        (e.allocation_id, e.gpu_uuid, e.kind, e.action): e.count
+        for e in (before.enforcement if before else ())
+    }
+    usage = {(c.allocation_id, c.gpu_uuid): c for c in after.containers}
+    lines = []
+    for e in after.enforcement:
+        key = (e.allocation_id, e.gpu_uuid, e.kind, e.action)
+        if e.count <= seen.get(key, 0):
+            continue
+        who = f"{e.namespace}/{e.pod}/{e.container}" if e.pod else e.allocation_id
+        c = usage.get((e.allocation_id, e.gpu_uuid))
+        if e.kind == "memory" and e.action == "kill":
+            lines.append(
+                f"enforcer: killed the largest GPU process of {who}: over its memory limit "
+                f"for longer than the grace period"
+                + (f" ({format_bytes(c.memory_limit_bytes)} limit)" if c else "")
+            )
+        elif e.kind == "compute" and e.action == "throttle":
+            share = f"{c.compute_share_ratio * 100:.4g}%" if c else "its share"
+            used = f"{c.sm_utilization_ratio * 100:.0f}%" if c else "more"
+            lines.append(
+                f"enforcer: throttling {who}: it used {used} of the GPU against a {share} share "
+                "while others wanted more (SIGSTOP/SIGCONT duty cycle)"
+            )
+        else:
+            lines.append(f"enforcer: {e.kind} {e.action} on {who}")
+    return lines
 
 
 def example_gpus() -> list[GpuInfo]:
@@ -262,6 +328,7 @@ async def _demo(duration_s: float | None, out: TextIO, workdir: Path) -> int:
             f"{intact} allocated slices intact, {len(sim.healthy_ids(resource))} healthy",
             "",
         )
+        before_work = daemon.poller.snapshot
         workloads.start(sim.pods())
         assert daemon.http is not None
         address = f"127.0.0.1:{daemon.http.port}"
@@ -273,23 +340,14 @@ async def _demo(duration_s: float | None, out: TextIO, workdir: Path) -> int:
             "",
         )
         await _wait_for_usage(daemon, timeout_s=3.0)
+        say(*describe_actions(before_work, daemon.poller.snapshot), "")
         say(*_status_lines(daemon), "")
         say(
             "running; press Ctrl-C to stop"
             if duration_s is None
             else f"running for {duration_s:g} s; Ctrl-C stops earlier"
         )
-        deadline = None if duration_s is None else loop.time() + duration_s
-        while not stop.is_set():
-            wait_s = (
-                STATUS_EVERY_S if deadline is None else min(STATUS_EVERY_S, deadline - loop.time())
-            )
-            if wait_s <= 0:
-                break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), wait_s)
-            if not stop.is_set() and (deadline is None or loop.time() < deadline):
-                say(*_status_lines(daemon), "")
+        await _live(daemon, workloads, stop, duration_s, say, seen=daemon.poller.snapshot)
         say("stopping")
         return 0
     finally:
@@ -298,6 +356,48 @@ async def _demo(duration_s: float | None, out: TextIO, workdir: Path) -> int:
         workloads.stop()
         backend.close()
         await sim.stop()
+
+
+async def _live(
+    daemon: Daemon,
+    workloads: DemoWorkloads,
+    stop: asyncio.Event,
+    duration_s: float | None,
+    say: Callable[..., None],
+    *,
+    seen: NodeSnapshot | None,
+) -> None:
+    """Until Ctrl-C or the duration: grow the notebook past its limit once, reap exited
+    workloads, print each enforcement action as it happens and the status view every 5 s."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    deadline = None if duration_s is None else started + duration_s
+    last_view = started
+    grown = False
+    while not stop.is_set() and (deadline is None or loop.time() < deadline):
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.2)
+        now = loop.time()
+        if not grown and now - started >= GROW_AFTER_S:
+            grown = True
+            (pod, container), memory = GROWN
+            pid = workloads.grow(f"{pod}/{container}", memory)
+            say(
+                f"{pod}/{container} (pid {pid}) now uses {format_bytes(memory)} of GPU memory, "
+                "over its limit",
+                "",
+            )
+        for pid, owner in workloads.reap():
+            say(f"process {pid} of {owner} has exited", "")
+        snapshot = daemon.poller.snapshot
+        if snapshot is not None:
+            lines = describe_actions(seen, snapshot)
+            if lines:
+                say(*lines, "")
+            seen = snapshot
+        if now - last_view >= STATUS_EVERY_S:
+            last_view = now
+            say(*_status_lines(daemon), "")
 
 
 async def _wait_for_usage(daemon: Daemon, timeout_s: float) -> None:

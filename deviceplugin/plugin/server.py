@@ -74,6 +74,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         on_stream_end: Callable[[int], None] = lambda generation: None,
         clock: Callable[[], float] = time.time,
         on_allocate_duration: Callable[[float], None] = lambda seconds: None,
+        on_allocated: Callable[[], None] = lambda: None,
     ) -> None:
         self._config = config
         self._inventory = inventory
@@ -82,6 +83,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         self._on_stream_end = on_stream_end
         self._clock = clock
         self._on_allocate_duration = on_allocate_duration
+        self._on_allocated = on_allocated
         self.stopping = False
         self.open_streams = 0
 
@@ -176,6 +178,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             container_responses=[allocate_response(a) for a in allocations]
         )
         self._on_allocate_duration(time.perf_counter() - started)
+        self._on_allocated()
         return response
 
     async def PreStartContainer(  # noqa: N802

@@ -186,3 +186,12 @@ def test_demo_shows_slices_pods_and_env_then_cleans_up() -> None:
     assert Path(workdir.group(1)).name.startswith("vgpu-demo-")
     assert not Path(workdir.group(1)).exists()
     assert RESOURCE in out
+
+
+def test_demo_shows_the_enforcer_at_work() -> None:
+    result = run_cli("demo", "--duration", "6")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "throttling default/inference/server" in out
+    assert "THROTTLED" in out
+    assert "killed the largest GPU process of default/notebook/jupyter" in out

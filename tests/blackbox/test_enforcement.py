@@ -34,7 +34,9 @@ from deviceplugin.enforcer import (
     STOPPED_RECORD_NAME,
     EnforcementError,
     Enforcer,
+    ProcessControl,
     PsutilControl,
+    RecordingControl,
     read_stopped_record,
     write_stopped_record,
 )
@@ -160,7 +162,7 @@ class Node:
     root: Path
     config: EnforcementConfig
     processes: list[Proc]
-    control: SpyControl = field(default_factory=SpyControl)
+    control: ProcessControl = field(default_factory=SpyControl)
     allocations: tuple[AllocationRecord, ...] = (
         AllocationRecord(A, A_SLICES, 0.0, "team-a", "pod-a", "main"),
         AllocationRecord(B, B_SLICES, 0.0, "team-b", "pod-b", "main"),
@@ -248,6 +250,11 @@ class Node:
             total += span
         return weighted / total / 100
 
+    @property
+    def spy(self) -> SpyControl:
+        assert isinstance(self.control, SpyControl)
+        return self.control
+
     def container(self, allocation: str) -> ContainerUsage:
         return next(c for c in self.snapshots[-1].containers if c.allocation_id == allocation)
 
@@ -265,8 +272,15 @@ class Node:
 def make_node(tmp_path: Path) -> Iterator[Callable[..., Node]]:
     nodes: list[Node] = []
 
-    def make(config: EnforcementConfig, processes: Sequence[Proc]) -> Node:
-        node = Node(tmp_path / f"node{len(nodes)}", config, list(processes))
+    def make(
+        config: EnforcementConfig, processes: Sequence[Proc], control: ProcessControl | None = None
+    ) -> Node:
+        root = tmp_path / f"node{len(nodes)}"
+        node = (
+            Node(root, config, list(processes))
+            if control is None
+            else Node(root, config, list(processes), control)
+        )
         nodes.append(node)
         return node
 
@@ -304,7 +318,7 @@ def test_memory_over_the_limit_is_killed_after_the_grace_period_and_not_before(
     node.run(2.4)
     kills = [
         (at, pid)
-        for at, (pid, sig) in zip(node.control.sent_at, node.control.sent, strict=True)
+        for at, (pid, sig) in zip(node.spy.sent_at, node.spy.sent, strict=True)
         if sig == signal.SIGKILL
     ]
     assert [pid for _, pid in kills] == [big.pid]
@@ -341,11 +355,11 @@ def test_a_process_of_no_allocation_over_any_limit_is_never_touched(
     node.run(1.6, lambda snap: states.append(run_state(host.pid)))
     assert host.child.poll() is None
     assert "T" not in states
-    assert all(pid != host.pid for pid, _ in node.control.sent)
+    assert all(pid != host.pid for pid, _ in node.spy.sent)
     (gpu,) = node.snapshots[-1].gpus
     assert [p.pid for p in gpu.unattributed] == [host.pid]
     # The tenant, held to its share, was signalled: enforcement was live all along.
-    assert any(pid == tenant.pid for pid, _ in node.control.sent)
+    assert any(pid == tenant.pid for pid, _ in node.spy.sent)
 
 
 # -- compute -------------------------------------------------------------------------------------
@@ -387,7 +401,7 @@ def test_a_lone_container_uses_the_whole_gpu_only_when_work_conserving(
     node.run(5.0)
     assert node.utilisation(a.pid, 2.5) == pytest.approx(expected, abs=0.05)
     if work_conserving:
-        assert node.control.sent == []
+        assert node.spy.sent == []
 
 
 def test_monitor_never_signals(spawn: Spawn, make_node: Callable[..., Node]) -> None:
@@ -398,11 +412,47 @@ def test_monitor_never_signals(spawn: Spawn, make_node: Callable[..., Node]) -> 
     )
     states: list[str] = []
     node.run(2.0, lambda snap: states.extend((run_state(a.pid), run_state(b.pid))))
-    assert node.control.sent == []
+    assert node.spy.sent == []
     assert a.child.poll() is None
     assert "T" not in states
     assert node.counts() == {(A, "memory", "monitor"): 1, (A, "compute", "monitor"): 1}
     assert node.utilisation(a.pid, 1.0) == pytest.approx(0.5, abs=0.05)
+
+
+def test_a_dry_run_signals_nothing_but_reports_what_it_would_do(
+    spawn: Spawn, make_node: Callable[..., Node], caplog: pytest.LogCaptureFixture
+) -> None:
+    a = Proc(spawn(A), memory_gib=30, demand=100)
+    b = Proc(spawn(B), demand=100)
+    dry = RecordingControl()
+    node = make_node(config(grace_s=0), [a, b], dry)
+    states: list[str] = []
+    node.run(1.6, lambda snap: states.extend((run_state(a.pid), run_state(b.pid))))
+    assert a.child.poll() is None
+    assert "T" not in states
+    assert (a.pid, signal.SIGKILL) in dry.sent
+    assert (a.pid, signal.SIGSTOP) in dry.sent
+    assert {pid for pid, _ in dry.sent} == {a.pid}
+    assert node.container(A).duty_cycle_ratio is not None
+    assert node.counts()[(A, "memory", "kill")] == 1
+    assert not (node.state_dir / STOPPED_RECORD_NAME).exists()
+    actions = [r.getMessage() for r in caplog.records if "action=" in r.getMessage()]
+    assert actions
+    assert all("dry_run=True" in line for line in actions)
+
+
+def test_nothing_is_stopped_while_the_stopped_process_record_cannot_be_written(
+    spawn: Spawn, make_node: Callable[..., Node], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "node0" / "state").write_text("a file where the state directory should be")
+    a, b = Proc(spawn(A), demand=100), Proc(spawn(B), demand=100)
+    node = make_node(config(), [a, b])
+    node.run(1.0)
+    assert all(sig != signal.SIGSTOP for _, sig in node.spy.sent)
+    assert node.container(A).duty_cycle_ratio is None
+    errors = [r for r in caplog.records if "cannot write the stopped-process record" in r.message]
+    assert len(errors) == 1
 
 
 # -- every exit path resumes --------------------------------------------------------------------
@@ -433,7 +483,7 @@ def test_a_failure_while_enforcing_resumes_everything_before_it_propagates(
     node = make_node(config(), pair)
     node.run(1.0)
     assert wait_until(lambda: is_stopped(pair[0].pid), 2.0)
-    node.control.fail_watch = True
+    node.spy.fail_watch = True
     with pytest.raises(RuntimeError, match="injected"):
         node.tick()
     for _ in range(5):
@@ -446,7 +496,7 @@ def test_a_failed_duty_cycle_thread_resumes_everything_and_stops_enforcement(
 ) -> None:
     pair = [Proc(spawn(A), demand=100), Proc(spawn(B), demand=100)]
     node = make_node(config(), pair)
-    node.control.fail_stop_after = 3
+    node.spy.fail_stop_after = 3
     with pytest.raises(EnforcementError, match="duty-cycle thread failed"):
         node.run(2.0)
     assert node.enforcer.cycler.error is not None

@@ -97,6 +97,7 @@ def test_a_full_file_gives_every_setting() -> None:
           deviceListStrategy: [volume-mounts, cdi-cri, device-specs]
         enforcement:
           pollInterval: 250ms
+          dryRun: true
           memory: {action: monitor, gracePeriod: 1m30s}
           compute: {action: monitor, window: 10s, period: 100ms, workConserving: false}
         mps: {enabled: true}
@@ -134,6 +135,7 @@ def test_a_full_file_gives_every_setting() -> None:
         ),
         enforcement=EnforcementConfig(
             poll_interval_s=0.25,
+            dry_run=True,
             memory=MemoryEnforcement(action=MemoryAction.MONITOR, grace_period_s=90.0),
             compute=ComputeEnforcement(
                 action=ComputeAction.MONITOR, window_s=10.0, period_s=0.1, work_conserving=False
@@ -274,6 +276,7 @@ ERRORS = [
         '"envvar" is listed twice',
     ),
     ("enforcement: {pollInterval: 10ms}", "enforcement.pollInterval", '"10ms"'),
+    ("enforcement: {dryRun: sometimes}", "enforcement.dryRun", '"sometimes"'),
     ("enforcement: {pollInterval: 2}", "enforcement.pollInterval", "2 has no unit"),
     ("enforcement: {pollInterval: '500'}", "enforcement.pollInterval", '"500" has no unit'),
     ("enforcement: {pollInterval: fast}", "enforcement.pollInterval", '"fast"'),
@@ -998,6 +1001,7 @@ def test_default_config_yaml_shows_every_setting() -> None:
         "allocation.policy",
         "allocation.deviceListStrategy",
         "enforcement.pollInterval",
+        "enforcement.dryRun",
         "enforcement.memory.action",
         "enforcement.memory.gracePeriod",
         "enforcement.compute.action",

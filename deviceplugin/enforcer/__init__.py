@@ -1,0 +1,44 @@
+"""Quota enforcement (DESIGN 4): a pure policy, the one module that sends signals, and the enforcer
+that ties them to the poll loop and to the stopped-process record in the state directory."""
+
+from deviceplugin.enforcer.actuator import (
+    DutyCycler,
+    ProcessControl,
+    PsutilControl,
+    RecordingControl,
+)
+from deviceplugin.enforcer.enforcer import (
+    STOPPED_RECORD_NAME,
+    EnforcementError,
+    Enforcer,
+    read_stopped_record,
+    write_stopped_record,
+)
+from deviceplugin.enforcer.policy import (
+    ControllerTuning,
+    Decision,
+    EnforcementPolicy,
+    Kill,
+    Record,
+    Release,
+    SetDuty,
+)
+
+__all__ = [
+    "STOPPED_RECORD_NAME",
+    "ControllerTuning",
+    "Decision",
+    "DutyCycler",
+    "EnforcementError",
+    "EnforcementPolicy",
+    "Enforcer",
+    "Kill",
+    "ProcessControl",
+    "PsutilControl",
+    "Record",
+    "RecordingControl",
+    "Release",
+    "SetDuty",
+    "read_stopped_record",
+    "write_stopped_record",
+]

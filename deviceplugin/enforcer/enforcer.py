@@ -1,0 +1,471 @@
+"""The enforcer: applies the policy's decisions to processes, and keeps the stopped-process record.
+
+The poll loop hands every snapshot to `Enforcer.on_snapshot` (from a worker thread, never the event
+loop) and publishes the snapshot it returns, with each container's duty cycle, stopped time and
+the enforcement counts filled in. The duty cycles run on the DutyCycler's own thread.
+
+Every process the enforcer may stop is written, with its creation time, to
+`<state dir>/stopped-processes.json` before it is first stopped, and the file is rewritten whenever
+that set changes (not every period). `recover()`, at start, resumes each recorded process whose
+creation time still matches, so that a daemon killed outright leaves nothing stopped for longer
+than its restart. `close()` resumes everything; it is also registered with atexit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from deviceplugin.config import EnforcementConfig
+from deviceplugin.enforcer.actuator import DutyCycler, ProcessControl, PsutilControl
+from deviceplugin.enforcer.policy import (
+    COMPUTE,
+    KILL,
+    MEMORY,
+    THROTTLE,
+    ContainerKey,
+    ControllerTuning,
+    Decision,
+    EnforcementPolicy,
+    Kill,
+    Record,
+    Release,
+    SetDuty,
+)
+from deviceplugin.errors import DevicePluginError
+from deviceplugin.model import EnforcementCount, NodeSnapshot
+
+log = logging.getLogger(__name__)
+
+STOPPED_RECORD_NAME = "stopped-processes.json"
+_RECORD_VERSION = 1
+_CLOSE_LOCK_TIMEOUT_S = 5.0
+
+_Names = tuple[str, str, str, int]  # namespace, pod, container, GPU index
+
+
+class EnforcementError(DevicePluginError):
+    """The enforcer cannot go on (its duty-cycle thread failed); everything has been resumed."""
+
+
+def read_stopped_record(path: Path) -> list[tuple[int, float]]:
+    """The (pid, creation time) pairs of a stopped-process record; [] when there is no file.
+    Raises ValueError when the file is not a record."""
+    try:
+        data: Any = json.loads(path.read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: {e}") from e
+    entries = data.get("processes") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError(f'{path}: expected {{"version": 1, "processes": [...]}}')
+    result: list[tuple[int, float]] = []
+    for entry in entries:
+        pid = entry.get("pid") if isinstance(entry, dict) else None
+        created = entry.get("create_time") if isinstance(entry, dict) else None
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            raise ValueError(f"{path}: bad pid in {entry!r}")
+        if not isinstance(created, int | float) or isinstance(created, bool):
+            raise ValueError(f"{path}: bad create_time in {entry!r}")
+        result.append((pid, float(created)))
+    return result
+
+
+def write_stopped_record(path: Path, entries: Iterable[tuple[int, float]]) -> None:
+    """Replace the record atomically (a temporary file, fsync, rename); no entries removes it."""
+    items = sorted(entries)
+    if not items:
+        path.unlink(missing_ok=True)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    content = json.dumps(
+        {
+            "version": _RECORD_VERSION,
+            "processes": [{"pid": pid, "create_time": created} for pid, created in items],
+        },
+        indent=1,
+    )
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(content + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class Enforcer:
+    """Memory and compute enforcement for one node (DESIGN 4)."""
+
+    def __init__(
+        self,
+        config: EnforcementConfig,
+        state_dir: Path,
+        *,
+        control: ProcessControl | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        tuning: ControllerTuning | None = None,
+    ) -> None:
+        self.config = config
+        self.policy = EnforcementPolicy(config, tuning)
+        self._control: ProcessControl = control if control is not None else PsutilControl()
+        self._clock = clock
+        self._record_path = Path(state_dir) / STOPPED_RECORD_NAME
+        self._cycler = DutyCycler(self._control, config.compute.period_s, clock=clock)
+        self._lock = threading.RLock()
+        self._closed = False
+        self._recovered = False
+        self._recorded: dict[int, float] = {}
+        self._record_problem: str | None = None
+        self._counts: dict[tuple[str, str, str, str], int] = {}
+        self._names: dict[ContainerKey, _Names] = {}
+        atexit.register(self.close)
+        log.info(
+            "enforcer started memory_action=%s grace_period_s=%s compute_action=%s "
+            "period_s=%s work_conserving=%s dry_run=%s state=%s",
+            config.memory.action.value,
+            config.memory.grace_period_s,
+            config.compute.action.value,
+            config.compute.period_s,
+            config.compute.work_conserving,
+            self._control.dry_run,
+            self._record_path,
+        )
+
+    @property
+    def record_path(self) -> Path:
+        return self._record_path
+
+    @property
+    def cycler(self) -> DutyCycler:
+        return self._cycler
+
+    # -- start ------------------------------------------------------------------------------
+
+    def recover(self) -> int:
+        """Resume every process an earlier run recorded as possibly stopped whose creation time
+        still matches; then clear the record. Returns how many were resumed.
+
+        This undoes what an earlier run did, so it acts for real even in a dry run."""
+        with self._lock:
+            self._recovered = True
+            try:
+                entries = read_stopped_record(self._record_path)
+            except ValueError as e:
+                log.error("stopped-process record unreadable; nothing resumed from it error=%s", e)
+                entries = []
+            control = PsutilControl() if self._control.dry_run else self._control
+            resumed = 0
+            for pid, created in entries:
+                if pid in self._recorded:
+                    continue
+                if control.resume_recorded(pid, created):
+                    resumed += 1
+                    log.warning(
+                        "resumed a process an earlier run left stopped pid=%d create_time=%.2f "
+                        "dry_run=False",  # the resume is real, even in a dry run
+                        pid,
+                        created,
+                    )
+                else:
+                    log.info("recorded process not resumed: gone or its pid reused pid=%d", pid)
+            if entries:
+                keep = {} if self._control.dry_run else self._recorded
+                try:
+                    write_stopped_record(self._record_path, keep.items())
+                except OSError as e:
+                    log.error(
+                        "cannot clear the stopped-process record path=%s error=%s",
+                        self._record_path,
+                        e.strerror or e,
+                    )
+            return resumed
+
+    # -- every poll -------------------------------------------------------------------------
+
+    def on_snapshot(self, snapshot: NodeSnapshot) -> NodeSnapshot:
+        """Decide and act on `snapshot`; return it with the enforcement fields filled in.
+
+        Raises EnforcementError if the duty-cycle thread has failed (it resumed what it had
+        stopped). On any other exception every throttle is released before it propagates."""
+        with self._lock:
+            if self._closed:
+                return snapshot
+            if self._cycler.error is not None:
+                raise EnforcementError("the duty-cycle thread failed") from self._cycler.error
+            if not self._recovered:
+                self.recover()  # before the first write replaces an earlier run's record
+            try:
+                return self._on_snapshot(snapshot)
+            except BaseException:
+                log.exception("enforcement failed; resuming every throttled process")
+                self._cycler.release_all()
+                with contextlib.suppress(OSError):
+                    self._write_record(self._recorded_for(self._cycler.pids()))
+                raise
+
+    def _on_snapshot(self, snapshot: NodeSnapshot) -> NodeSnapshot:
+        now = self._clock()
+        self._remember_names(snapshot)
+        decisions = self.policy.decide(snapshot, now)
+
+        attributed = {p.pid for c in snapshot.containers for p in c.processes}
+        self._control.watch(attributed | self._cycler.pids())
+
+        # The record must name every process before it is first stopped.
+        planned = set(self._cycler.pids())
+        for d in decisions:
+            if isinstance(d, SetDuty):
+                planned |= d.pids
+        if not self._write_record(self._recorded_for(planned)):
+            decisions = self._without_new_throttles(decisions)
+
+        for d in decisions:
+            self._apply(d)
+
+        self._write_record(self._recorded_for(self._cycler.pids()))
+        self._forget_gone(snapshot)
+        return self._annotate(snapshot)
+
+    def _recorded_for(self, pids: Iterable[int]) -> dict[int, float]:
+        result: dict[int, float] = {}
+        for pid in pids:
+            created = self._recorded.get(pid)
+            if created is None:
+                created = self._control.create_time(pid)
+            if created is not None:
+                result[pid] = created
+        return result
+
+    def _write_record(self, entries: Mapping[int, float], *, force: bool = False) -> bool:
+        """Write the record if it changed; False (logged once per problem) when it cannot be."""
+        if not force and dict(entries) == self._recorded:
+            return True
+        if self._control.dry_run:
+            self._recorded = dict(entries)  # nothing is really stopped: nothing to record
+            return True
+        try:
+            write_stopped_record(self._record_path, entries.items())
+        except OSError as e:
+            problem = f"{e.strerror or e}"
+            if problem != self._record_problem:
+                log.error(
+                    "cannot write the stopped-process record; no new throttling until it can "
+                    "be written path=%s error=%s",
+                    self._record_path,
+                    problem,
+                )
+            self._record_problem = problem
+            return False
+        if self._record_problem is not None:
+            log.info("stopped-process record writable again path=%s", self._record_path)
+            self._record_problem = None
+        self._recorded = dict(entries)
+        return True
+
+    def _without_new_throttles(self, decisions: list[Decision]) -> list[Decision]:
+        """Drop the duty cycles that would stop processes the record does not name."""
+        kept: list[Decision] = []
+        for d in decisions:
+            if isinstance(d, SetDuty) and not d.pids <= self._recorded.keys():
+                self.policy.reset((d.allocation_id, d.gpu_uuid))
+                if (d.allocation_id, d.gpu_uuid) in self._cycler.group_keys():
+                    kept.append(Release(d.allocation_id, d.gpu_uuid, "record not writable"))
+                continue
+            kept.append(d)
+        return kept
+
+    def _apply(self, d: Decision) -> None:
+        dry = self._control.dry_run
+        if isinstance(d, Kill):
+            key = (d.allocation_id, d.gpu_uuid)
+            sent = self._control.send(d.pid, signal.SIGKILL)
+            self._count(key, MEMORY, KILL)
+            ns, pod, container, index = self._names_of(key)
+            log.warning(
+                "memory limit exceeded action=kill namespace=%s pod=%s container=%s "
+                "allocation=%s gpu=%s gpu_index=%d pid=%d used_bytes=%d limit_bytes=%d "
+                "process_used_bytes=%d over_for_s=%.2f sent=%s dry_run=%s",
+                ns,
+                pod,
+                container,
+                d.allocation_id,
+                d.gpu_uuid,
+                index,
+                d.pid,
+                d.used_bytes,
+                d.limit_bytes,
+                d.process_used_bytes,
+                d.over_for_s,
+                "true" if sent else "false (process gone)",
+                dry,
+            )
+        elif isinstance(d, SetDuty):
+            key = (d.allocation_id, d.gpu_uuid)
+            self._cycler.set(key, d.pids, d.duty)
+            if d.started:
+                self._count(key, COMPUTE, THROTTLE)
+            ns, pod, container, index = self._names_of(key)
+            log.log(
+                logging.WARNING if d.started else logging.DEBUG,
+                "compute share %s action=throttle namespace=%s pod=%s container=%s "
+                "allocation=%s gpu=%s gpu_index=%d pid=%s used_ratio=%.3f limit_ratio=%.3f "
+                "share_ratio=%.3f duty=%.3f dry_run=%s",
+                "exceeded" if d.started else "throttled",
+                ns,
+                pod,
+                container,
+                d.allocation_id,
+                d.gpu_uuid,
+                index,
+                ",".join(str(p) for p in sorted(d.pids)),
+                d.used_ratio,
+                d.limit_ratio,
+                d.share_ratio,
+                d.duty,
+                dry,
+            )
+        elif isinstance(d, Release):
+            key = (d.allocation_id, d.gpu_uuid)
+            self._cycler.release(key)
+            ns, pod, container, index = self._names_of(key)
+            log.warning(
+                "compute throttle released action=resume namespace=%s pod=%s container=%s "
+                "allocation=%s gpu=%s gpu_index=%d throttled_s=%.2f reason=%r dry_run=%s",
+                ns,
+                pod,
+                container,
+                d.allocation_id,
+                d.gpu_uuid,
+                index,
+                self._cycler.stopped_seconds(key),
+                d.reason,
+                dry,
+            )
+        else:
+            self._record(d)
+
+    def _record(self, d: Record) -> None:
+        key = (d.allocation_id, d.gpu_uuid)
+        self._count(key, d.kind, d.action)
+        ns, pod, container, index = self._names_of(key)
+        if d.kind == MEMORY:
+            log.warning(
+                "memory limit exceeded action=monitor namespace=%s pod=%s container=%s "
+                "allocation=%s gpu=%s gpu_index=%d pid=%s used_bytes=%d limit_bytes=%d reason=%r",
+                ns,
+                pod,
+                container,
+                d.allocation_id,
+                d.gpu_uuid,
+                index,
+                d.pid if d.pid is not None else "-",
+                int(d.used),
+                int(d.limit),
+                d.reason,
+            )
+        else:
+            log.warning(
+                "compute share exceeded action=monitor namespace=%s pod=%s container=%s "
+                "allocation=%s gpu=%s gpu_index=%d pid=- used_ratio=%.3f limit_ratio=%.3f "
+                "reason=%r",
+                ns,
+                pod,
+                container,
+                d.allocation_id,
+                d.gpu_uuid,
+                index,
+                d.used,
+                min(d.limit, 1.0),
+                d.reason,
+            )
+
+    def _count(self, key: ContainerKey, kind: str, action: str) -> None:
+        index = (key[0], key[1], kind, action)
+        self._counts[index] = self._counts.get(index, 0) + 1
+
+    def _remember_names(self, snapshot: NodeSnapshot) -> None:
+        for c in snapshot.containers:
+            self._names[(c.allocation_id, c.gpu_uuid)] = (
+                c.namespace,
+                c.pod,
+                c.container,
+                c.gpu_index,
+            )
+
+    def _names_of(self, key: ContainerKey) -> _Names:
+        return self._names.get(key, ("", "", "", -1))
+
+    def _forget_gone(self, snapshot: NodeSnapshot) -> None:
+        """Drop what is kept about containers whose allocation is gone."""
+        live = {a.allocation_id for a in snapshot.allocations}
+        live |= {c.allocation_id for c in snapshot.containers}
+        for index in [i for i in self._counts if i[0] not in live]:
+            del self._counts[index]
+        for key in [k for k in self._names if k[0] not in live]:
+            del self._names[key]
+            self._cycler.forget(key)
+
+    def _annotate(self, snapshot: NodeSnapshot) -> NodeSnapshot:
+        containers = tuple(
+            replace(
+                c,
+                duty_cycle_ratio=self._cycler.duty((c.allocation_id, c.gpu_uuid)),
+                throttled_seconds_total=self._cycler.stopped_seconds((c.allocation_id, c.gpu_uuid)),
+            )
+            for c in snapshot.containers
+        )
+        return replace(snapshot, containers=containers, enforcement=self.counts())
+
+    def counts(self) -> tuple[EnforcementCount, ...]:
+        """Every enforcement count so far, for containers whose allocation still exists."""
+        with self._lock:
+            items = sorted(self._counts.items())
+        result: list[EnforcementCount] = []
+        for (allocation, gpu, kind, action), count in items:
+            ns, pod, container, _ = self._names_of((allocation, gpu))
+            result.append(
+                EnforcementCount(allocation, gpu, kind, action, count, ns, pod, container)
+            )
+        return tuple(result)
+
+    # -- stop ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Resume every stopped process, stop the duty-cycle thread, clear the record.
+        Idempotent; safe to call from any thread."""
+        acquired = self._lock.acquire(timeout=_CLOSE_LOCK_TIMEOUT_S)
+        try:
+            if self._closed:
+                return
+            self._closed = True
+            self._cycler.stop()
+            with contextlib.suppress(OSError):
+                self._write_record({}, force=True)
+            self._control.close()
+        finally:
+            if acquired:
+                self._lock.release()
+        atexit.unregister(self.close)
+        log.info("enforcer closed; every throttled process resumed")
+
+    def __enter__(self) -> Enforcer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
