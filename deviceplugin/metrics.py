@@ -28,6 +28,7 @@ DURATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25
 GPU_LABELS = ("node", "gpu_uuid", "gpu_index")
 GPU_INFO_LABELS = (*GPU_LABELS, "model", "minor", "numa_node", "pci_bus_id")
 SLICE_LABELS = (*GPU_LABELS, "state")
+XID_LABELS = (*GPU_LABELS, "xid")
 # namespace/pod/container are "" until pod-resources has named the container; allocation_id
 # identifies it from the moment it was allocated.
 CONTAINER_LABELS = ("node", "namespace", "pod", "container", "gpu_uuid", "allocation_id")
@@ -119,6 +120,17 @@ class SnapshotCollector(Collector):
             "vgpu_gpu_sm_utilization_ratio",
             "SM utilisation of the GPU, 0..1, averaged over the compute window.",
             GPU_LABELS,
+        )
+        transitions = _counter(
+            "vgpu_gpu_unhealthy_transitions",
+            "Times the GPU went from healthy to unhealthy since the daemon started, a count.",
+            GPU_LABELS,
+        )
+        xid_errors = _counter(
+            "vgpu_gpu_xid_errors",
+            "Xid errors the driver reported for the GPU since the daemon started, by Xid "
+            "(critical and application-caused alike), a count.",
+            XID_LABELS,
         )
         slices = _gauge(
             "vgpu_slices",
@@ -218,6 +230,9 @@ class SnapshotCollector(Collector):
                     1.0,
                 )
                 gpu_healthy.add_metric(g, _flag(gpu.reading.healthy))
+                transitions.add_metric(g, gpu.reading.unhealthy_transitions)
+                for xid, count in gpu.reading.xid_errors:
+                    xid_errors.add_metric([*g, str(xid)], count)
                 gpu_mem_total.add_metric(g, float(info.memory_total_bytes))
                 if gpu.reading.memory_used_bytes is not None:
                     gpu_mem_used.add_metric(g, float(gpu.reading.memory_used_bytes))
@@ -253,6 +268,8 @@ class SnapshotCollector(Collector):
         yield from (
             gpu_info,
             gpu_healthy,
+            transitions,
+            xid_errors,
             gpu_mem_total,
             gpu_mem_used,
             gpu_sm,

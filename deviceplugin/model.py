@@ -75,6 +75,10 @@ class GpuReading:
     memory_used_bytes: int | None = None
     sm_util_percent: float | None = None
     processes: tuple[ProcessSample, ...] = ()
+    # Counters since the backend started: how often this GPU went unhealthy, and the Xid errors
+    # seen on it as (xid, count) pairs in Xid order, critical and ignored alike.
+    unhealthy_transitions: int = 0
+    xid_errors: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

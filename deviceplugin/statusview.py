@@ -76,6 +76,8 @@ def _gpu(g: GpuUsage) -> dict[str, Any]:
         "mig_enabled": info.mig_enabled,
         "healthy": g.reading.healthy,
         "health_reason": g.reading.health_reason,
+        "unhealthy_transitions": g.reading.unhealthy_transitions,
+        "xid_errors": {str(xid): count for xid, count in g.reading.xid_errors},
         "memory_total_bytes": info.memory_total_bytes,
         "memory_used_bytes": g.reading.memory_used_bytes,
         "sm_utilization_ratio": _num(g.sm_utilization_ratio),

@@ -509,6 +509,10 @@ class FakeBackend:
         self._integrated_until = now
         self._current: dict[tuple[str, int], float] = {}
         self._integrated: dict[tuple[str, int], float] = {}
+        # Health transitions, counted where polls see them (the file may flip and flip back
+        # between two polls unseen, as a real GPU's health can between two reads).
+        self._healthy_before: dict[str, bool] = {}
+        self._unhealthy_transitions: dict[str, int] = {}
         self._generation = 0
         self._plan: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
         self._sampled_pids: frozenset[int] = frozenset()
@@ -564,6 +568,11 @@ class FakeBackend:
 
         readings: list[GpuReading] = []
         for gpu in sorted(state.gpus, key=lambda g: g.index):
+            if not gpu.healthy and self._healthy_before.get(gpu.uuid, True):
+                self._unhealthy_transitions[gpu.uuid] = (
+                    self._unhealthy_transitions.get(gpu.uuid, 0) + 1
+                )
+            self._healthy_before[gpu.uuid] = gpu.healthy
             samples = tuple(
                 ProcessSample(
                     pid=p.pid,
@@ -580,6 +589,7 @@ class FakeBackend:
                     memory_used_bytes=sum(p.used_memory_bytes for p in gpu.processes),
                     sm_util_percent=min(100.0, sum(s.sm_util_percent or 0.0 for s in samples)),
                     processes=samples,
+                    unhealthy_transitions=self._unhealthy_transitions.get(gpu.uuid, 0),
                 )
             )
         return NodeReading(timestamp_s=now, gpus=tuple(readings))

@@ -698,6 +698,8 @@ class NvmlBackend:
             with self._lock:
                 health = self._health[gpu.index]
                 healthy, reason = health.healthy, health.reason
+                transitions = health.unhealthy_transitions
+                xids = tuple(sorted(health.xids.items()))
             readings.append(
                 GpuReading(
                     info=info,
@@ -706,6 +708,8 @@ class NvmlBackend:
                     memory_used_bytes=sample.memory_used_bytes,
                     sm_util_percent=sample.sm_util_percent,
                     processes=sample.processes,
+                    unhealthy_transitions=transitions,
+                    xid_errors=xids,
                 )
             )
         readings.sort(key=lambda r: r.info.index)

@@ -580,3 +580,18 @@ def test_a_proc_tree_that_cannot_be_read_stops_the_start(tmp_path: Path) -> None
     write_state_file(path, state)
     with pytest.raises(BackendError, match="run state"):
         FakeBackend(path, proc_root=not_a_directory)
+
+
+def test_health_transitions_are_counted(
+    tmp_path: Path, proc: FakeProc, clock: FakeClock, make_backend: Callable[..., FakeBackend]
+) -> None:
+    backend = make_backend([])
+    path = tmp_path / "state.json"
+    gpu = {"uuid": "GPU-a", "index": 0, "name": "A100", "memory_total_bytes": 100, "minor": 0}
+    counts: list[tuple[bool, int]] = []
+    for healthy in (True, False, False, True, False):
+        write_state_file(path, {"gpus": [{**gpu, "healthy": healthy}]})
+        os.utime(path, ns=(len(counts) + 1, len(counts) + 1))  # a new mtime: re-read for sure
+        (reading,) = backend.poll().gpus
+        counts.append((reading.healthy, reading.unhealthy_transitions))
+    assert counts == [(True, 0), (False, 1), (False, 1), (True, 1), (False, 2)]

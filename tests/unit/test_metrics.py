@@ -114,7 +114,15 @@ def sample_snapshot(
             unattributed=(ProcessSample(900, 512 * MiB, 3.0),),
         ),
         GpuUsage(
-            GpuReading(gpu1, False, "Xid 79: GPU has fallen off the bus", None, None),
+            GpuReading(
+                gpu1,
+                False,
+                "Xid 79: GPU has fallen off the bus",
+                None,
+                None,
+                unhealthy_transitions=1,
+                xid_errors=((13, 4), (79, 1)),
+            ),
             sm_utilization_ratio=None,
             slices_total=4,
             slices_allocated=2,
@@ -199,6 +207,8 @@ EXPECTED_LABELS: dict[str, set[str]] = {
     "vgpu_poll_duration_seconds_count": NODE_ONLY,
     "vgpu_kubelet_registrations_total": NODE_ONLY,
     # the daemon's own health
+    "vgpu_gpu_unhealthy_transitions_total": GPU,
+    "vgpu_gpu_xid_errors_total": GPU | {"xid"},
     "vgpu_gpu_unattributed_processes": GPU,
     "vgpu_gpu_unattributed_memory_bytes": GPU,
     "vgpu_snapshot_stale": NODE_ONLY,
@@ -562,3 +572,15 @@ def test_healthz(snapshot: NodeSnapshot | None, ok: bool, reason: str) -> None:
     )
     assert got_ok is ok
     assert got_reason.startswith(reason)
+
+
+def test_health_counters_per_gpu_and_xid() -> None:
+    metrics = DaemonMetrics("node-a", sample_snapshot, version="test")
+    value = metrics.registry.get_sample_value
+    gpu1 = {"node": "node-a", "gpu_uuid": UUID1, "gpu_index": "1"}
+    gpu0 = {"node": "node-a", "gpu_uuid": UUID0, "gpu_index": "0"}
+    assert value("vgpu_gpu_unhealthy_transitions_total", gpu1) == 1
+    assert value("vgpu_gpu_unhealthy_transitions_total", gpu0) == 0
+    assert value("vgpu_gpu_xid_errors_total", {**gpu1, "xid": "79"}) == 1
+    assert value("vgpu_gpu_xid_errors_total", {**gpu1, "xid": "13"}) == 4
+    assert value("vgpu_gpu_xid_errors_total", {**gpu0, "xid": "13"}) is None

@@ -683,6 +683,12 @@ def test_a_critical_xid_marks_the_gpu_unhealthy_with_its_meaning(
     stats = backend.health_stats[1]
     assert stats.xids == {79: 2}
     assert (stats.unhealthy_transitions, stats.ignored_xids) == (1, 0)
+    # The reading carries the counters, for the exporter.
+    assert (g1.unhealthy_transitions, g1.xid_errors) == (1, ((79, 2),))
+    assert (
+        gpu_of(backend.poll(), 0).unhealthy_transitions,
+        gpu_of(backend.poll(), 0).xid_errors,
+    ) == (0, ())
 
 
 def test_an_application_xid_is_ignored(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
