@@ -22,7 +22,7 @@ from pathlib import Path
 
 from deviceplugin import __version__, logs
 from deviceplugin.config import Config, load_config
-from deviceplugin.errors import BackendError, ConfigError
+from deviceplugin.errors import BackendError, ConfigError, StartupError
 from deviceplugin.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
 
 log = logging.getLogger("deviceplugin")
@@ -156,6 +156,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for problem in e.problems:
             log.error("config error source=%s problem=%s", e.source, problem)
         return EXIT_USAGE
+    if settings.metrics_address:
+        from deviceplugin.httpserver import parse_address  # noqa: PLC0415
+
+        try:
+            parse_address(settings.metrics_address)
+        except ValueError as e:
+            log.error("config error source=--metrics-address problem=%s", e)
+            return EXIT_USAGE
     return run_until_signalled(lambda stop: serve(settings, stop))
 
 
@@ -169,7 +177,7 @@ def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> int
             loop.add_signal_handler(sig, stop.set)
         try:
             await main(stop)
-        except BackendError as e:
+        except (BackendError, StartupError) as e:
             log.error("cannot start: %s", e)
             return EXIT_USAGE
         except ExceptionGroup as group:

@@ -24,7 +24,7 @@ import grpc
 from deviceplugin import __version__
 from deviceplugin.config import Config
 from deviceplugin.enforcer import Enforcer, RecordingControl
-from deviceplugin.errors import BackendError
+from deviceplugin.errors import BackendError, StartupError
 from deviceplugin.gpu.backend import GpuBackend
 from deviceplugin.httpserver import HttpServer
 from deviceplugin.metrics import DaemonMetrics, healthz
@@ -398,7 +398,7 @@ class Daemon:
         try:
             state_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise BackendError(
+            raise StartupError(
                 f"cannot create the state directory {state_dir}: {e.strerror or e}; "
                 "set --state-dir to a writable directory"
             ) from e
@@ -448,7 +448,12 @@ class Daemon:
         try:
             await self.poller.poll_once()
             if self.http is not None:
-                self.http.start()
+                try:
+                    self.http.start()
+                except OSError as e:
+                    raise StartupError(
+                        f"{e.strerror}; set --metrics-address to a free host:port"
+                    ) from e
                 log.info("serving metrics and status address=%s", self.settings.metrics_address)
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self.poller.run(stop), name="poll")

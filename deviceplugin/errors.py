@@ -20,6 +20,11 @@ class BackendError(DevicePluginError):
     """The GPU backend cannot answer (driver missing, state file unreadable at start, ...)."""
 
 
+class StartupError(DevicePluginError):
+    """Something the daemon needs at start is not there (a port, a directory); the message says
+    what and what to change."""
+
+
 class StateFileError(BackendError):
     """The fake backend's state file is malformed; the message names the field and the fix."""
 

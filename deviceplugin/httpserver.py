@@ -6,6 +6,7 @@ shared with the poll loop. The snapshot is immutable, so a request sees one cons
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import socket
@@ -51,6 +52,15 @@ class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
+class _DualStack(_Server6):
+    """All interfaces, IPv6 and IPv4 alike: what ":PORT" means, so that probes and scrapes on
+    an IPv6-only cluster reach the daemon too."""
+
+    def server_bind(self) -> None:
+        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
 class HttpServer:
     """Serves GET /metrics, /healthz and /status on a daemon thread; `stop()` ends and joins it."""
 
@@ -82,8 +92,7 @@ class HttpServer:
             raise RuntimeError("HttpServer already started")
         handler = _make_handler(self)
         try:
-            server_class = _Server6 if ":" in self._host else _Server
-            server = server_class((self._host, self._port), handler)
+            server = self._bind(handler)
         except OSError as e:
             raise OSError(e.errno, f"cannot listen on {self.address!r}: {e.strerror}") from e
         self._server = server
@@ -95,6 +104,18 @@ class HttpServer:
         )
         self._thread.start()
         log.info("http listening address=%s port=%d", self.address, self.port)
+
+    def _bind(self, handler: type[BaseHTTPRequestHandler]) -> _Server:
+        if ":" in self._host:
+            return _Server6((self._host, self._port), handler)
+        if self._host == "" and socket.has_ipv6:
+            try:
+                return _DualStack(("::", self._port), handler)
+            except OSError as e:
+                if e.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                    raise
+                log.debug("no IPv6 on this node; listening on IPv4 only error=%s", e)
+        return _Server((self._host, self._port), handler)
 
     def stop(self) -> None:
         """Stop serving and join the thread; requests in flight finish on their own threads."""

@@ -118,7 +118,8 @@ class SnapshotCollector(Collector):
         )
         gpu_sm = _gauge(
             "vgpu_gpu_sm_utilization_ratio",
-            "SM utilisation of the GPU, 0..1, averaged over the compute window.",
+            "Utilisation of the GPU, 0..1: the share of time a kernel was running on it (NVML's "
+            "GPU utilisation), averaged over the compute window.",
             GPU_LABELS,
         )
         transitions = _counter(

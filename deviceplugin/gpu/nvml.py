@@ -101,6 +101,10 @@ XID_MEANINGS: Mapping[int, str] = {
 DOUBLE_BIT_ECC_XID = 48
 
 _NOT_AVAILABLE = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE for an unsigned long long
+# How long the last per-process SM figures stand when no sample period has ended since: longer
+# than the driver's slowest sample period (1 s), so that a poll between two samples is not read
+# as an idle GPU.
+_SAMPLE_HOLD_S = 1.5
 _INIT_HINT = "use --backend fake:PATH to try vgpu without a GPU"
 # What a failed nvmlInit means, by error name, for the one-line start-up error.
 _INIT_PROBLEMS: Mapping[str, str] = {
@@ -131,7 +135,15 @@ _PROCESS_CALLS: Mapping[str, tuple[str, ...]] = {
         "nvmlDeviceGetGraphicsRunningProcesses_v2",
         "nvmlDeviceGetGraphicsRunningProcesses",
     ),
+    # Under MPS the clients, the containers' processes, are listed only here; the compute list
+    # has the MPS server instead (a host process: unattributed).
+    "mps client processes": (
+        "nvmlDeviceGetMPSComputeRunningProcesses_v3",
+        "nvmlDeviceGetMPSComputeRunningProcesses_v2",
+    ),
 }
+# In nvidia-ml-py 12 and later the unversioned list calls wrap _v3; they stay last in the chains
+# above for older bindings, where they reach the driver's first version.
 
 
 def xid_meaning(xid: int) -> str:
@@ -147,7 +159,8 @@ def numa_node_from_sysfs(sysfs_root: Path, pci_bus_id: str) -> int | None:
     bus_id = pci_bus_id.strip().lower()
     domain, sep, rest = bus_id.partition(":")
     if sep and len(domain) == 8:
-        bus_id = f"{domain[4:]}:{rest}"
+        # sysfs drops the leading zeros down to 4 digits: 00000000 -> 0000, 00010000 -> 10000.
+        bus_id = f"{int(domain, 16):04x}:{rest}"
     path = sysfs_root / "bus" / "pci" / "devices" / bus_id / "numa_node"
     try:
         node = int(path.read_text().strip())
@@ -260,6 +273,8 @@ class _Gpu:
         self._processes: dict[int, int | None] = {}
         self._processes_at_s = -math.inf
         self._last_seen_ts = 0
+        self._last_util: dict[int, float] | None = None
+        self._last_util_at_s = 0.0
         self._jobs: queue.SimpleQueue[
             tuple[Callable[[], None], concurrent.futures.Future[None]] | None
         ] = queue.SimpleQueue()
@@ -393,14 +408,21 @@ class _Gpu:
         rates = self._optional("utilisation", "nvmlDeviceGetUtilizationRates", self.handle)
         if now - self._processes_at_s >= process_list_interval_s:
             self._refresh_processes(now)
-        sm_by_pid = self._process_sm_util()
+        sm_by_pid = self._process_sm_util(now)
+        # With samples: a listed process that had none in their periods used nothing. Without
+        # (none measured yet, or the measurement is off): unknown.
+        idle = None if sm_by_pid is None else 0.0
         return _Sample(
             read_at_s=now,
             ok=True,
             memory_used_bytes=None if memory is None else int(memory.used),
             sm_util_percent=None if rates is None else float(rates.gpu),
             processes=tuple(
-                ProcessSample(pid=pid, used_memory_bytes=used, sm_util_percent=sm_by_pid.get(pid))
+                ProcessSample(
+                    pid=pid,
+                    used_memory_bytes=used,
+                    sm_util_percent=(sm_by_pid or {}).get(pid, idle),
+                )
                 for pid, used in self._processes.items()
             ),
         )
@@ -472,11 +494,19 @@ class _Gpu:
             return None
         return used
 
-    def _process_sm_util(self) -> dict[int, float]:
-        """Average SM utilisation per pid over the samples newer than the last one seen."""
+    def _process_sm_util(self, now: float) -> dict[int, float] | None:
+        """SM utilisation per pid, averaged over the driver's sample periods since the last call;
+        None when nothing has been measured (yet).
+
+        The driver returns a sample only for a process that used the GPU in a sample period, so
+        a process's total is divided by the number of periods in the batch (the distinct
+        timestamps on this GPU): a period it sat out, stopped or idle, counts as 0. The driver
+        samples every 1/6 to 1 s, which can be longer than a poll: when no period has ended since
+        the last call, the last figures stand for up to `_SAMPLE_HOLD_S`, rather than reading as
+        an idle GPU."""
         measurement = "process utilisation"
         if measurement in self._disabled:
-            return {}
+            return None
         backend = self._backend
         name = "nvmlDeviceGetProcessUtilization"
         try:
@@ -486,24 +516,29 @@ class _Gpu:
             # NOT_FOUND: no sample since the timestamp. pynvml raises NVMLError(SUCCESS) when the
             # driver answers the size query with no samples at all.
             if code in (self._nvml.NVML_ERROR_NOT_FOUND, self._nvml.NVML_SUCCESS):
-                return {}
-            if backend.is_unsupported(e):
+                samples = []
+            elif backend.is_unsupported(e):
                 self._disable(measurement, f"{name}: {backend.describe_error(e)}")
-                return {}
-            raise self._fault(name, e) from e
+                return None
+            else:
+                raise self._fault(name, e) from e
         totals: dict[int, float] = {}
-        counts: dict[int, int] = {}
-        newest = self._last_seen_ts
+        periods: set[int] = set()
         for sample in samples:
             stamp = int(sample.timeStamp)
             if stamp <= self._last_seen_ts:
                 continue
-            newest = max(newest, stamp)
+            periods.add(stamp)
             pid = int(sample.pid)
             totals[pid] = totals.get(pid, 0.0) + min(100.0, max(0.0, float(sample.smUtil)))
-            counts[pid] = counts.get(pid, 0) + 1
-        self._last_seen_ts = newest
-        return {pid: totals[pid] / counts[pid] for pid in totals}
+        if not periods:
+            if self._last_util is not None and now - self._last_util_at_s <= _SAMPLE_HOLD_S:
+                return self._last_util
+            return None if self._last_util is None else {}
+        self._last_seen_ts = max(periods)
+        self._last_util = {pid: total / len(periods) for pid, total in totals.items()}
+        self._last_util_at_s = now
+        return self._last_util
 
 
 class NvmlBackend:
@@ -953,21 +988,23 @@ class NvmlBackend:
         if event_type & self._nvml.nvmlEventTypeXidCriticalError:
             self._on_xid(gpu, int(data.eventData), "Xid")
         elif event_type & self._nvml.nvmlEventTypeDoubleBitEccError:
-            self._on_xid(gpu, DOUBLE_BIT_ECC_XID, "double-bit ECC event")
+            # The driver reports the same fault as Xid 48 too: act on it, count it once.
+            self._on_xid(gpu, DOUBLE_BIT_ECC_XID, "double-bit ECC event", count=False)
         else:
             logger.debug("NVML event ignored %s type=%#x", gpu.label(), event_type)
 
-    def _on_xid(self, gpu: _Gpu, xid: int, source: str) -> None:
+    def _on_xid(self, gpu: _Gpu, xid: int, source: str, *, count: bool = True) -> None:
         now = self._clock()
         meaning = xid_meaning(xid)
         critical = self._health_config.is_critical(xid)
         with self._lock:
             health = self._health[gpu.index]
-            health.xids[xid] += 1
-            if critical:
-                health.critical_xids += 1
-            else:
-                health.ignored_xids += 1
+            if count:
+                health.xids[xid] += 1
+                if critical:
+                    health.critical_xids += 1
+                else:
+                    health.ignored_xids += 1
         if not critical:
             logger.info(
                 "Xid ignored %s xid=%d meaning=%r source=%s; an application error, the GPU stays "

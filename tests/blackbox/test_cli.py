@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -195,3 +196,34 @@ def test_demo_shows_the_enforcer_at_work() -> None:
     assert "throttling default/inference/server" in out
     assert "THROTTLED" in out
     assert "killed the largest GPU process of default/notebook/jupyter" in out
+
+
+def test_serve_with_a_bad_metrics_address_exits_2_naming_it(short_tmp: Path) -> None:
+    state = short_tmp / "gpus.json"
+    write_state_file(state, FakeState(gpus=TWO_GPUS))
+    result = run_cli("serve", "--backend", f"fake:{state}", "--metrics-address", "nonsense")
+    assert result.returncode == 2
+    assert "'nonsense'" in result.stderr
+
+
+def test_serve_on_a_taken_port_exits_2_saying_what_to_change(short_tmp: Path) -> None:
+    state = short_tmp / "gpus.json"
+    write_state_file(state, FakeState(gpus=TWO_GPUS))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli(
+            "serve",
+            "--backend",
+            f"fake:{state}",
+            "--device-plugin-dir",
+            str(short_tmp / "dp"),
+            "--state-dir",
+            str(short_tmp / "state"),
+            "--metrics-address",
+            f"127.0.0.1:{port}",
+        )
+    assert result.returncode == 2
+    assert f"127.0.0.1:{port}" in result.stderr
+    assert "--metrics-address" in result.stderr

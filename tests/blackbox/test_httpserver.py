@@ -167,6 +167,28 @@ def test_stop_closes_the_port(daemon: Daemon) -> None:
     srv.stop()  # a second stop is harmless
 
 
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="this machine has no IPv6 loopback")
+def test_all_interfaces_means_ipv6_and_ipv4(daemon: Daemon) -> None:
+    # ":PORT" must answer on IPv6-only clusters too, where probes and scrapes come over IPv6.
+    srv = HttpServer(":0", daemon.metrics, daemon.get_snapshot, daemon.healthz)
+    srv.start()
+    try:
+        for url in (f"http://127.0.0.1:{srv.port}/metrics", f"http://[::1]:{srv.port}/metrics"):
+            with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 (loopback)
+                assert response.status == 200
+    finally:
+        srv.stop()
+
+
 def test_a_taken_port_is_a_clear_error(daemon: Daemon, server: HttpServer) -> None:
     other = HttpServer(
         f"127.0.0.1:{server.port}", daemon.metrics, daemon.get_snapshot, daemon.healthz

@@ -45,6 +45,9 @@ class ModelProcess:
     used_memory_bytes: int | None = GiB
     compute: bool = True
     graphics: bool = False
+    # An MPS client: the driver lists it only in the MPS process list (and the MPS server, a
+    # process of its own, in the compute list).
+    mps: bool = False
 
 
 @dataclass
@@ -361,11 +364,16 @@ class NvmlModel:
         gpu = self._gpu("nvmlDeviceGetUtilizationRates", handle)
         return pynvml.c_nvmlUtilization_t(gpu=gpu.gpu_util_percent, memory=0)
 
-    def _processes(self, name: str, handle: object, *, graphics: bool, raw: bool) -> list[Any]:
+    def _processes(
+        self, name: str, handle: object, *, graphics: bool, raw: bool, mps: bool = False
+    ) -> list[Any]:
         gpu = self._gpu(name, handle)
         found: list[Any] = []
         for p in gpu.processes:
-            if (p.graphics if graphics else p.compute) is False:
+            if mps:
+                if not p.mps:
+                    continue
+            elif p.mps or (p.graphics if graphics else p.compute) is False:
                 continue
             used: int | None = p.used_memory_bytes
             if used is None and raw:
@@ -393,6 +401,14 @@ class NvmlModel:
     def nvmlDeviceGetComputeRunningProcesses(self, handle: object) -> list[Any]:  # noqa: N802
         name = "nvmlDeviceGetComputeRunningProcesses"
         return self._processes(name, handle, graphics=False, raw=True)
+
+    def nvmlDeviceGetMPSComputeRunningProcesses_v3(self, handle: object) -> list[Any]:  # noqa: N802
+        name = "nvmlDeviceGetMPSComputeRunningProcesses_v3"
+        return self._processes(name, handle, graphics=False, raw=False, mps=True)
+
+    def nvmlDeviceGetMPSComputeRunningProcesses_v2(self, handle: object) -> list[Any]:  # noqa: N802
+        name = "nvmlDeviceGetMPSComputeRunningProcesses_v2"
+        return self._processes(name, handle, graphics=False, raw=False, mps=True)
 
     def nvmlDeviceGetGraphicsRunningProcesses_v3(self, handle: object) -> list[Any]:  # noqa: N802
         name = "nvmlDeviceGetGraphicsRunningProcesses_v3"

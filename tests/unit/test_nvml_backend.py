@@ -151,8 +151,17 @@ def test_strings_from_older_bindings_are_decoded(rig: Rig) -> None:
         ("00000000:17:00.0", "0000:17:00.0", "-1\n", None),
         ("00000000:17:00.0", "0000:17:00.0", "garbage", None),
         ("00000000:17:00.0", "0000:99:00.0", "1", None),
+        ("00010000:01:00.0", "10000:01:00.0", "1", 1),
     ],
-    ids=["domain-8-digits", "upper-case", "domain-4-digits", "minus-one", "garbage", "missing"],
+    ids=[
+        "domain-8-digits",
+        "upper-case",
+        "domain-4-digits",
+        "minus-one",
+        "garbage",
+        "missing",
+        "domain-above-ffff",
+    ],
 )
 def test_numa_node_from_sysfs(
     tmp_path: Path, bus_id: str, written_as: str, content: str, expected: int | None
@@ -479,12 +488,46 @@ def test_each_utilisation_sample_is_counted_once(rig: Rig, driver_filters: bool)
     first = gpu_of(backend.poll(), 0)
     rig.model.add_samples(0, [(101, 30, 80, 0)])
     second = gpu_of(backend.poll(), 0)
-    third = gpu_of(backend.poll(), 0)
 
-    assert {p.pid: p.sm_util_percent for p in first.processes} == {101: 30.0, 102: 90.0}
-    assert {p.pid: p.sm_util_percent for p in second.processes} == {101: 80.0, 102: None}
-    assert {p.pid: p.sm_util_percent for p in third.processes} == {101: None, 102: None}
-    assert third.healthy
+    # Two sample periods (10 and 20): 102 had no sample in the first, so it averages 90 / 2.
+    assert {p.pid: p.sm_util_percent for p in first.processes} == {101: 30.0, 102: 45.0}
+    # One new period, in which only 101 ran: 102 used nothing.
+    assert {p.pid: p.sm_util_percent for p in second.processes} == {101: 80.0, 102: 0.0}
+    assert second.healthy
+
+
+def test_a_stopped_process_counts_as_idle_in_the_periods_it_sat_out(rig: Rig) -> None:
+    # A throttled process runs in one period of four; the driver samples only that one.
+    rig.model.gpus[0].processes = [ModelProcess(101, GiB), ModelProcess(102, GiB)]
+    rig.model.add_samples(
+        0,
+        [
+            (101, 10, 100, 0),
+            (102, 10, 0, 0),
+            (102, 20, 100, 0),
+            (102, 30, 100, 0),
+            (102, 40, 100, 0),
+        ],
+    )
+
+    g = gpu_of(rig.backend().poll(), 0)
+
+    assert {p.pid: p.sm_util_percent for p in g.processes} == {101: 25.0, 102: 75.0}
+
+
+def test_a_poll_between_two_sample_periods_repeats_the_last_figures(rig: Rig) -> None:
+    rig.model.gpus[0].processes = [ModelProcess(101, GiB)]
+    rig.model.add_samples(0, [(101, 10, 60, 0)])
+    backend = rig.backend()
+    measured = gpu_of(backend.poll(), 0)
+    rig.clock.advance(0.5)  # the driver's period is longer than the poll: nothing new yet
+    between = gpu_of(backend.poll(), 0)
+    rig.clock.advance(2.0)  # and long after the last sample: the process is idle
+    later = gpu_of(backend.poll(), 0)
+
+    assert [p.sm_util_percent for p in measured.processes] == [60.0]
+    assert [p.sm_util_percent for p in between.processes] == [60.0]
+    assert [p.sm_util_percent for p in later.processes] == [0.0]
 
 
 def test_samples_of_processes_not_in_the_list_are_left_out_and_values_clamped(rig: Rig) -> None:
@@ -734,6 +777,20 @@ def test_a_double_bit_ecc_event_counts_as_xid_48(rig: Rig) -> None:
     eventually(lambda: not gpu_of(backend.poll(), 0).healthy)
 
     assert gpu_of(backend.poll(), 0).health_reason == "Xid 48 (Double Bit ECC Error)"
+    # The driver sends the same fault as Xid 48 too: counted once.
+    rig.model.emit_xid(0, 48)
+    eventually(lambda: backend.health_stats[0].xids == {48: 1})
+    assert gpu_of(backend.poll(), 0).xid_errors == ((48, 1),)
+
+
+def test_mps_clients_are_listed_as_the_gpu_processes(rig: Rig) -> None:
+    # Under MPS the compute list shows the MPS server; the clients, the containers' processes,
+    # are in the MPS list.
+    rig.model.gpus[0].processes = [ModelProcess(50, GiB), ModelProcess(101, 2 * GiB, mps=True)]
+
+    g = gpu_of(rig.backend().poll(), 0)
+
+    assert g.processes == (ProcessSample(50, GiB), ProcessSample(101, 2 * GiB))
 
 
 def test_other_event_types_are_ignored(rig: Rig) -> None:
