@@ -173,7 +173,9 @@ def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> int
     async def runner() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        # Every way an operator asks a process to go ends in the same clean stop, which resumes
+        # what the enforcer holds stopped; SIGKILL is left to the next start.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
             loop.add_signal_handler(sig, stop.set)
         try:
             await main(stop)

@@ -13,11 +13,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 
@@ -45,6 +49,8 @@ from deviceplugin.state import AllocationBook, Published
 from deviceplugin.usage import SnapshotBuilder, mark_stale
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 POD_RESOURCES_INTERVAL_S = 10.0
 # /healthz fails when no poll has succeeded for this many intervals (and at least this long), or
@@ -117,6 +123,40 @@ def describe_inventory_change(old: Inventory, new: Inventory) -> list[str]:
     return lines
 
 
+class DaemonWorker:
+    """One daemon thread that runs submitted calls in order.
+
+    Unlike a ThreadPoolExecutor's threads, which the interpreter joins at exit, a daemon thread
+    never keeps the process alive: a call hung in the GPU driver or on a stuck /proc read must
+    not stop the daemon from exiting once it has cleaned up."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[
+            tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None
+        ] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, call: Callable[[], T]) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._queue.put((future, call))
+        return future
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, call = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as e:  # noqa: BLE001 (handed to whoever awaits the future)
+                future.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Finish the call under way (if it ever returns), then stop; does not wait."""
+        self._queue.put(None)
+
+
 @dataclass(frozen=True, slots=True)
 class Tick:
     """What one poll produced, off the event loop."""
@@ -158,8 +198,11 @@ class Poller:
         self._enforce = enforce
         self._on_poll_duration = on_poll_duration
         self._interval_s = config.enforcement.poll_interval_s
-        self._timeout_s = timeout_s if timeout_s is not None else max(5.0, 4 * self._interval_s)
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vgpu-poll")
+        self.timeout_s = timeout_s if timeout_s is not None else max(5.0, 4 * self._interval_s)
+        self._worker = DaemonWorker("vgpu-poll")
+        # Stale snapshots reach the enforcer through a worker of their own: the poll worker may
+        # be the one that is stuck.
+        self._stale_worker = DaemonWorker("vgpu-stale")
         self._pending: asyncio.Future[Tick] | None = None
         self._previous_reading_s: float | None = None
         self.snapshot: NodeSnapshot | None = None
@@ -191,10 +234,12 @@ class Poller:
     async def poll_once(self) -> None:
         """One poll; raises BackendError or TimeoutError when the backend does not answer."""
         if self._pending is None or self._pending.done():
-            loop = asyncio.get_running_loop()
-            self._pending = loop.run_in_executor(self._executor, self._tick, tuple(self._book))
+            allocations = tuple(self._book)
+            self._pending = asyncio.wrap_future(
+                self._worker.submit(functools.partial(self._tick, allocations))
+            )
         # A hung call keeps its worker; the next tick waits on the same call, never stacks more.
-        tick = await asyncio.wait_for(asyncio.shield(self._pending), self._timeout_s)
+        tick = await asyncio.wait_for(asyncio.shield(self._pending), self.timeout_s)
         self._pending = None
         old = self._inventory.value
         if self._inventory.set(tick.inventory):
@@ -231,11 +276,22 @@ class Poller:
                         self.failures,
                     )
                     if self.snapshot is not None:
-                        # The enforcer sees stale snapshots too: it acts on none, and releases
-                        # its throttles when polling stays down.
-                        self.snapshot = self._enforce(mark_stale(self.snapshot, self._health()))
+                        self.snapshot = await self._enforce_stale(
+                            mark_stale(self.snapshot, self._health())
+                        )
         finally:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._worker.shutdown()
+            self._stale_worker.shutdown()
+
+    async def _enforce_stale(self, stale: NodeSnapshot) -> NodeSnapshot:
+        """The enforcer sees stale snapshots too: it acts on none, and releases its throttles when
+        polling stays down. Off the event loop, and never waited on for longer than a poll."""
+        future = asyncio.wrap_future(self._stale_worker.submit(lambda: self._enforce(stale)))
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self._interval_s)
+        except TimeoutError:
+            log.warning("enforcer busy; stale snapshot published without its enforcement state")
+            return stale
 
 
 class AllocationTracker:
@@ -446,7 +502,13 @@ class Daemon:
             log.warning("%s", pid_namespace)
         self.enforcer = await asyncio.to_thread(self._start_enforcer)
         try:
-            await self.poller.poll_once()
+            try:
+                await self.poller.poll_once()
+            except TimeoutError as e:
+                raise StartupError(
+                    f"the GPU backend {self.backend.name} did not answer its first poll within "
+                    f"{self.poller.timeout_s:g} s; see the log lines above for the GPU at fault"
+                ) from e
             if self.http is not None:
                 try:
                     self.http.start()
@@ -462,10 +524,12 @@ class Daemon:
                     self.tracker.run(stop, self.poller.names_wanted), name="pod-resources"
                 )
         finally:
-            if self.http is not None:
-                self.http.stop()
-            # Every process it holds stopped runs again, whatever ended the daemon.
-            self.enforcer.close()
+            try:
+                # Every process it holds stopped runs again, whatever ended the daemon: first.
+                self.enforcer.close()
+            finally:
+                if self.http is not None:
+                    self.http.stop()
         log.info("stopped")
 
 

@@ -57,13 +57,11 @@ class AllocationBook:
         # Allocations the kubelet has listed at least once: gone as soon as it stops listing them.
         self._confirmed: set[str] = set()
 
-    def record(self, record: AllocationRecord) -> None:
-        """Add or replace a record. A recovered record with pod names replaces an anonymous one;
-        an anonymous one never erases names already known."""
-        known = self._records.get(record.allocation_id)
-        if known is not None and known.pod and not record.pod:
-            return
+    def allocated(self, record: AllocationRecord) -> None:
+        """A fresh Allocate. Its ID may be an old one (the same slices again, for a new pod): the
+        old pod's names and time go, and the kubelet has yet to list it."""
         self._records[record.allocation_id] = record
+        self._confirmed.discard(record.allocation_id)
 
     def get(self, allocation_id: str) -> AllocationRecord | None:
         return self._records.get(allocation_id)

@@ -31,6 +31,9 @@ REGISTER_TIMEOUT_S = 5.0
 BACKOFF_FIRST_S = 0.01
 BACKOFF_MAX_S = 5.0
 WAITING_REPORT_EVERY_S = 30.0
+# The kubelet opens ListAndWatch right after it accepts a registration; if it has not within
+# this long, its dial-back failed quietly and it holds no devices of ours: register again.
+STREAM_OPEN_TIMEOUT_S = 10.0
 
 _REGISTERED = "registered"
 _STOPPED = "stopped"
@@ -68,6 +71,7 @@ class PluginLifecycle:
         plugin_dir: Path,
         resource_name: str,
         watch_interval_s: float = 0.01,
+        stream_open_timeout_s: float = STREAM_OPEN_TIMEOUT_S,
         on_registered: Callable[[], None] = lambda: None,
     ) -> None:
         self._service = service
@@ -77,9 +81,11 @@ class PluginLifecycle:
         self._socket = plugin_dir / self._endpoint
         self._kubelet_socket = plugin_dir / KUBELET_SOCKET
         self._watch_interval_s = watch_interval_s
+        self.stream_open_timeout_s = stream_open_timeout_s
         self._on_registered = on_registered
         self._generation = 0
         self._kubelet_inode: tuple[int, int] | None = None
+        self._own_inode: tuple[int, int] | None = None
         self._stream_ended = asyncio.Event()
         self.stats = LifecycleStats()
         self._registered = False
@@ -180,6 +186,7 @@ class PluginLifecycle:
             error = await self._register_once() if kubelet_inode else "kubelet.sock does not exist"
             if error is None:
                 self._kubelet_inode = kubelet_inode
+                self._own_inode = own
                 self.registered = True
                 self.stats.registrations += 1
                 self.stats.last_registered_at_s = time.monotonic()
@@ -242,7 +249,8 @@ class PluginLifecycle:
 
     async def _watch(self, stop: asyncio.Event) -> str:
         """Wait until something calls for a new registration; '' when stopping."""
-        own = _inode(self._socket)
+        own = self._own_inode  # the socket the kubelet was told to dial, not whatever is there now
+        registered_at = time.monotonic()
         stop_wait = asyncio.ensure_future(stop.wait())
         stream_wait = asyncio.ensure_future(self._stream_ended.wait())
         try:
@@ -255,6 +263,11 @@ class PluginLifecycle:
                     return "plugin socket removed (kubelet restart)"
                 if _inode(self._kubelet_socket) != self._kubelet_inode:
                     return "kubelet.sock re-created (kubelet restart)"
+                if (
+                    self._service.opened_generation != self._generation
+                    and time.monotonic() - registered_at > self.stream_open_timeout_s
+                ):
+                    return "the kubelet opened no ListAndWatch stream after registration"
                 await asyncio.wait(
                     {stop_wait, stream_wait},
                     timeout=self._watch_interval_s,

@@ -86,6 +86,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         self._on_allocated = on_allocated
         self.stopping = False
         self.open_streams = 0
+        # The registration generation of the last ListAndWatch stream the kubelet opened.
+        self.opened_generation = -1
 
     async def GetDevicePluginOptions(  # noqa: N802 (the kubelet's method name)
         self, request: dp.Empty, context: grpc.aio.ServicerContext
@@ -98,6 +100,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         self, request: dp.Empty, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[dp.ListAndWatchResponse]:
         generation = self._generation()
+        self.opened_generation = generation
         self.open_streams += 1
         log.info("ListAndWatch stream opened generation=%d", generation)
         sent_version = -1
@@ -167,7 +170,9 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"container request {i}: {e}")
         now = self._clock()
         for allocation in allocations:
-            self._book.record(AllocationRecord(allocation.allocation_id, allocation.slice_ids, now))
+            self._book.allocated(
+                AllocationRecord(allocation.allocation_id, allocation.slice_ids, now)
+            )
             log.info(
                 "allocated allocation_id=%s slices=%s gpus=%s",
                 allocation.allocation_id,

@@ -1,0 +1,138 @@
+"""The daemon against a hung GPU backend and a kubelet that accepts but never streams."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+
+from deviceplugin.app import Daemon
+from deviceplugin.errors import StartupError
+from deviceplugin.gpu.fake import FakeBackend
+from deviceplugin.model import NodeReading
+from deviceplugin.proto import KUBELET_SOCKET, dp, dp_grpc
+from tests.blackbox.daemon_harness import TWO_GPUS, Node, eventually, registered
+
+
+class HangingBackend:
+    """The fake backend, whose polls hang from the moment `hang` is set until `release`."""
+
+    def __init__(self, inner: FakeBackend) -> None:
+        self.inner = inner
+        self.hang = threading.Event()
+        self.release = threading.Event()
+
+    @property
+    def name(self) -> str:
+        return "hanging"
+
+    def poll(self) -> NodeReading:
+        if self.hang.is_set():
+            self.release.wait()
+        return self.inner.poll()
+
+    def close(self) -> None:
+        self.release.set()
+        self.inner.close()
+
+
+async def test_a_first_poll_that_never_answers_is_a_clear_start_up_error(node: Node) -> None:
+    backend = HangingBackend(FakeBackend(node.state_file))
+    backend.hang.set()
+    daemon = Daemon(node.settings(), backend)
+    daemon.poller.timeout_s = 0.3
+    try:
+        with pytest.raises(StartupError, match="did not answer its first poll"):
+            await daemon.run(asyncio.Event())
+    finally:
+        backend.close()
+
+
+async def test_a_hung_backend_never_stalls_allocate_or_registration(node: Node) -> None:
+    backend = HangingBackend(FakeBackend(node.state_file))
+    daemon = Daemon(node.settings(), backend)
+    daemon.poller.timeout_s = 0.3
+    stop = asyncio.Event()
+    task = asyncio.create_task(daemon.run(stop))
+    try:
+        await registered(node, 8)
+        backend.hang.set()  # every poll from now on hangs in the driver
+        await eventually(lambda: daemon.poller.failures >= 2, 5, "polls timing out")
+        snapshot = daemon.poller.snapshot
+        assert snapshot is not None
+        assert snapshot.stale
+        # The kubelet is still served, from memory ...
+        pod = await asyncio.wait_for(node.sim.admit_pod("during-hang", [("c", 2)]), 2)
+        assert len(pod.containers[0].device_ids) == 2
+        # ... and a kubelet restart is still noticed and answered.
+        before = len(node.sim.registrations)
+        await node.sim.restart()
+        await node.sim.wait_for(
+            lambda: (
+                len(node.sim.registrations) > before and node.sim.is_registered("nvidia.com/vgpu")
+            )
+        )
+        backend.release.set()
+        backend.hang.clear()
+        await eventually(lambda: daemon.poller.failures == 0, 5, "polling to recover")
+    finally:
+        stop.set()
+        backend.release.set()
+        await asyncio.wait_for(task, 10)
+        backend.close()
+
+
+def test_a_call_hung_in_the_poll_worker_does_not_keep_the_process_alive() -> None:
+    script = (
+        "import threading\n"
+        "from deviceplugin.app import DaemonWorker\n"
+        "worker = DaemonWorker('vgpu-poll')\n"
+        "worker.submit(threading.Event().wait)\n"
+        "worker.shutdown()\n"
+        "print('exiting')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=20, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "exiting"
+
+
+class SilentKubelet(dp_grpc.RegistrationServicer):
+    """Accepts every registration and never dials back: a kubelet whose dial-back failed."""
+
+    def __init__(self) -> None:
+        self.registrations = 0
+
+    async def Register(  # noqa: N802 (the kubelet's method name)
+        self, request: dp.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> dp.Empty:
+        self.registrations += 1
+        return dp.Empty()
+
+
+async def test_registration_without_a_stream_is_tried_again(short_tmp: Path) -> None:
+    node = Node(short_tmp, TWO_GPUS)
+    kubelet = SilentKubelet()
+    server = grpc.aio.server()
+    dp_grpc.add_RegistrationServicer_to_server(kubelet, server)
+    server.add_insecure_port(f"unix://{node.plugin_dir / KUBELET_SOCKET}")
+    await server.start()
+    backend = FakeBackend(node.state_file)
+    daemon = Daemon(node.settings(), backend)
+    daemon.lifecycle.stream_open_timeout_s = 0.3
+    stop = asyncio.Event()
+    task = asyncio.create_task(daemon.run(stop))
+    try:
+        await eventually(lambda: kubelet.registrations >= 3, 10, "registering again")
+        assert "no ListAndWatch stream" in daemon.lifecycle.stats.last_restart_reason
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        backend.close()
+        await server.stop(None)
