@@ -6,6 +6,7 @@ from deviceplugin.enforcer.actuator import (
     ProcessControl,
     PsutilControl,
     RecordingControl,
+    SignalResult,
 )
 from deviceplugin.enforcer.enforcer import (
     STOPPED_RECORD_NAME,
@@ -39,6 +40,7 @@ __all__ = [
     "RecordingControl",
     "Release",
     "SetDuty",
+    "SignalResult",
     "read_stopped_record",
     "write_stopped_record",
 ]

@@ -1,21 +1,28 @@
 """The only code that sends signals to processes: process control, and the duty-cycle thread.
 
-`ProcessControl` is the seam. `PsutilControl` holds the identity of every GPU process from the
-moment it is first seen (a psutil.Process, which remembers the creation time) and signals through a
-pidfd opened on first use and checked against that identity, so a PID that was reused by another
-process is never signalled; where pidfds are unavailable it signals through psutil, which checks
-the identity before each signal. `RecordingControl` sends nothing and records what it was asked
-to send: dry runs and tests.
+`ProcessControl` is the seam. `PsutilControl` holds the identity of a GPU process (a
+psutil.Process, which remembers the creation time) from the moment `watch` is asked to acquire it,
+and signals through a pidfd opened on first use and checked against that identity, so a PID that
+was reused by another process is never signalled; where pidfds are unavailable it signals through
+psutil, which checks the identity before each signal. Identities are acquired only by `watch`, for
+PIDs freshly attributed to an allocation; `retain` keeps some of those already held and never
+acquires one. Every signal reports whether it was sent, the process is gone (its identity is then
+forgotten), or the signal was denied. `RecordingControl` sends nothing and records what it was
+asked to send: dry runs and tests.
 
 `DutyCycler` runs the SIGSTOP/SIGCONT duty cycles on its own thread, on a fixed grid of periods:
 every throttled group runs from the start of each period and is stopped at `duty x period`. A
 change of duty applies at once, within the current period. It counts how long each group spent
-stopped, and resumes everything it stopped when a group is released and when it stops.
+stopped, and resumes everything it stopped when a group is released and when it stops. A process
+reported gone leaves its group at once and is never signalled again unless a later `set` names it.
+A denied signal is logged once per PID and counted; a PID whose resume was denied is kept as
+"unresumed" and retried, so that the enforcer can keep it in its stopped-process record.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import os
 import signal
@@ -36,6 +43,16 @@ _JOIN_TIMEOUT_S = 5.0
 _COALESCE_RATIO = 0.01
 
 
+class SignalResult(enum.Enum):
+    """What became of a signal."""
+
+    SENT = "sent"
+    # Not sent: the PID is not held, its process exited, or the PID now names another process.
+    GONE = "gone"
+    # Not sent: the process is there, and the signal was refused (EPERM).
+    DENIED = "denied"
+
+
 class ProcessControl(Protocol):
     """Signals to GPU processes, by PID, only to processes whose identity is held."""
 
@@ -45,22 +62,28 @@ class ProcessControl(Protocol):
         ...
 
     def watch(self, pids: Collection[int]) -> None:
-        """Hold the identity of each PID in `pids` not yet held (the process that has it now),
-        and forget every held PID not in `pids`."""
+        """Acquire the identity of each PID in `pids` that is not held yet (the process that has
+        it now). Only for PIDs attributed to an allocation by the latest poll. Keeps every PID
+        already held."""
         ...
 
-    def send(self, pid: int, sig: signal.Signals) -> bool:
-        """Send `sig` to the held process `pid`. False (nothing sent) when the PID is not held, the
-        process is gone, or the PID now belongs to another process."""
+    def retain(self, pids: Collection[int]) -> None:
+        """Forget every held PID not in `pids`. Never acquires an identity."""
+        ...
+
+    def send(self, pid: int, sig: signal.Signals) -> SignalResult:
+        """Send `sig` to the held process `pid`. GONE (nothing sent, and `pid` is no longer held)
+        when the PID is not held, its process is gone, or the PID now belongs to another process;
+        DENIED when the process refused it (it stays held)."""
         ...
 
     def create_time(self, pid: int) -> float | None:
         """The creation time of the held process `pid` (its identity), None when not held."""
         ...
 
-    def resume_recorded(self, pid: int, create_time: float) -> bool:
+    def resume_recorded(self, pid: int, create_time: float) -> SignalResult:
         """SIGCONT `pid` if a process created at `create_time` still has it (a record left by an
-        earlier run of the daemon). Whether it was resumed."""
+        earlier run of the daemon). GONE when no such process has it."""
         ...
 
     def close(self) -> None:
@@ -93,23 +116,26 @@ class PsutilControl:
         return False
 
     def watch(self, pids: Collection[int]) -> None:
-        wanted = set(pids)
         with self._lock:
-            for pid in wanted - self._held.keys():
+            for pid in set(pids) - self._held.keys():
                 if pid <= 0:
                     continue
                 try:
                     self._held[pid] = psutil.Process(pid)
                 except psutil.Error:
                     continue  # gone already, or not ours to see: never signalled
-            for pid in [pid for pid in self._held if pid not in wanted]:
+
+    def retain(self, pids: Collection[int]) -> None:
+        keep = set(pids)
+        with self._lock:
+            for pid in [pid for pid in self._held if pid not in keep]:
                 self._forget(pid)
 
-    def send(self, pid: int, sig: signal.Signals) -> bool:
+    def send(self, pid: int, sig: signal.Signals) -> SignalResult:
         with self._lock:
             process = self._held.get(pid)
             if process is None:
-                return False
+                return SignalResult.GONE
             try:
                 fd = self._pidfd(pid, process) if self._use_pidfd else None
                 if fd is None:
@@ -118,11 +144,10 @@ class PsutilControl:
                     signal.pidfd_send_signal(fd, sig)
             except (ProcessLookupError, psutil.NoSuchProcess):
                 self._forget(pid)
-                return False
+                return SignalResult.GONE
             except (PermissionError, psutil.AccessDenied):
-                log.warning("cannot signal pid=%d signal=%s: permission denied", pid, sig.name)
-                return False
-            return True
+                return SignalResult.DENIED
+            return SignalResult.SENT
 
     def create_time(self, pid: int) -> float | None:
         with self._lock:
@@ -134,15 +159,23 @@ class PsutilControl:
         except psutil.Error:
             return None
 
-    def resume_recorded(self, pid: int, create_time: float) -> bool:
+    def resume_recorded(self, pid: int, create_time: float) -> SignalResult:
         try:
             process = psutil.Process(pid)
-            if abs(process.create_time() - create_time) > CREATE_TIME_TOLERANCE_S:
-                return False
-            process.send_signal(signal.SIGCONT)
+            created = process.create_time()
+        except psutil.NoSuchProcess:
+            return SignalResult.GONE
         except psutil.Error:
-            return False
-        return True
+            return SignalResult.DENIED  # its identity cannot be read now: try again later
+        if abs(created - create_time) > CREATE_TIME_TOLERANCE_S:
+            return SignalResult.GONE  # the PID was reused: not the recorded process
+        try:
+            process.send_signal(signal.SIGCONT)
+        except psutil.NoSuchProcess:
+            return SignalResult.GONE
+        except psutil.AccessDenied:
+            return SignalResult.DENIED
+        return SignalResult.SENT
 
     def close(self) -> None:
         with self._lock:
@@ -179,52 +212,84 @@ class PsutilControl:
 @dataclass
 class RecordingControl:
     """Sends nothing; records the latest signals it was asked to send (`sent`, at most
-    `max_sent`), and tracks which PIDs it would have left stopped. `gone` PIDs behave as
-    processes that exited; nothing else does (a dry run's SIGKILL leaves its process running).
-    The dry-run control, and the tests'."""
+    `max_sent`), and tracks which PIDs it would have left stopped. The dry-run control, and the
+    tests'.
+
+    A PID's identity is its entry in `create_times` (1000 + pid when absent): a test that changes
+    it stands for the PID's reuse by another process, which a held identity then no longer
+    matches. `gone` PIDs behave as processes that exited, `denied` ones refuse every signal;
+    nothing else does (a dry run's SIGKILL leaves its process running). `acquired` lists, oldest
+    first, each PID whose identity `watch` acquired."""
 
     create_times: dict[int, float] = field(default_factory=dict)
     gone: set[int] = field(default_factory=set)
+    denied: set[int] = field(default_factory=set)
     max_sent: int = 100_000
     sent: deque[tuple[int, signal.Signals]] = field(init=False)
+    acquired: deque[int] = field(init=False)
     stopped: set[int] = field(default_factory=set)
-    held: set[int] = field(default_factory=set)
+    held: dict[int, float] = field(default_factory=dict)
+    _lock: threading.Lock = field(
+        default_factory=threading.Lock, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         self.sent = deque(maxlen=self.max_sent)
+        self.acquired = deque(maxlen=self.max_sent)
 
     @property
     def dry_run(self) -> bool:
         return True
 
-    def watch(self, pids: Collection[int]) -> None:
-        self.held = {pid for pid in pids if pid not in self.gone}
-
-    def send(self, pid: int, sig: signal.Signals) -> bool:
-        if pid not in self.held or pid in self.gone:
-            return False
-        self.sent.append((pid, sig))
-        if sig == signal.SIGSTOP:
-            self.stopped.add(pid)
-        else:
-            self.stopped.discard(pid)
-        return True
-
-    def create_time(self, pid: int) -> float | None:
-        if pid not in self.held:
-            return None
+    def _identity(self, pid: int) -> float:
         return self.create_times.get(pid, 1000.0 + pid)
 
-    def resume_recorded(self, pid: int, create_time: float) -> bool:
-        known = self.create_times.get(pid, 1000.0 + pid)
-        if pid in self.gone or abs(known - create_time) > CREATE_TIME_TOLERANCE_S:
-            return False
-        self.sent.append((pid, signal.SIGCONT))
-        self.stopped.discard(pid)
-        return True
+    def watch(self, pids: Collection[int]) -> None:
+        with self._lock:
+            for pid in sorted(set(pids) - self.held.keys()):
+                if pid > 0 and pid not in self.gone:
+                    self.held[pid] = self._identity(pid)
+                    self.acquired.append(pid)
+
+    def retain(self, pids: Collection[int]) -> None:
+        keep = set(pids)
+        with self._lock:
+            self.held = {pid: c for pid, c in self.held.items() if pid in keep}
+
+    def send(self, pid: int, sig: signal.Signals) -> SignalResult:
+        with self._lock:
+            held = self.held.get(pid)
+            if held is None:
+                return SignalResult.GONE
+            if pid in self.gone or abs(self._identity(pid) - held) > CREATE_TIME_TOLERANCE_S:
+                del self.held[pid]
+                return SignalResult.GONE
+            if pid in self.denied:
+                return SignalResult.DENIED
+            self.sent.append((pid, sig))
+            if sig == signal.SIGSTOP:
+                self.stopped.add(pid)
+            else:
+                self.stopped.discard(pid)
+            return SignalResult.SENT
+
+    def create_time(self, pid: int) -> float | None:
+        with self._lock:
+            return self.held.get(pid)
+
+    def resume_recorded(self, pid: int, create_time: float) -> SignalResult:
+        with self._lock:
+            if pid in self.gone or abs(self._identity(pid) - create_time) > CREATE_TIME_TOLERANCE_S:
+                return SignalResult.GONE
+            if pid in self.denied:
+                return SignalResult.DENIED
+            self.sent.append((pid, signal.SIGCONT))
+            self.stopped.discard(pid)
+            return SignalResult.SENT
 
     def close(self) -> None:
-        self.held = set()
+        with self._lock:
+            self.held = {}
 
 
 @dataclass(slots=True)
@@ -240,7 +305,13 @@ class DutyCycler:
 
     A group is a container's processes on one GPU, known by a key. The thread starts with the first
     group and sleeps, using no CPU, while there is none. `on_error` is called once, from the
-    thread, if it fails; everything it stopped has been resumed by then, as far as possible."""
+    thread, if it fails; everything it stopped has been resumed by then, as far as possible.
+
+    A PID whose signal reports GONE leaves every group at once: it is signalled again only if a
+    later `set` names it. A denied SIGSTOP leaves the process running, and is tried again every
+    period; a denied SIGCONT makes the PID "unresumed" (see `unresumed`), tried again every
+    period and when the cycler stops. Each PID's first denial is logged; `signals_denied` counts
+    them all."""
 
     def __init__(
         self,
@@ -263,6 +334,11 @@ class DutyCycler:
         self._totals: dict[Hashable, float] = {}
         # Which groups hold each PID stopped; a PID is resumed when none does.
         self._holders: dict[int, set[Hashable]] = {}
+        # PIDs stopped by this cycler whose SIGCONT was denied: they may still be stopped.
+        self._unresumed: set[int] = set()
+        # PIDs whose denial has been logged, while they are in a group or unresumed.
+        self._denied_logged: set[int] = set()
+        self._signals_denied = 0
         self._period_start_s = clock()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -291,6 +367,7 @@ class DutyCycler:
                 group.duty = duty
             self._account(key, group, now)
             self._reconcile(now)
+            self._prune_denied()
             self._ensure_thread()
             self._cond.notify_all()
 
@@ -300,13 +377,17 @@ class DutyCycler:
             group = self._groups.pop(key, None)
             if group is not None:
                 self._release_group(key, group, self._clock())
+            self._prune_denied()
             self._cond.notify_all()
 
     def release_all(self) -> None:
+        """End every duty cycle, and try once more to resume the unresumed PIDs."""
         with self._cond:
             now = self._clock()
             for key in list(self._groups):
                 self._release_group(key, self._groups.pop(key), now)
+            self._retry_unresumed()
+            self._prune_denied()
             self._cond.notify_all()
 
     def forget(self, key: Hashable) -> None:
@@ -348,6 +429,17 @@ class DutyCycler:
         with self._cond:
             return frozenset(pid for g in self._groups.values() for pid in g.pids)
 
+    def unresumed(self) -> frozenset[int]:
+        """PIDs this cycler stopped whose SIGCONT was denied: they may still be stopped."""
+        with self._cond:
+            return frozenset(self._unresumed)
+
+    @property
+    def signals_denied(self) -> int:
+        """How many signals were denied, in all."""
+        with self._cond:
+            return self._signals_denied
+
     def group_keys(self) -> frozenset[Hashable]:
         with self._cond:
             return frozenset(self._groups)
@@ -369,7 +461,8 @@ class DutyCycler:
             with self._cond:
                 while not self._stopping:
                     if not self._groups:
-                        self._cond.wait()
+                        self._retry_unresumed()
+                        self._cond.wait(self._period_s if self._unresumed else None)
                         continue
                     now = self._clock()
                     self._reconcile(now)
@@ -399,6 +492,7 @@ class DutyCycler:
         elapsed = now - self._period_start_s
         if elapsed >= self._period_s:
             self._period_start_s += self._period_s * int(elapsed // self._period_s)
+            self._retry_unresumed()
         phase_s = now - self._period_start_s + self._coalesce_s
         wanted_stopped = [
             (key, g)
@@ -410,16 +504,58 @@ class DutyCycler:
             if key not in stopping and group.stopped:
                 for pid in list(group.stopped):
                     self._resume(key, group, pid)
-                self._account(key, group, now)
         for key, group in wanted_stopped:
             for pid in group.pids - group.stopped:
-                holders = self._holders.setdefault(pid, set())
-                if not holders and not self._control.send(pid, signal.SIGSTOP):
-                    del self._holders[pid]
-                    continue
+                holders = self._holders.get(pid)
+                if not holders:
+                    if self._signal(pid, signal.SIGSTOP) is not SignalResult.SENT:
+                        continue  # gone (and dropped from every group), or denied
+                    holders = self._holders[pid] = set()
                 holders.add(key)
                 group.stopped.add(pid)
+        for key, group in self._groups.items():
             self._account(key, group, now)
+
+    def _signal(self, pid: int, sig: signal.Signals) -> SignalResult:
+        """Send `sig` to `pid` through the control, and act on what became of it."""
+        result = self._control.send(pid, sig)
+        if result is SignalResult.GONE:
+            self._drop(pid)
+        elif result is SignalResult.DENIED:
+            self._signals_denied += 1
+            if sig == signal.SIGCONT:
+                self._unresumed.add(pid)
+            if pid not in self._denied_logged:
+                self._denied_logged.add(pid)
+                log.warning(
+                    "cannot %s a throttled process: permission denied; tried again every "
+                    "period, not logged again for this pid pid=%d signal=%s",
+                    "resume" if sig == signal.SIGCONT else "stop",
+                    pid,
+                    sig.name,
+                )
+        elif sig == signal.SIGCONT:
+            self._unresumed.discard(pid)
+        return result
+
+    def _drop(self, pid: int) -> None:
+        """`pid`'s process is gone (or its identity is no longer held): out of every group."""
+        for group in self._groups.values():
+            if pid in group.pids:
+                group.pids = group.pids - {pid}
+            group.stopped.discard(pid)
+        self._holders.pop(pid, None)
+        self._unresumed.discard(pid)
+        self._denied_logged.discard(pid)
+
+    def _retry_unresumed(self) -> None:
+        for pid in sorted(self._unresumed):
+            if pid not in self._holders:  # held stopped by a group: resumed with it
+                self._signal(pid, signal.SIGCONT)
+
+    def _prune_denied(self) -> None:
+        live = {pid for g in self._groups.values() for pid in g.pids} | self._unresumed
+        self._denied_logged &= live
 
     def _account(self, key: Hashable, group: _Group, now: float) -> None:
         """Start or end the group's stopped interval to match whether any of its PIDs is stopped."""
@@ -437,7 +573,7 @@ class DutyCycler:
         holders.discard(key)
         if not holders:
             del self._holders[pid]
-            self._control.send(pid, signal.SIGCONT)
+            self._signal(pid, signal.SIGCONT)
 
     def _release_group(self, key: Hashable, group: _Group, now: float) -> None:
         for pid in list(group.stopped):

@@ -4,11 +4,18 @@ The poll loop hands every snapshot to `Enforcer.on_snapshot` (from a worker thre
 loop) and publishes the snapshot it returns, with each container's duty cycle, stopped time and
 the enforcement counts filled in. The duty cycles run on the DutyCycler's own thread.
 
+The process control acquires an identity only for a PID attributed to an allocation in a fresh
+snapshot (`watch`); the PIDs of the duty cycles keep the identities already held (`retain`) and
+never acquire one, so a throttled process that exits, and whose PID is then taken by another
+process, is never signalled again. A stale snapshot acquires nothing.
+
 Every process the enforcer may stop is written, with its creation time, to
 `<state dir>/stopped-processes.json` before it is first stopped, and the file is rewritten whenever
 that set changes (not every period). `recover()`, at start, resumes each recorded process whose
 creation time still matches, so that a daemon killed outright leaves nothing stopped for longer
-than its restart. `close()` resumes everything; it is also registered with atexit.
+than its restart. `close()` resumes everything; it is also registered with atexit. A process whose
+resume was denied stays in the record (at `close()` and at `recover()`), so that the next start
+tries again.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from deviceplugin.config import EnforcementConfig
-from deviceplugin.enforcer.actuator import DutyCycler, ProcessControl, PsutilControl
+from deviceplugin.enforcer.actuator import DutyCycler, ProcessControl, PsutilControl, SignalResult
 from deviceplugin.enforcer.policy import (
     COMPUTE,
     KILL,
@@ -51,6 +58,11 @@ log = logging.getLogger(__name__)
 STOPPED_RECORD_NAME = "stopped-processes.json"
 _RECORD_VERSION = 1
 _CLOSE_LOCK_TIMEOUT_S = 5.0
+_KILL_OUTCOME = {
+    SignalResult.SENT: "true",
+    SignalResult.GONE: "false (process gone)",
+    SignalResult.DENIED: "false (permission denied)",
+}
 
 _Names = tuple[str, str, str, int]  # namespace, pod, container, GPU index
 
@@ -119,19 +131,24 @@ class Enforcer:
         *,
         control: ProcessControl | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         tuning: ControllerTuning | None = None,
     ) -> None:
         self.config = config
         self.policy = EnforcementPolicy(config, tuning)
         self._control: ProcessControl = control if control is not None else PsutilControl()
         self._clock = clock
+        self._wall_clock = wall_clock
         self._record_path = Path(state_dir) / STOPPED_RECORD_NAME
         self._cycler = DutyCycler(self._control, config.compute.period_s, clock=clock)
         self._lock = threading.RLock()
         self._closed = False
         self._recovered = False
         self._recorded: dict[int, float] = {}
+        # Processes an earlier run left stopped whose resume was denied: kept in every record.
+        self._carried: dict[int, float] = {}
         self._record_problem: str | None = None
+        self._signals_denied = 0
         self._counts: dict[tuple[str, str, str, str], int] = {}
         self._names: dict[ContainerKey, _Names] = {}
         atexit.register(self.close)
@@ -155,11 +172,18 @@ class Enforcer:
     def cycler(self) -> DutyCycler:
         return self._cycler
 
+    @property
+    def signals_denied(self) -> int:
+        """How many signals were denied (kills, stops, resumes), in all."""
+        with self._lock:
+            return self._signals_denied + self._cycler.signals_denied
+
     # -- start ------------------------------------------------------------------------------
 
     def recover(self) -> int:
         """Resume every process an earlier run recorded as possibly stopped whose creation time
-        still matches; then clear the record. Returns how many were resumed.
+        still matches; then clear the record, but for the processes whose resume was denied (the
+        next start tries them again). Returns how many were resumed.
 
         This undoes what an earlier run did, so it acts for real even in a dry run."""
         with self._lock:
@@ -170,11 +194,15 @@ class Enforcer:
                 log.error("stopped-process record unreadable; nothing resumed from it error=%s", e)
                 entries = []
             control = PsutilControl() if self._control.dry_run else self._control
+            # What this run itself recorded is not an earlier run's (carried entries are).
+            own = {pid: c for pid, c in self._recorded.items() if pid not in self._carried}
             resumed = 0
+            denied: dict[int, float] = {}
             for pid, created in entries:
-                if pid in self._recorded:
+                if pid in own:
                     continue
-                if control.resume_recorded(pid, created):
+                result = control.resume_recorded(pid, created)
+                if result is SignalResult.SENT:
                     resumed += 1
                     log.warning(
                         "resumed a process an earlier run left stopped pid=%d create_time=%.2f "
@@ -182,10 +210,22 @@ class Enforcer:
                         pid,
                         created,
                     )
+                elif result is SignalResult.DENIED:
+                    denied[pid] = created
+                    self._signals_denied += 1
+                    log.warning(
+                        "cannot resume a process an earlier run left stopped: permission denied; "
+                        "kept in the record for the next start pid=%d create_time=%.2f",
+                        pid,
+                        created,
+                    )
                 else:
                     log.info("recorded process not resumed: gone or its pid reused pid=%d", pid)
             if entries:
-                keep = {} if self._control.dry_run else self._recorded
+                keep = dict(denied)
+                if not self._control.dry_run:
+                    self._carried = denied
+                    keep.update(own)
                 try:
                     write_stopped_record(self._record_path, keep.items())
                 except OSError as e:
@@ -194,6 +234,9 @@ class Enforcer:
                         self._record_path,
                         e.strerror or e,
                     )
+                else:
+                    if not self._control.dry_run:
+                        self._recorded = keep
             return resumed
 
     # -- every poll -------------------------------------------------------------------------
@@ -216,19 +259,26 @@ class Enforcer:
                 log.exception("enforcement failed; resuming every throttled process")
                 self._cycler.release_all()
                 with contextlib.suppress(OSError):
-                    self._write_record(self._recorded_for(self._cycler.pids()))
+                    self._write_record(self._recorded_for(self._cycler_pids()))
                 raise
 
     def _on_snapshot(self, snapshot: NodeSnapshot) -> NodeSnapshot:
         now = self._clock()
         self._remember_names(snapshot)
-        decisions = self.policy.decide(snapshot, now)
+        decisions = self.policy.decide(snapshot, now, self._wall_clock())
 
-        attributed = {p.pid for c in snapshot.containers for p in c.processes}
-        self._control.watch(attributed | self._cycler.pids())
+        # Identities are acquired only for PIDs attributed by this poll. The duty cycles' PIDs
+        # keep what is held: one whose process exited was dropped by the cycler, and its PID,
+        # perhaps another process's by now, is never acquired again from there.
+        if snapshot.stale:
+            self._control.retain(self._cycler_pids())
+        else:
+            attributed = {p.pid for c in snapshot.containers for p in c.processes}
+            self._control.retain(attributed | self._cycler_pids())
+            self._control.watch(attributed)
 
         # The record must name every process before it is first stopped.
-        planned = set(self._cycler.pids())
+        planned = set(self._cycler_pids())
         for d in decisions:
             if isinstance(d, SetDuty):
                 planned |= d.pids
@@ -238,12 +288,18 @@ class Enforcer:
         for d in decisions:
             self._apply(d)
 
-        self._write_record(self._recorded_for(self._cycler.pids()))
+        self._write_record(self._recorded_for(self._cycler_pids()))
         self._forget_gone(snapshot)
         return self._annotate(snapshot)
 
+    def _cycler_pids(self) -> frozenset[int]:
+        """The PIDs the duty cycles may have stopped: those in a group, and those whose resume
+        was denied."""
+        return self._cycler.pids() | self._cycler.unresumed()
+
     def _recorded_for(self, pids: Iterable[int]) -> dict[int, float]:
-        result: dict[int, float] = {}
+        """The record naming `pids` (those whose identity is known) and the carried entries."""
+        result = dict(self._carried)
         for pid in pids:
             created = self._recorded.get(pid)
             if created is None:
@@ -294,7 +350,9 @@ class Enforcer:
         dry = self._control.dry_run
         if isinstance(d, Kill):
             key = (d.allocation_id, d.gpu_uuid)
-            sent = self._control.send(d.pid, signal.SIGKILL)
+            result = self._control.send(d.pid, signal.SIGKILL)
+            if result is SignalResult.DENIED:
+                self._signals_denied += 1
             self._count(key, MEMORY, KILL)
             ns, pod, container, index = self._names_of(key)
             log.warning(
@@ -312,7 +370,7 @@ class Enforcer:
                 d.limit_bytes,
                 d.process_used_bytes,
                 d.over_for_s,
-                "true" if sent else "false (process gone)",
+                _KILL_OUTCOME[result],
                 dry,
             )
         elif isinstance(d, SetDuty):
@@ -447,22 +505,31 @@ class Enforcer:
     # -- stop ---------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Resume every stopped process, stop the duty-cycle thread, clear the record.
-        Idempotent; safe to call from any thread."""
+        """Resume every stopped process, stop the duty-cycle thread, clear the record but for
+        the processes whose resume was denied. Idempotent; safe to call from any thread."""
         acquired = self._lock.acquire(timeout=_CLOSE_LOCK_TIMEOUT_S)
+        left: dict[int, float] = {}
         try:
             if self._closed:
                 return
             self._closed = True
             self._cycler.stop()
+            left = self._recorded_for(self._cycler.unresumed())
             with contextlib.suppress(OSError):
-                self._write_record({}, force=True)
+                self._write_record(left, force=True)
             self._control.close()
         finally:
             if acquired:
                 self._lock.release()
         atexit.unregister(self.close)
-        log.info("enforcer closed; every throttled process resumed")
+        if left:
+            log.error(
+                "enforcer closed; processes whose resume was denied may still be stopped, kept "
+                "in the stopped-process record for the next start pids=%s",
+                ",".join(str(pid) for pid in sorted(left)),
+            )
+        else:
+            log.info("enforcer closed; every throttled process resumed")
 
     def __enter__(self) -> Enforcer:
         return self

@@ -1,10 +1,16 @@
 """Pure: what to do about each container's GPU memory and compute time, one snapshot at a time.
 
-`EnforcementPolicy.decide(snapshot, now_s)` returns decisions (kill, set a duty cycle, release,
-record a violation) and keeps the state that needs memory between snapshots: since when a
+`EnforcementPolicy.decide(snapshot, now_s, now_wall_s)` returns decisions (kill, set a duty cycle,
+release, record a violation) and keeps the state that needs memory between snapshots: since when a
 container is over its memory limit, which kills are pending, each container's smoothed utilisation,
-its demand when known, and its duty cycle. Time comes in as an argument, so the whole policy runs
+its demand when known, and its duty cycle. Time comes in as arguments, so the whole policy runs
 in tests with hand-built snapshots in milliseconds.
+
+Stale snapshots (the latest poll failed) never cause an action. Throttles are held while the figures
+are younger than `stale_release_s` and released after: the figures' age is the wall-clock time
+since the reading they hold was taken (`taken_at_s`, which a stale snapshot keeps), so polling that
+stops is noticed from the last successful poll, not from the first failure reported (a hung poll is
+reported only at its timeout).
 
 Memory (DESIGN 4). A container's memory on a GPU above its limit for `grace_period_s` is a
 violation. `kill`: the largest of its processes on that GPU is killed, then nothing more until that
@@ -148,7 +154,8 @@ class ControllerTuning:
     demand_margin_ratio: float = 0.05
     # A container using less than this is idle: its demand is what it uses.
     idle_ratio: float = 0.01
-    # How long a run of stale snapshots may last before every throttle is released.
+    # How old stale figures may be (from the last successful poll) before every throttle is
+    # released.
     stale_release_s: float = 5.0
 
 
@@ -246,10 +253,14 @@ class EnforcementPolicy:
 
     # -- the policy ---------------------------------------------------------------------------
 
-    def decide(self, snapshot: NodeSnapshot, now_s: float) -> list[Decision]:
-        """The decisions for this snapshot, taken at monotonic time `now_s`."""
+    def decide(
+        self, snapshot: NodeSnapshot, now_s: float, now_wall_s: float | None = None
+    ) -> list[Decision]:
+        """The decisions for this snapshot, taken at monotonic time `now_s` and wall-clock time
+        `now_wall_s` (used only for stale snapshots; without it their age is counted from the
+        first stale snapshot)."""
         if snapshot.stale:
-            return self._stale(now_s)
+            return self._stale(snapshot, now_s, now_wall_s)
         self._stale_since_s = None
         decisions: list[Decision] = []
 
@@ -295,11 +306,19 @@ class EnforcementPolicy:
                     excluded.add(p.pid)
         return excluded
 
-    def _stale(self, now_s: float) -> list[Decision]:
-        """Stale figures: no new action; throttles are held for a while, then released."""
+    def _stale(
+        self, snapshot: NodeSnapshot, now_s: float, now_wall_s: float | None
+    ) -> list[Decision]:
+        """Stale figures: no new action; throttles are held while the figures are young, then
+        released. Their age is the wall-clock time since they were taken; the monotonic time since
+        the first stale snapshot is a lower bound of it that holds when the wall clock is set
+        back (or unknown)."""
         if self._stale_since_s is None:
             self._stale_since_s = now_s
-        if now_s - self._stale_since_s < self.tuning.stale_release_s:
+        age_s = now_s - self._stale_since_s
+        if now_wall_s is not None and snapshot.taken_at_s > 0:
+            age_s = max(age_s, now_wall_s - snapshot.taken_at_s)
+        if age_s < self.tuning.stale_release_s:
             return []
         decisions: list[Decision] = []
         for key, state in self._compute.items():

@@ -7,6 +7,7 @@ and kills each one whatever the outcome, and stopped-process records name only t
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -32,6 +33,7 @@ from deviceplugin.config import (
 )
 from deviceplugin.enforcer import (
     STOPPED_RECORD_NAME,
+    DutyCycler,
     EnforcementError,
     Enforcer,
     ProcessControl,
@@ -40,14 +42,19 @@ from deviceplugin.enforcer import (
     read_stopped_record,
     write_stopped_record,
 )
+from deviceplugin.enforcer.actuator import SignalResult
 from deviceplugin.gpu.fake import FakeBackend, proc_stat_state, write_state_file
 from deviceplugin.model import (
     AllocationRecord,
     ContainerUsage,
     DaemonHealth,
     EnforcementCount,
+    GpuInfo,
+    GpuReading,
+    GpuUsage,
     NodeReading,
     NodeSnapshot,
+    ProcessSample,
     allocation_id,
 )
 from deviceplugin.procs import AllocationResolver
@@ -142,7 +149,7 @@ class SpyControl(PsutilControl):
             raise RuntimeError("injected failure")
         super().watch(pids)
 
-    def send(self, pid: int, sig: signal.Signals) -> bool:
+    def send(self, pid: int, sig: signal.Signals) -> SignalResult:
         with self._lock_sent:
             stops = sum(1 for _, s in self.sent if s == signal.SIGSTOP)
             limit = self.fail_stop_after
@@ -613,3 +620,359 @@ def test_recovery_resumes_only_processes_whose_identity_matches(
     time.sleep(0.05)
     assert is_stopped(reused.pid)  # not ours any more: left alone (the fixture resumes it)
     assert not (tmp_path / STOPPED_RECORD_NAME).exists()
+
+
+# -- signals that fail: exited, reused and protected processes ------------------------------------
+#
+# These drive the enforcer with hand-built snapshots. Those with made-up PIDs use a control that
+# sends nothing (a RecordingControl, or a subclass that reports itself live so that the
+# stopped-process record is written); only the tests marked "real" signal processes, and those
+# are children of the test.
+
+WALL_S = 1_000_000.0  # the wall-clock time of the hand-built snapshots' readings
+
+
+def hand_snapshot(
+    pids: Sequence[int],
+    *,
+    util: float = 100.0,
+    memory_gib: float = 1,
+    taken_at_s: float = WALL_S,
+    stale: bool = False,
+    unattributed: Sequence[int] = (),
+) -> NodeSnapshot:
+    """Container A (share 0.25, 20 GiB) alone on the GPU with `pids`, each using `util` percent
+    and `memory_gib`; `unattributed` PIDs run on the GPU for no allocation."""
+    info = GpuInfo(GPU, 0, "NVIDIA A100-SXM4-80GB", 80 * GIB, 0)
+    processes = tuple(ProcessSample(pid, int(memory_gib * GIB), util) for pid in pids)
+    others = tuple(ProcessSample(pid, GIB, 0.0) for pid in unattributed)
+    usage = ContainerUsage(
+        A,
+        GPU,
+        0,
+        1,
+        sum(p.used_memory_bytes or 0 for p in processes),
+        SLICE_GIB * GIB,
+        0.0,
+        0.25,
+        processes,
+        "team-a",
+        "pod-a",
+        "main",
+    )
+    return NodeSnapshot(
+        taken_at_s,
+        "node",
+        (GpuUsage(GpuReading(info, processes=processes + others), None, unattributed=others),),
+        (usage,),
+        (AllocationRecord(A, A_SLICES, 0.0, "team-a", "pod-a", "main"),),
+        stale=stale,
+    )
+
+
+@dataclass
+class LiveRecordingControl(RecordingControl):
+    """A RecordingControl that is not a dry run (the enforcer writes its record), and that
+    refuses SIGCONT to the PIDs in `deny_resume`. Sends nothing."""
+
+    deny_resume: set[int] = field(default_factory=set)
+
+    @property
+    def dry_run(self) -> bool:
+        return False
+
+    def send(self, pid: int, sig: signal.Signals) -> SignalResult:
+        if sig == signal.SIGCONT and pid in self.deny_resume and pid in self.held:
+            return SignalResult.DENIED
+        return super().send(pid, sig)
+
+
+class WallClock:
+    def __init__(self, now_s: float = WALL_S) -> None:
+        self.now_s = now_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+@pytest.fixture
+def enforcers() -> Iterator[list[Enforcer]]:
+    made: list[Enforcer] = []
+    yield made
+    for enforcer in made:
+        enforcer.close()
+
+
+def strict_config(*, grace_s: float = 1.0) -> EnforcementConfig:
+    """Without work conservation: a lone container is held to its share, so one process at
+    100 % is throttled at once."""
+    return config(grace_s=grace_s, work_conserving=False)
+
+
+def signals_to(control: RecordingControl, pid: int) -> list[signal.Signals]:
+    return [sig for p, sig in list(control.sent) if p == pid]
+
+
+def test_a_throttled_pid_whose_process_exits_is_never_signalled_again_even_once_reused(
+    tmp_path: Path, enforcers: list[Enforcer]
+) -> None:
+    pid, sibling = 4001, 4002
+    control = RecordingControl()
+    wall = WallClock()
+    enforcer = Enforcer(strict_config(), tmp_path, control=control, wall_clock=wall)
+    enforcers.append(enforcer)
+    enforcer.on_snapshot(hand_snapshot([pid, sibling]))
+    assert enforcer.cycler.pids() == {pid, sibling}
+    assert wait_until(lambda: signal.SIGSTOP in signals_to(control, pid), 2.0)
+
+    # The throttled process exits: the next signal finds it gone, and it leaves the duty cycle.
+    control.gone.add(pid)
+    assert wait_until(lambda: pid not in enforcer.cycler.pids(), 2.0)
+    before = len(signals_to(control, pid))
+    # Its PID is taken by an unrelated process, while polling fails: the stale snapshots still
+    # list the old process in container A.
+    control.gone.discard(pid)
+    control.create_times[pid] = 77_777.0
+    stale = hand_snapshot([pid, sibling], stale=True)
+    for tick in range(8):
+        wall.now_s = WALL_S + 0.4 * (tick + 1)  # under 5 s: the throttle is held
+        enforcer.on_snapshot(stale)
+        time.sleep(PERIOD_S / 2)
+    assert enforcer.cycler.duty((A, GPU)) is not None
+    assert len(signals_to(control, sibling)) > 4  # the duty cycle went on for the sibling
+    assert len(signals_to(control, pid)) == before
+    assert list(control.acquired).count(pid) == 1
+    assert pid not in control.held
+    assert pid not in enforcer.cycler.pids()
+
+    # Polling is back; the new process is no tenant's: still left alone.
+    wall.now_s = WALL_S + 4.0
+    enforcer.on_snapshot(hand_snapshot([sibling], taken_at_s=wall.now_s, unattributed=[pid]))
+    time.sleep(2 * PERIOD_S)
+    assert len(signals_to(control, pid)) == before
+    assert list(control.acquired).count(pid) == 1
+
+
+def test_the_duty_cycler_drops_a_gone_pid_and_naming_it_again_acquires_nothing() -> None:
+    control = RecordingControl()
+    control.watch([7, 8])
+    cycler = DutyCycler(control, PERIOD_S)
+    try:
+        cycler.set("g", [7, 8], 0.5)
+        assert wait_until(lambda: signals_to(control, 7).count(signal.SIGSTOP) >= 2, 2.0)
+        control.gone.add(7)
+        assert wait_until(lambda: cycler.pids() == {8}, 2.0)
+        control.gone.discard(7)  # the PID is someone else's now
+        control.create_times[7] = 99_999.0
+        before = len(signals_to(control, 7))
+        cycler.set("g", [7, 8], 0.5)  # named again without a fresh identity: nothing to hold
+        stops_8 = signals_to(control, 8).count(signal.SIGSTOP)
+        time.sleep(4 * PERIOD_S)
+        assert len(signals_to(control, 7)) == before
+        assert cycler.pids() == {8}
+        assert signals_to(control, 8).count(signal.SIGSTOP) >= stops_8 + 2
+        assert list(control.acquired).count(7) == 1
+    finally:
+        cycler.stop()
+    assert 8 not in control.stopped
+
+
+def test_real_a_throttled_process_that_exits_is_not_signalled_again(
+    spawn: Spawn, tmp_path: Path, enforcers: list[Enforcer]
+) -> None:
+    victim, sibling = spawn(A), spawn(A)
+    spy = SpyControl()
+    wall = WallClock()
+    enforcer = Enforcer(strict_config(), tmp_path, control=spy, wall_clock=wall)
+    enforcers.append(enforcer)
+    enforcer.on_snapshot(hand_snapshot([victim.pid, sibling.pid]))
+    assert wait_until(lambda: is_stopped(victim.pid), 2.0)
+    victim.kill()  # SIGKILL ends a stopped process too
+    victim.wait(timeout=10)
+    assert wait_until(lambda: victim.pid not in enforcer.cycler.pids(), 2.0)
+    assert spy.create_time(victim.pid) is None  # its identity is forgotten
+    before = sum(1 for pid, _ in spy.sent if pid == victim.pid)
+    stale = hand_snapshot([victim.pid, sibling.pid], stale=True)
+    for tick in range(6):
+        wall.now_s = WALL_S + 0.5 * (tick + 1)
+        enforcer.on_snapshot(stale)
+        time.sleep(PERIOD_S / 2)
+    assert sum(1 for pid, _ in spy.sent if pid == victim.pid) == before
+    assert spy.create_time(victim.pid) is None
+    assert enforcer.cycler.pids() == {sibling.pid}
+    assert is_stopped(sibling.pid) or wait_until(lambda: is_stopped(sibling.pid), 2.0)
+    enforcer.close()
+    assert wait_until(lambda: not is_stopped(sibling.pid), 2.0)
+
+
+@pytest.mark.parametrize(
+    ("first_stale_after_s", "released_after_s"),
+    [
+        pytest.param(POLL_S, 5.0, id="polls fail at once"),
+        pytest.param(6.0, 6.0, id="a poll hangs until its timeout"),
+    ],
+)
+def test_throttles_are_released_when_polling_has_failed_for_5_s(
+    tmp_path: Path,
+    enforcers: list[Enforcer],
+    caplog: pytest.LogCaptureFixture,
+    first_stale_after_s: float,
+    released_after_s: float,
+) -> None:
+    """The README: "When polling fails for 5 s, throttles are released", counted from the last
+    successful poll, however late the first failure is reported."""
+    control = RecordingControl()
+    wall = WallClock()
+    enforcer = Enforcer(strict_config(), tmp_path, control=control, wall_clock=wall)
+    enforcers.append(enforcer)
+    good = enforcer.on_snapshot(hand_snapshot([4001]))
+    assert good.containers[0].duty_cycle_ratio is not None
+    stale = hand_snapshot([4001], stale=True)  # the last good figures, marked stale
+    at = first_stale_after_s
+    while at < released_after_s - 1e-9:
+        wall.now_s = WALL_S + at
+        assert enforcer.on_snapshot(stale).containers[0].duty_cycle_ratio is not None, at
+        at += POLL_S
+    wall.now_s = WALL_S + released_after_s
+    assert enforcer.on_snapshot(stale).containers[0].duty_cycle_ratio is None
+    assert enforcer.cycler.group_keys() == frozenset()
+    assert 4001 not in control.stopped
+    (line,) = [r.getMessage() for r in caplog.records if "throttle released" in r.getMessage()]
+    assert "measurements stale" in line
+
+
+def test_a_denied_stop_is_logged_once_counted_and_retried(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    control = RecordingControl(denied={7})
+    control.watch([7, 8])
+    cycler = DutyCycler(control, PERIOD_S)
+    try:
+        cycler.set("g", [7, 8], 0.5)
+        assert wait_until(lambda: cycler.signals_denied >= 5, 3.0)
+        assert cycler.pids() == {7, 8}  # still throttled: tried again every period
+        assert signals_to(control, 8).count(signal.SIGSTOP) >= 4
+    finally:
+        cycler.stop()
+    assert signals_to(control, 7) == []
+    lines = [r for r in caplog.records if "permission denied" in r.getMessage()]
+    assert len(lines) == 1
+    assert lines[0].levelname == "WARNING"
+    assert "pid=7 " in lines[0].getMessage()
+
+
+def test_a_process_whose_resume_is_denied_stays_in_the_record_until_a_start_resumes_it(
+    tmp_path: Path, enforcers: list[Enforcer], caplog: pytest.LogCaptureFixture
+) -> None:
+    pid = 4001
+    record = tmp_path / STOPPED_RECORD_NAME
+    control = LiveRecordingControl(deny_resume={pid})
+    enforcer = Enforcer(strict_config(), tmp_path, control=control)
+    enforcers.append(enforcer)
+    enforcer.on_snapshot(hand_snapshot([pid]))
+    assert wait_until(lambda: enforcer.cycler.unresumed() == {pid}, 2.0)
+    enforcer.on_snapshot(hand_snapshot([pid]))
+    enforcer.close()
+    assert pid in control.stopped
+    assert read_stopped_record(record) == [(pid, 1000.0 + pid)]
+    assert enforcer.signals_denied >= 2  # the first resume and the one at close, at least
+    assert any("may still be stopped" in r.getMessage() for r in caplog.records)
+
+    # The next start cannot resume it either: it stays recorded, and survives this run's writes.
+    denied = LiveRecordingControl(denied={pid})
+    second = Enforcer(strict_config(), tmp_path, control=denied)
+    enforcers.append(second)
+    assert second.recover() == 0
+    second.on_snapshot(hand_snapshot([]))
+    second.close()
+    assert read_stopped_record(record) == [(pid, 1000.0 + pid)]
+
+    allowed = LiveRecordingControl()
+    third = Enforcer(strict_config(), tmp_path, control=allowed)
+    enforcers.append(third)
+    assert third.recover() == 1
+    assert (pid, signal.SIGCONT) in allowed.sent
+    assert not record.exists()
+
+
+_KILL_LOG = {
+    SignalResult.SENT: "sent=true ",
+    SignalResult.GONE: "sent=false (process gone)",
+    SignalResult.DENIED: "sent=false (permission denied)",
+}
+
+
+@pytest.mark.parametrize("result", list(SignalResult), ids=lambda r: r.value)
+def test_a_kill_is_logged_with_what_became_of_it(
+    tmp_path: Path,
+    enforcers: list[Enforcer],
+    caplog: pytest.LogCaptureFixture,
+    result: SignalResult,
+) -> None:
+    control = LiveRecordingControl()
+    if result is SignalResult.GONE:
+        control.gone.add(4001)
+    elif result is SignalResult.DENIED:
+        control.denied.add(4001)
+    enforcer = Enforcer(strict_config(grace_s=0), tmp_path, control=control)
+    enforcers.append(enforcer)
+    enforcer.on_snapshot(hand_snapshot([4001], util=0.0, memory_gib=30))
+    (line,) = [r.getMessage() for r in caplog.records if "action=kill" in r.getMessage()]
+    assert _KILL_LOG[result] in line
+    assert enforcer.signals_denied == (1 if result is SignalResult.DENIED else 0)
+    assert [sig for _, sig in control.sent] == (
+        [signal.SIGKILL] if result is SignalResult.SENT else []
+    )
+
+
+@pytest.mark.parametrize("use_pidfd", [True, False], ids=["pidfd", "psutil"])
+def test_real_psutil_control_reports_sent_gone_and_denied(
+    spawn: Spawn, monkeypatch: pytest.MonkeyPatch, use_pidfd: bool
+) -> None:
+    if use_pidfd and not hasattr(signal, "pidfd_send_signal"):
+        pytest.skip("no pidfds here")
+    child, other = spawn(A), spawn(A)
+    control = PsutilControl(use_pidfd=use_pidfd)
+    try:
+        assert control.send(other.pid, signal.SIGCONT) is SignalResult.GONE  # not held
+        control.watch([child.pid])
+        assert control.send(child.pid, signal.SIGCONT) is SignalResult.SENT
+
+        def refuse(*args: object) -> None:
+            raise PermissionError(errno.EPERM, "Operation not permitted")  # as the kernel does
+
+        with monkeypatch.context() as patch:
+            patch.setattr(signal, "pidfd_send_signal", refuse)
+            patch.setattr(os, "kill", refuse)  # under psutil's send_signal
+            assert control.send(child.pid, signal.SIGSTOP) is SignalResult.DENIED
+            created = psutil.Process(child.pid).create_time()
+            assert control.resume_recorded(child.pid, created) is SignalResult.DENIED
+        assert control.create_time(child.pid) is not None  # denied: still held
+        assert not is_stopped(child.pid)
+        assert control.resume_recorded(child.pid, created) is SignalResult.SENT
+        assert control.resume_recorded(child.pid, created - 30) is SignalResult.GONE
+
+        child.kill()
+        child.wait(timeout=10)
+        assert control.send(child.pid, signal.SIGCONT) is SignalResult.GONE
+        assert control.create_time(child.pid) is None  # gone: forgotten
+        assert control.resume_recorded(child.pid, created) is SignalResult.GONE
+    finally:
+        control.close()
+
+
+def test_watch_acquires_and_retain_only_keeps(spawn: Spawn) -> None:
+    first, second = spawn(A), spawn(A)
+    control = PsutilControl()
+    try:
+        control.retain([first.pid])  # never acquires
+        assert control.create_time(first.pid) is None
+        control.watch([first.pid, second.pid])
+        control.watch([first.pid])  # keeps what is held
+        assert control.create_time(second.pid) is not None
+        control.retain([first.pid])
+        assert control.create_time(first.pid) is not None
+        assert control.create_time(second.pid) is None
+        assert control.send(second.pid, signal.SIGCONT) is SignalResult.GONE
+    finally:
+        control.close()

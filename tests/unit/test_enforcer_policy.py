@@ -563,7 +563,7 @@ def test_a_throttled_container_whose_processes_left_the_gpu_is_released() -> Non
     assert policy.decide(snap, 10.0) == [Release("a", GPU, "no GPU processes left")]
 
 
-def test_stale_snapshots_change_nothing_then_release_throttles() -> None:
+def test_stale_snapshots_without_a_wall_clock_release_after_the_first_stale_one() -> None:
     tuning = ControllerTuning(stale_release_s=2.0)
     policy = EnforcementPolicy(config(grace_s=0), tuning)
     plant = TimeSlicedGpu({"a": [100], "b": [100]}, {"a": 0.25, "b": 0.75})
@@ -576,6 +576,62 @@ def test_stale_snapshots_change_nothing_then_release_throttles() -> None:
         assert policy.decide(stale, 10.0 + tick * POLL_S) == []
     assert policy.decide(stale, 12.0) == [Release("a", GPU, "measurements stale")]
     assert policy.decide(stale, 12.5) == []
+
+
+def throttled_policy() -> tuple[EnforcementPolicy, NodeSnapshot]:
+    """A policy with container a throttled, and the last good figures marked stale: taken at
+    wall-clock time 1000 s."""
+    policy = EnforcementPolicy(config(grace_s=0))
+    plant = TimeSlicedGpu({"a": [100], "b": [100]}, {"a": 0.25, "b": 0.75})
+    drive(policy, plant, 3)
+    assert policy.duty(("a", GPU)) is not None
+    return policy, replace(plant.snapshot(), taken_at_s=1000.0, stale=True)
+
+
+@pytest.mark.parametrize(
+    ("first_stale_after_s", "released_after_s"),
+    [
+        pytest.param(POLL_S, 5.0, id="polls fail at once"),
+        pytest.param(4.0, 5.0, id="a poll hangs for 4 s"),
+        pytest.param(6.0, 6.0, id="a poll hangs for 6 s"),
+    ],
+)
+def test_stale_throttles_are_released_5_s_after_the_last_successful_poll(
+    first_stale_after_s: float, released_after_s: float
+) -> None:
+    """Counted from when the figures were taken, not from the first stale snapshot, which a
+    hung poll reports only at its timeout (README: "When polling fails for 5 s, throttles are
+    released")."""
+    policy, stale = throttled_policy()
+    mono0 = 100.0  # monotonic and wall clocks run together here, 900 s apart
+    at = first_stale_after_s
+    while at < released_after_s - 1e-9:
+        assert policy.decide(stale, mono0 + at, 1000.0 + at) == [], at
+        at += POLL_S
+    released = policy.decide(stale, mono0 + released_after_s, 1000.0 + released_after_s)
+    assert released == [Release("a", GPU, "measurements stale")]
+    assert policy.decide(stale, mono0 + released_after_s + POLL_S, 1000.0 + 99) == []
+
+
+def test_stale_throttles_are_released_even_when_the_wall_clock_is_set_back() -> None:
+    policy, stale = throttled_policy()
+    for tick in range(10):  # the wall clock reads 10 minutes before the figures
+        assert policy.decide(stale, 100.0 + tick * POLL_S, 400.0) == []
+    assert policy.decide(stale, 105.0, 400.0) == [Release("a", GPU, "measurements stale")]
+
+
+def test_a_fresh_snapshot_between_stale_ones_restarts_nothing_early() -> None:
+    """Figures from a later successful poll are young again: no release until they too are
+    5 s old."""
+    policy, stale = throttled_policy()
+    assert policy.decide(stale, 104.0, 1004.0) == []
+    fresh = replace(stale, stale=False, taken_at_s=1004.5)
+    policy.decide(fresh, 104.5, 1004.5)
+    assert policy.duty(("a", GPU)) is not None
+    stale_again = replace(fresh, stale=True)
+    assert policy.decide(stale_again, 105.0, 1005.0) == []
+    assert policy.decide(stale_again, 109.0, 1009.0) == []
+    assert policy.decide(stale_again, 109.5, 1009.5) == [Release("a", GPU, "measurements stale")]
 
 
 def test_an_unhealthy_gpu_gets_no_kills_and_its_throttles_are_released() -> None:

@@ -63,6 +63,7 @@ from deviceplugin.enforcer import (
     PsutilControl,
     Release,
     SetDuty,
+    SignalResult,
 )
 from deviceplugin.gpu.fake import FakeBackend, write_state_file
 from deviceplugin.model import (
@@ -403,7 +404,7 @@ def duty_cpu(children: Children, *, use_pidfd: bool, seconds: float) -> dict[str
 
         dry_run = False
 
-        def send(self, pid: int, sig: signal.Signals) -> bool:
+        def send(self, pid: int, sig: signal.Signals) -> SignalResult:
             nonlocal sent
             sent += 1
             return control.send(pid, sig)
