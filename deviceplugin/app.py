@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import grpc
 
 from deviceplugin import __version__
+from deviceplugin.checkpoint import CHECKPOINT_FILE, CheckpointReader
 from deviceplugin.config import Config
 from deviceplugin.enforcer import Enforcer, RecordingControl
 from deviceplugin.errors import BackendError, StartupError
@@ -46,7 +47,7 @@ from deviceplugin.procs import AllocationResolver, pid_namespace_warning
 from deviceplugin.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
 from deviceplugin.slicing import build_inventory, format_bytes
 from deviceplugin.state import AllocationBook, Published
-from deviceplugin.usage import SnapshotBuilder, mark_stale
+from deviceplugin.usage import AttributionEvidence, SnapshotBuilder, mark_stale
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +185,7 @@ class Poller:
         node_name: str = "",
         health: Callable[[], DaemonHealth] = DaemonHealth,
         resolver: AllocationResolver | None = None,
+        checkpoint: CheckpointReader | None = None,
         enforce: Callable[[NodeSnapshot], NodeSnapshot] = lambda snapshot: snapshot,
         on_poll_duration: Callable[[float], None] = lambda seconds: None,
         timeout_s: float | None = None,
@@ -195,6 +197,8 @@ class Poller:
         self._health = health
         self._resolver = resolver or AllocationResolver()
         self._builder = SnapshotBuilder(node_name, config.enforcement.compute.window_s)
+        self._checkpoint = checkpoint
+        self._checkpoint_reason: str | None = None
         self._enforce = enforce
         self._on_poll_duration = on_poll_duration
         self._interval_s = config.enforcement.poll_interval_s
@@ -217,7 +221,7 @@ class Poller:
         inventory = build_inventory(reading, self._config.slicing)
         pids = {p.pid for gpu in reading.gpus for p in gpu.processes}
         pid_allocation = self._resolver.resolve(pids)
-        snapshot, unknown = self._builder.build(
+        result = self._builder.build_result(
             reading,
             inventory,
             allocations,
@@ -226,10 +230,32 @@ class Poller:
             wall_s=time.time(),
             health=self._health(),
             previous_reading_s=self._previous_reading_s,
+            evidence=self._evidence(),
         )
+        snapshot, unknown = result.snapshot, result.unknown_allocations
         self._previous_reading_s = now_s
         duration_s = time.perf_counter() - started
         return Tick(inventory, self._enforce(snapshot), unknown, duration_s)
+
+    def _evidence(self) -> AttributionEvidence | None:
+        """What a process's claimed allocation is checked against: the kubelet's device
+        checkpoint (which pod holds which allocation) and the process's pod cgroup. A process in
+        no pod cgroup is the host's, trusted as before: the checks stop pods from claiming
+        each other's allocations. Without a readable checkpoint, claims stand as they are."""
+        if self._checkpoint is None:
+            return None
+        checkpoint = self._checkpoint.read()
+        if checkpoint.reason != self._checkpoint_reason:
+            self._checkpoint_reason = checkpoint.reason
+            if checkpoint.readable:
+                log.info("verifying attribution against the kubelet's device checkpoint")
+            else:
+                log.warning(
+                    "kubelet device checkpoint unreadable; attribution rests on the environment "
+                    "alone reason=%s",
+                    checkpoint.reason,
+                )
+        return AttributionEvidence(checkpoint, self._resolver.pod_uid_of, trust_host_processes=True)
 
     async def poll_once(self) -> None:
         """One poll; raises BackendError or TimeoutError when the backend does not answer."""
@@ -409,6 +435,9 @@ class Daemon:
             self.book,
             node_name=settings.node_name,
             health=self.health,
+            checkpoint=CheckpointReader(
+                settings.device_plugin_dir / CHECKPOINT_FILE, cfg.resource_name
+            ),
             enforce=self._enforce,
             on_poll_duration=self.metrics.observe_poll,
         )

@@ -143,6 +143,12 @@ class SnapshotCollector(Collector):
             "GPU processes that belong to no allocation of this daemon, a count; never acted on.",
             GPU_LABELS,
         )
+        misattributed = _gauge(
+            "vgpu_gpu_misattributed_processes",
+            "GPU processes whose claimed allocation their pod does not hold (per the kubelet's "
+            "checkpoint), a count; never charged to the allocation they claimed.",
+            GPU_LABELS,
+        )
         unattributed_mem = _gauge(
             "vgpu_gpu_unattributed_memory_bytes",
             "GPU memory used by processes that belong to no allocation of this daemon, in bytes.",
@@ -243,6 +249,7 @@ class SnapshotCollector(Collector):
                 slices.add_metric([*g, "free"], float(max(gpu.slices_free, 0)))
                 slices.add_metric([*g, "unhealthy"], float(gpu.slices_unhealthy))
                 unattributed.add_metric(g, float(len(gpu.unattributed)))
+                misattributed.add_metric(g, float(len(gpu.misattributed)))
                 unattributed_mem.add_metric(g, float(_memory_of(gpu.unattributed)))
 
             for c in snapshot.containers:
@@ -276,6 +283,7 @@ class SnapshotCollector(Collector):
             gpu_sm,
             slices,
             unattributed,
+            misattributed,
             unattributed_mem,
             c_mem_used,
             c_mem_limit,

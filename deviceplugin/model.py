@@ -219,6 +219,9 @@ class GpuUsage:
     slices_unhealthy: int = 0
     # GPU processes that belong to no allocation of this daemon: counted, never acted upon.
     unattributed: tuple[ProcessSample, ...] = ()
+    # GPU processes that claimed an allocation their pod does not hold (per the kubelet's
+    # checkpoint): never charged to, or acted on for, the allocation they claimed.
+    misattributed: tuple[ProcessSample, ...] = ()
 
     @property
     def info(self) -> GpuInfo:

@@ -1,4 +1,5 @@
-"""Which allocation a GPU process belongs to, read from /proc; whether the daemon sees host PIDs.
+"""Which allocation a GPU process claims and which pod it runs in, read from /proc; whether the
+daemon sees host PIDs.
 
 Allocate gives every container `VGPU_ALLOCATION_ID` (DESIGN 3). The GPU driver lists processes by
 host PID, so the daemon reads `/proc/<pid>/environ` of each GPU process for that one variable, and
@@ -6,12 +7,22 @@ falls back to the nearest ancestor that has it (a process started with a cleared
 belongs to the container that started it). Nothing else from a process environment is kept,
 returned or logged: it may hold secrets.
 
+That variable is only a claim: any process can set it, and the ID is predictable. So the daemon
+also reads the pod a process runs in from `/proc/<pid>/cgroup` (`pod_uid_in_cgroup`), which the
+process cannot choose, and `usage.attribute` checks the claim against the kubelet's device
+checkpoint (`deviceplugin.checkpoint`): a claim stands when the checkpoint records that
+allocation for the process's own pod; a process in a pod that holds exactly one allocation on
+its GPU belongs to that one whatever its environment says; a claim of another pod's allocation is
+refused (misattributed), from a host process too; a host process keeps a claim the checkpoint
+does not record; and without a readable checkpoint every claim stands, as before.
+
 Everything is read under an injected `proc_root`, so tests use a fake tree in a temporary directory.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +36,14 @@ _READ_CHUNK = 65536
 # state) is index 0 there, so field 4 (ppid) is index 1 and field 22 (start time) is index 19.
 _PPID_FIELD = 1
 _START_TIME_FIELD = 19
+# A pod's cgroup, one path segment: `pod<uid>` (cgroupfs driver) or `<prefix>-pod<uid>.slice`
+# (systemd driver, the UID's dashes written as underscores). A UID is a UUID, or 32 hex digits
+# for a static pod.
+_POD_SEGMENT = re.compile(
+    rb"(?:[a-z0-9_.-]*-)?pod"
+    rb"([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}|[0-9a-f]{32})"
+    rb"(\.slice)?"
+)
 
 
 class _GoneError(Exception):
@@ -46,6 +65,7 @@ class _Entry:
     allocation_id: str | None
     identity: tuple[int, int] | None
     settled: bool = True
+    pod_uid: str | None = None
 
 
 def _read_all(path: str) -> tuple[bytes, os.stat_result]:
@@ -83,12 +103,60 @@ def _allocation_id_in(environ: bytes) -> tuple[bool, str | None]:
     return True, value.decode("ascii")
 
 
+def _pod_uid_in_path(path: bytes) -> str | None:
+    """The UID of the innermost pod cgroup on a cgroup path, counting only segments at or below
+    one that names `kubepods` (so a host unit that happens to be called `pod<uuid>` is no pod).
+
+    A path that starts with `..` is relative to the root of the daemon's own cgroup namespace
+    (on cgroup v2 a pod's containers get one of their own), and that root is the daemon's
+    container, inside a pod: the `kubepods` segments above it are cut off. With the cgroupfs
+    driver another pod then reads `/../../../besteffort/pod<uid>/<container>`."""
+    found: str | None = None
+    segments = path.split(b"/")
+    below_kubepods = len(segments) > 1 and segments[1] == b".."
+    for segment in segments:
+        if b"kubepods" in segment:
+            below_kubepods = True
+        if not below_kubepods:
+            continue
+        match = _POD_SEGMENT.fullmatch(segment)
+        if match is not None:
+            found = match.group(1).decode("ascii").replace("_", "-")
+    return found
+
+
+def pod_uid_in_cgroup(content: bytes) -> str | None:
+    """The pod UID (lowercase, with dashes) in the content of `/proc/<pid>/cgroup`; None when the
+    process is in no pod's cgroup.
+
+    cgroup v2 gives one line `0::<path>`, v1 one line `<id>:<controllers>:<path>` per hierarchy
+    (hybrid hosts both); the unified line wins when it names a pod, else the first v1 line that
+    does. Paths may start with `/..` segments where the daemon runs in a cgroup namespace of its
+    own: only the pod segment matters. Where pods nest (a kubelet inside a pod's container), the
+    innermost pod is the one its kubelet knows."""
+    first: str | None = None
+    for line in content.split(b"\n"):
+        parts = line.split(b":", 2)
+        if len(parts) != 3:
+            continue
+        uid = _pod_uid_in_path(parts[2])
+        if uid is None:
+            continue
+        if parts[0] == b"0" and not parts[1]:
+            return uid
+        if first is None:
+            first = uid
+    return first
+
+
 class AllocationResolver:
-    """Maps GPU process PIDs to the allocation IDs found in their (or an ancestor's) environment.
+    """Maps GPU process PIDs to the allocation IDs found in their (or an ancestor's) environment,
+    and knows the pod each of them runs in.
 
     Results are cached per (pid, start time), so a recycled PID is resolved afresh; the cache holds
     only the PIDs of the latest call. `hits` and `misses` count the PIDs served from the cache and
-    those resolved afresh."""
+    those resolved afresh. An allocation ID found here is a claim, not a proof: `pod_uid_of` gives
+    what `usage.attribute` checks it against."""
 
     def __init__(self, proc_root: Path = Path("/proc"), *, max_ancestors: int = 16) -> None:
         if max_ancestors < 0:
@@ -131,6 +199,13 @@ class AllocationResolver:
         self._cache = fresh
         return found
 
+    def pod_uid_of(self, pid: int) -> str | None:
+        """The UID of the pod whose cgroup holds `pid` (from `/proc/<pid>/cgroup`, read once per
+        pid and start time), for a PID that the latest `resolve` call resolved; None for a process
+        in no pod cgroup, and for one that call could not read or was not given."""
+        entry = self._cache.get(pid)
+        return None if entry is None else entry.pod_uid
+
     def _lookup(
         self, pid: int, cached: _Entry | None, memo: dict[int, str | None]
     ) -> tuple[_Entry, bool]:
@@ -147,11 +222,25 @@ class AllocationResolver:
         same_process = cached is not None and cached.start_time == start_time
         if cached is not None and same_process and cached.settled:
             if cached.identity != identity:
-                cached = _Entry(start_time, cached.allocation_id, identity)
+                cached = _Entry(start_time, cached.allocation_id, identity, True, cached.pod_uid)
             return cached, True
         allocation, own_environ_empty = self._search(pid, ppid, memo)
         settled = same_process or not own_environ_empty  # a second look is final
-        return _Entry(start_time, allocation, identity, settled), False
+        pod_uid = self._pod_uid(pid, stat_path)
+        return _Entry(start_time, allocation, identity, settled, pod_uid), False
+
+    def _pod_uid(self, pid: int, stat_path: str) -> str | None:
+        """The pod UID in the process's cgroup file; None where the file does not exist (a fake
+        tree, or a kernel without cgroups). Raises _GoneError."""
+        try:
+            content, _ = _read_all(f"{self._root}/{pid}/cgroup")
+        except FileNotFoundError as e:
+            if not os.path.exists(stat_path):  # the process has exited since its stat was read
+                raise _GoneError from e
+            return None
+        except OSError as e:
+            raise _GoneError from e
+        return pod_uid_in_cgroup(content)
 
     def _stat(self, path: str) -> tuple[int, int, tuple[int, int] | None]:
         """(ppid, start time, procfs identity) from a stat file. Raises _GoneError."""

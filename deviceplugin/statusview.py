@@ -76,6 +76,7 @@ def _gpu(g: GpuUsage) -> dict[str, Any]:
         "mig_enabled": info.mig_enabled,
         "healthy": g.reading.healthy,
         "health_reason": g.reading.health_reason,
+        "misattributed_processes": len(g.misattributed),
         "unhealthy_transitions": g.reading.unhealthy_transitions,
         "xid_errors": {str(xid): count for xid, count in g.reading.xid_errors},
         "memory_total_bytes": info.memory_total_bytes,

@@ -6,6 +6,28 @@ by the caller in the process environment) names an allocation this daemon knows.
 process is unattributed: it is counted on its GPU and never appears in a ContainerUsage, so the
 enforcer, which acts only on containers' processes, cannot touch it.
 
+The allocation ID in a process's environment is a claim any process can make, and the ID is
+predictable. Given evidence (the pod of each process, from its cgroup, and the kubelet's device
+checkpoint), `attribute` decides per process and GPU which allocation, if any, the process
+belongs to, and whether its claim is refused ("misattributed"). Without a readable checkpoint
+every claim stands, as before the cross-check. Otherwise, the first rule that matches:
+1. The claim is recorded for the process's own pod: the claim.
+2. The process is in no pod cgroup (a host process): the claim, unless the checkpoint records it
+   for a pod (then none, misattributed; `trust_host_processes` lets it stand, for nodes whose
+   workloads run outside pod cgroups: the kubelet simulator, the demo, tests). The environment
+   is the only evidence for a host process.
+3. Its pod holds exactly one allocation with slices of this GPU: that allocation, whatever the
+   environment says; misattributed if it claimed another ID (a missing or invalid value is no
+   claim).
+4. Its pod holds several there: none, misattributed (the cgroup names the pod, not the
+   container, and the claim is none of them).
+5. Its pod holds none there: none; misattributed if it claimed an ID.
+
+So a process can neither charge its GPU use to another pod's container (nor get that container's
+processes killed or throttled for it) by copying its ID, nor escape its own container's quota by
+clearing, corrupting or replacing the variable. A misattributed process never counts for the
+allocation it claimed; it is counted apart per GPU.
+
 Utilisation ratios are time-weighted averages over a sliding window (DESIGN 5), so that a scrape
 does not beat against a duty cycle.
 """
@@ -15,9 +37,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
+from deviceplugin.checkpoint import DeviceCheckpoint
 from deviceplugin.model import (
     AllocationRecord,
     ContainerUsage,
@@ -160,6 +183,53 @@ class UtilizationWindow:
             del self._series[key]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class AttributionEvidence:
+    """What `attribute` checks claimed allocation IDs against: the kubelet's device checkpoint,
+    and the UID of the pod whose cgroup holds a PID (None for a process in no pod cgroup)."""
+
+    checkpoint: DeviceCheckpoint
+    pod_uid_of: Callable[[int], str | None]
+    trust_host_processes: bool = False
+
+
+def attribute(
+    claim: str | None, pod_uid: str | None, gpu_uuid: str, evidence: AttributionEvidence
+) -> tuple[str | None, bool]:
+    """The allocation a process on `gpu_uuid` belongs to (None: unattributed), and whether its
+    claim is refused. `claim` is the valid allocation ID found in its environment, if any;
+    `pod_uid` its pod (normalised), if any. The rules are those of this module's docstring."""
+    checkpoint = evidence.checkpoint
+    if not checkpoint.readable:
+        return claim, False
+    owners = checkpoint.owners.get(claim) if claim is not None else None
+    if owners is not None and pod_uid in owners:
+        return claim, False
+    if pod_uid is None:
+        if owners is None or evidence.trust_host_processes:
+            return claim, False
+        return None, True
+    held = checkpoint.pod_gpu_allocations.get((pod_uid, gpu_uuid), frozenset())
+    if len(held) == 1:
+        return next(iter(held)), claim is not None
+    return None, bool(held) or claim is not None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BuildResult:
+    """A snapshot and what attributing its processes found besides.
+
+    `unknown_allocations`: allocation IDs accepted for GPU processes that are not among the
+    allocations given (the caller asks pod-resources again when there are any).
+    `misattributed`: per GPU UUID (every GPU of the reading), the processes whose claim was
+    refused (see `attribute`): each is unattributed, or attributed to the one allocation its own
+    pod holds on that GPU, never to the allocation it claimed."""
+
+    snapshot: NodeSnapshot
+    unknown_allocations: frozenset[str]
+    misattributed: Mapping[str, tuple[ProcessSample, ...]]
+
+
 @dataclasses.dataclass(slots=True)
 class _Accumulator:
     """One (allocation, GPU) while a snapshot is built."""
@@ -192,14 +262,44 @@ class SnapshotBuilder:
         wall_s: float,
         health: DaemonHealth,
         previous_reading_s: float | None,
+        evidence: AttributionEvidence | None = None,
     ) -> tuple[NodeSnapshot, frozenset[str]]:
         """The snapshot of `reading`, and the allocation IDs found on GPU processes that are not in
-        `allocations` (the caller asks pod-resources again when there are any).
+        `allocations` (the caller asks pod-resources again when there are any): `build_result`
+        without the misattributed processes."""
+        result = self.build_result(
+            reading,
+            inventory,
+            allocations,
+            pid_allocation,
+            now_s=now_s,
+            wall_s=wall_s,
+            health=health,
+            previous_reading_s=previous_reading_s,
+            evidence=evidence,
+        )
+        return result.snapshot, result.unknown_allocations
+
+    def build_result(
+        self,
+        reading: NodeReading,
+        inventory: Inventory,
+        allocations: Sequence[AllocationRecord],
+        pid_allocation: Mapping[int, str | None],
+        *,
+        now_s: float,
+        wall_s: float,
+        health: DaemonHealth,
+        previous_reading_s: float | None,
+        evidence: AttributionEvidence | None = None,
+    ) -> BuildResult:
+        """The snapshot of `reading`, with what attribution found besides.
 
         `now_s` is the monotonic time of the reading, `previous_reading_s` that of the one before
         (None on the first build: this reading then covers no time and averages to 0.0); `wall_s`
         becomes `taken_at_s`. `pid_allocation` maps a process's PID to the allocation ID found in
-        its environment; a PID it does not list counts as None."""
+        its environment (its claim); a PID it does not list counts as None. Without `evidence`
+        every claim stands; with it, `attribute` decides."""
         duration_s = 0.0 if previous_reading_s is None else max(now_s - previous_reading_s, 0.0)
         gpus = sorted(reading.gpus, key=lambda g: g.info.index)
         gpu_by_uuid: dict[str, GpuReading] = {g.info.uuid: g for g in gpus}
@@ -237,10 +337,16 @@ class SnapshotBuilder:
 
         unknown: set[str] = set()
         unattributed: dict[str, list[ProcessSample]] = {uuid: [] for uuid in gpu_by_uuid}
+        misattributed: dict[str, list[ProcessSample]] = {uuid: [] for uuid in gpu_by_uuid}
         for gpu in gpus:
             uuid = gpu.info.uuid
             for process in gpu.processes:
                 found = pid_allocation.get(process.pid)
+                if evidence is not None:
+                    pod_uid = evidence.pod_uid_of(process.pid)
+                    found, refused = attribute(found, pod_uid, uuid, evidence)
+                    if refused:
+                        misattributed[uuid].append(process)
                 if found is None:
                     unattributed[uuid].append(process)
                     continue
@@ -300,6 +406,7 @@ class SnapshotBuilder:
                     slices_allocated=slices_allocated[uuid],
                     slices_unhealthy=slices_unhealthy[uuid],
                     unattributed=tuple(unattributed[uuid]),
+                    misattributed=tuple(misattributed.get(uuid, ())),
                 )
             )
         window.forget_except(live_keys)
@@ -313,7 +420,11 @@ class SnapshotBuilder:
             stale=False,
             health=health,
         )
-        return snapshot, frozenset(unknown)
+        return BuildResult(
+            snapshot,
+            frozenset(unknown),
+            {uuid: tuple(processes) for uuid, processes in misattributed.items()},
+        )
 
 
 def mark_stale(snapshot: NodeSnapshot, health: DaemonHealth) -> NodeSnapshot:

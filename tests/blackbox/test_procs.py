@@ -17,7 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin.procs import ENV_NAME, AllocationResolver, pid_namespace_warning
+from deviceplugin.checkpoint import CHECKPOINT_FILE, CheckpointReader
+from deviceplugin.procs import (
+    ENV_NAME,
+    AllocationResolver,
+    pid_namespace_warning,
+    pod_uid_in_cgroup,
+)
+from tests.blackbox.daemon_harness import RESOURCE, Node, registered, running_daemon
 
 ALLOC = "abcdef0123456789"
 OTHER = "0123456789abcdef"
@@ -164,15 +171,18 @@ def fake_process(
     start: int = 1000,
     env: Mapping[str, str] | None = None,
     name: str = "python3",
+    cgroup: str | None = None,
 ) -> None:
-    """A /proc/<pid> with `stat` (the kernel's layout: field 4 the ppid, field 22 the start time)
-    and `environ` (NUL-separated)."""
+    """A /proc/<pid> with `stat` (the kernel's layout: field 4 the ppid, field 22 the start time),
+    `environ` (NUL-separated) and, when given, `cgroup`."""
     directory = root / str(pid)
     directory.mkdir(parents=True, exist_ok=True)
     fields_after_name = f"S {ppid} {pid} {pid} 0 -1 4194304 0 0 0 0 0 0 0 0 20 0 1 0 {start} 0 0"
     (directory / "stat").write_text(f"{pid} ({name}) {fields_after_name}\n")
     environ = b"".join(f"{k}={v}".encode() + b"\0" for k, v in (env or {}).items())
     (directory / "environ").write_bytes(environ)
+    if cgroup is not None:
+        (directory / "cgroup").write_text(cgroup)
 
 
 def test_fake_tree_recycled_pid_is_not_served_from_the_cache(tmp_path: Path) -> None:
@@ -352,3 +362,182 @@ def test_fake_tree_pid_namespace_warning(tmp_path: Path, status: str | None, war
         assert "\n" not in warning
     else:
         assert warning is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The pod a process runs in, from /proc/<pid>/cgroup
+
+POD = "0f1e2d3c-aaaa-bbbb-cccc-0123456789ab"
+POD_US = POD.replace("-", "_")
+STATIC_POD = "6e1b0b9a3c5d4e7f8a9b0c1d2e3f4a5b"  # a static pod's UID: 32 hex digits
+CTR = "4f9c2a7b1d3e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8"
+V1_HOST = "12:memory:/user.slice\n11:cpu,cpuacct:/user.slice\n1:name=systemd:/user.slice/s.scope\n"
+
+CGROUPS: list[tuple[str, str, str | None]] = [
+    # cgroup v2, systemd driver, each QoS class.
+    (
+        "v2 systemd burstable",
+        "0::/kubepods.slice/kubepods-burstable.slice/"
+        f"kubepods-burstable-pod{POD_US}.slice/cri-containerd-{CTR}.scope\n",
+        POD,
+    ),
+    (
+        "v2 systemd besteffort",
+        "0::/kubepods.slice/kubepods-besteffort.slice/"
+        f"kubepods-besteffort-pod{POD_US}.slice/crio-{CTR}.scope\n",
+        POD,
+    ),
+    (
+        "v2 systemd guaranteed",
+        f"0::/kubepods.slice/kubepods-pod{POD_US}.slice/docker-{CTR}.scope\n",
+        POD,
+    ),
+    # cgroup v2, cgroupfs driver.
+    ("v2 cgroupfs burstable", f"0::/kubepods/burstable/pod{POD}/{CTR}\n", POD),
+    ("v2 cgroupfs guaranteed", f"0::/kubepods/pod{POD}/{CTR}\n", POD),
+    # Seen from a daemon in a cgroup namespace of its own.
+    (
+        "v2 from another cgroup namespace",
+        f"0::/../../kubepods-besteffort-pod{POD_US}.slice/cri-containerd-{CTR}.scope\n",
+        POD,
+    ),
+    (
+        "v2 cgroupfs from another cgroup namespace",
+        f"0::/../../../besteffort/pod{POD}/{CTR}\n",
+        POD,
+    ),
+    ("v2 host from another cgroup namespace", "0::/../../../../system.slice/a.service\n", None),
+    ("v2 the daemon's own cgroup namespace", "0::/\n", None),
+    # A kubelet whose cgroup root is not / (kind: /kubelet.slice/kubelet-kubepods.slice).
+    (
+        "v2 systemd under a kubelet slice",
+        "0::/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-burstable.slice/"
+        f"kubelet-kubepods-burstable-pod{POD_US}.slice/cri-containerd-{CTR}.scope\n",
+        POD,
+    ),
+    # cgroup v1: one line per hierarchy.
+    (
+        "v1 cgroupfs",
+        f"12:memory:/kubepods/burstable/pod{POD}/{CTR}\n"
+        f"11:cpu,cpuacct:/kubepods/burstable/pod{POD}/{CTR}\n"
+        f"1:name=systemd:/kubepods/burstable/pod{POD}/{CTR}\n",
+        POD,
+    ),
+    (
+        "v1 systemd",
+        f"12:memory:/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{POD_US}.slice"
+        f"/cri-containerd-{CTR}.scope\n"
+        f"1:name=systemd:/kubepods.slice/kubepods-burstable.slice/"
+        f"kubepods-burstable-pod{POD_US}.slice/cri-containerd-{CTR}.scope\n",
+        POD,
+    ),
+    # Hybrid: v1 controllers and an empty unified hierarchy.
+    ("hybrid", f"4:memory:/kubepods/besteffort/pod{POD}/{CTR}\n0::/\n", POD),
+    ("static pod", f"0::/kubepods/burstable/pod{STATIC_POD}/{CTR}\n", STATIC_POD),
+    # Nested: a kubelet running inside a pod's container; its own pods are the inner ones.
+    (
+        "nested pods",
+        f"0::/kubepods/burstable/pod{STATIC_POD}/{CTR}/kubepods/besteffort/pod{POD}/{CTR}\n",
+        POD,
+    ),
+    # No pod: host processes, the pod-level QoS slices themselves, look-alikes outside kubepods.
+    ("v2 host", "0::/system.slice/containerd.service\n", None),
+    ("v2 root", "0::/\n", None),
+    ("v1 host", V1_HOST, None),
+    ("qos slice", "0::/kubepods.slice/kubepods-burstable.slice\n", None),
+    ("look-alike outside kubepods", f"0::/system.slice/pod{POD}/x\n", None),
+    ("not a uid", "0::/kubepods/burstable/podnot-a-uid/x\n", None),
+    ("docker container", f"0::/system.slice/docker-{CTR}.scope\n", None),
+    ("empty", "", None),
+    ("garbage", "no colons here\n", None),
+]
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"), [(c, e) for _, c, e in CGROUPS], ids=[n for n, _, _ in CGROUPS]
+)
+def test_pod_uid_in_cgroup(content: str, expected: str | None) -> None:
+    assert pod_uid_in_cgroup(content.encode()) == expected
+
+
+def test_fake_tree_pod_uid_is_read_with_the_allocation(tmp_path: Path) -> None:
+    fake_process(
+        tmp_path,
+        500,
+        env={ENV_NAME: ALLOC},
+        cgroup=f"0::/kubepods.slice/kubepods-pod{POD_US}.slice/cri-containerd-{CTR}.scope\n",
+    )
+    fake_process(tmp_path, 501, env={ENV_NAME: ALLOC}, cgroup="0::/user.slice/session-1.scope\n")
+    fake_process(tmp_path, 502, env={ENV_NAME: ALLOC})  # no cgroup file: as a host process
+    resolver = AllocationResolver(tmp_path)
+    assert resolver.resolve([500, 501, 502]) == {500: ALLOC, 501: ALLOC, 502: ALLOC}
+    assert [resolver.pod_uid_of(pid) for pid in (500, 501, 502)] == [POD, None, None]
+    assert resolver.pod_uid_of(503) is None  # not resolved
+
+
+def test_fake_tree_pod_uid_is_cached_per_pid_and_start_time(tmp_path: Path) -> None:
+    in_pod = f"0::/kubepods/burstable/pod{POD}/{CTR}\n"
+    fake_process(tmp_path, 600, start=10, env={ENV_NAME: ALLOC}, cgroup=in_pod)
+    resolver = AllocationResolver(tmp_path)
+    resolver.resolve([600])
+    assert resolver.pod_uid_of(600) == POD
+    # The same process: served from the cache, the file is not read again.
+    (tmp_path / "600" / "cgroup").write_text("0::/\n")
+    resolver.resolve([600])
+    assert resolver.pod_uid_of(600) == POD
+    assert (resolver.hits, resolver.misses) == (1, 1)
+    # A recycled PID is another process: read afresh.
+    fake_process(tmp_path, 600, start=20, env={ENV_NAME: ALLOC}, cgroup="0::/\n")
+    resolver.resolve([600])
+    assert resolver.pod_uid_of(600) is None
+    # A PID the latest call did not resolve has no pod here.
+    resolver.resolve([])
+    assert resolver.pod_uid_of(600) is None
+
+
+def test_fake_tree_unreadable_cgroup_is_none_and_not_cached(tmp_path: Path) -> None:
+    fake_process(tmp_path, 700, env={ENV_NAME: ALLOC})
+    (tmp_path / "700" / "cgroup").mkdir()  # reading it fails
+    resolver = AllocationResolver(tmp_path)
+    assert resolver.resolve([700]) == {700: None}
+    assert len(resolver) == 0
+    (tmp_path / "700" / "cgroup").rmdir()
+    (tmp_path / "700" / "cgroup").write_text(f"0::/kubepods/pod{POD}/{CTR}\n")
+    assert resolver.resolve([700]) == {700: ALLOC}
+    assert resolver.pod_uid_of(700) == POD
+
+
+def test_real_process_pod_uid_matches_its_cgroup_file(spawn: Spawn) -> None:
+    child = spawn(["sleep", "30"], {**PATH_ONLY, ENV_NAME: ALLOC})
+    resolver = AllocationResolver()
+    assert resolver.resolve([child.pid]) == {child.pid: ALLOC}
+    expected = pod_uid_in_cgroup(Path(f"/proc/{child.pid}/cgroup").read_bytes())
+    assert resolver.pod_uid_of(child.pid) == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# The kubelet's checkpoint, as the kubelet simulator writes it
+
+
+async def test_simulator_checkpoint_names_the_pod_of_each_allocation(node: Node) -> None:
+    reader = CheckpointReader(node.plugin_dir / CHECKPOINT_FILE, RESOURCE)
+    async with running_daemon(node):
+        await registered(node, 8)
+        pod = await node.sim.admit_pod("train", [("main", 2), ("side", 1), ("none", 0)])
+        other = await node.sim.admit_pod("infer", [("main", 1)])
+        checkpoint = reader.read()
+        assert checkpoint.readable, checkpoint.reason
+        claims = {
+            (p.uid, c.name): c.envs[ENV_NAME]
+            for p in (pod, other)
+            for c in p.containers
+            if c.device_ids
+        }
+        assert {(e.pod_uid, e.container): e.allocation_id for e in checkpoint.entries} == claims
+        for (uid, name), allocation in claims.items():
+            assert checkpoint.pod_of(allocation) == ((uid, name),)
+        assert reader.read() is checkpoint  # unchanged: not parsed again
+        await node.sim.delete_pod("default", "infer")
+        after = reader.read()
+        assert after.pod_allocations.keys() == {pod.uid}
+        assert reader.parses == 2

@@ -210,6 +210,7 @@ EXPECTED_LABELS: dict[str, set[str]] = {
     "vgpu_gpu_unhealthy_transitions_total": GPU,
     "vgpu_gpu_xid_errors_total": GPU | {"xid"},
     "vgpu_gpu_unattributed_processes": GPU,
+    "vgpu_gpu_misattributed_processes": GPU,
     "vgpu_gpu_unattributed_memory_bytes": GPU,
     "vgpu_snapshot_stale": NODE_ONLY,
     "vgpu_snapshot_age_seconds": NODE_ONLY,

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping, Sequence
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from deviceplugin.checkpoint import DeviceCheckpoint, parse_checkpoint
 from deviceplugin.model import (
     AllocationRecord,
     ContainerUsage,
@@ -24,7 +26,13 @@ from deviceplugin.model import (
     SliceId,
     allocation_id,
 )
-from deviceplugin.usage import SnapshotBuilder, UtilizationWindow, mark_stale
+from deviceplugin.usage import (
+    AttributionEvidence,
+    SnapshotBuilder,
+    UtilizationWindow,
+    attribute,
+    mark_stale,
+)
 
 GI = 1 << 30
 REPLICAS = 4
@@ -491,3 +499,192 @@ def test_mark_stale_keeps_the_figures_and_replaces_health() -> None:
     assert stale.health == failing
     assert dataclasses.replace(stale, stale=False, health=HEALTH) == snapshot
     assert snapshot.stale is False  # the original is unchanged
+
+
+# ---------------------------------------------------------------------------------------------
+# Attribution checked against the kubelet's checkpoint and the processes' pods
+
+RESOURCE = "nvidia.com/vgpu"
+POD_A = "aaaaaaaa-0000-0000-0000-000000000001"  # holds A (two slices of GPU 0)
+POD_B = "bbbbbbbb-0000-0000-0000-000000000002"  # holds B (a slice of each GPU)
+POD_M = "cccccccc-0000-0000-0000-000000000003"  # two containers, M1 and M2, both on GPU 1
+POD_X = "dddddddd-0000-0000-0000-000000000004"  # holds nothing of ours
+M1 = record(sid(UUID1, 2), namespace="ml", pod="multi", container="one")
+M2 = record(sid(UUID1, 3), namespace="ml", pod="multi", container="two")
+UNRECORDED = "0123456789abcdef"  # a well-formed ID that no container holds
+
+
+def checkpoint_of(*holders: tuple[str, str, AllocationRecord]) -> DeviceCheckpoint:
+    entries = [
+        {
+            "PodUID": pod,
+            "ContainerName": container,
+            "ResourceName": RESOURCE,
+            "DeviceIDs": {"0": list(rec.slice_ids)},
+            "AllocResp": "",
+        }
+        for pod, container, rec in holders
+    ]
+    blob = json.dumps({"Data": {"PodDeviceEntries": entries}, "Checksum": 0}).encode()
+    checkpoint = parse_checkpoint(blob, RESOURCE)
+    assert checkpoint.readable, checkpoint.reason
+    return checkpoint
+
+
+# C is in the daemon's book but not in the checkpoint (allocated to no pod the kubelet recorded).
+CHECKPOINT = checkpoint_of(
+    (POD_A, "worker", A), (POD_B, "server", B), (POD_M, "one", M1), (POD_M, "two", M2)
+)
+NO_PODS: dict[int, str] = {}
+
+
+def evidence(
+    pods: Mapping[int, str] = NO_PODS,
+    checkpoint: DeviceCheckpoint = CHECKPOINT,
+    *,
+    trust_host: bool = False,
+) -> AttributionEvidence:
+    return AttributionEvidence(checkpoint, pods.get, trust_host_processes=trust_host)
+
+
+a_id, b_id, c_id = A.allocation_id, B.allocation_id, C.allocation_id
+m1_id, m2_id = M1.allocation_id, M2.allocation_id
+
+# (what, claim, pod, GPU) -> (attributed to, misattributed)
+RULES: list[tuple[str, str | None, str | None, str, str | None, bool]] = [
+    ("honest", a_id, POD_A, UUID0, a_id, False),
+    ("honest, the other GPU of its allocation", b_id, POD_B, UUID1, b_id, False),
+    ("honest, one of several containers", m1_id, POD_M, UUID1, m1_id, False),
+    ("honest, the other container", m2_id, POD_M, UUID1, m2_id, False),
+    ("honest claim on a GPU its pod holds nothing of", a_id, POD_A, UUID1, a_id, False),
+    ("spoofed ID, pod with one allocation here", b_id, POD_A, UUID0, a_id, True),
+    ("spoofed ID, pod without allocations", a_id, POD_X, UUID0, None, True),
+    ("spoofed ID, pod with several allocations here", b_id, POD_M, UUID1, None, True),
+    ("host process, recorded ID", a_id, None, UUID0, None, True),
+    ("host process, unrecorded ID", c_id, None, UUID0, c_id, False),
+    ("host process, no ID", None, None, UUID0, None, False),
+    ("no or invalid ID, pod with one allocation here", None, POD_A, UUID0, a_id, False),
+    ("unrecorded ID, pod with one allocation here", UNRECORDED, POD_A, UUID0, a_id, True),
+    ("no or invalid ID, pod with several allocations here", None, POD_M, UUID1, None, True),
+    ("no ID, pod holding nothing on this GPU", None, POD_A, UUID1, None, False),
+    ("unrecorded ID, pod holding nothing on this GPU", UNRECORDED, POD_A, UUID1, None, True),
+    ("no ID, pod without allocations", None, POD_X, UUID0, None, False),
+]
+
+
+@pytest.mark.parametrize(
+    ("claim", "pod", "gpu", "expected", "refused"),
+    [row[1:] for row in RULES],
+    ids=[row[0] for row in RULES],
+)
+def test_attribution_rules(
+    claim: str | None, pod: str | None, gpu: str, expected: str | None, refused: bool
+) -> None:
+    assert attribute(claim, pod, gpu, evidence()) == (expected, refused)
+
+
+@pytest.mark.parametrize(
+    ("claim", "pod", "gpu"), [row[1:4] for row in RULES], ids=[row[0] for row in RULES]
+)
+def test_without_a_readable_checkpoint_every_claim_stands(
+    claim: str | None, pod: str | None, gpu: str
+) -> None:
+    for checkpoint in (DeviceCheckpoint(), DeviceCheckpoint.unreadable("no checkpoint at x")):
+        assert attribute(claim, pod, gpu, evidence(checkpoint=checkpoint)) == (claim, False)
+
+
+def test_trusted_host_processes_keep_recorded_claims_but_pods_are_still_checked() -> None:
+    trusting = evidence(trust_host=True)
+    assert attribute(a_id, None, UUID0, trusting) == (a_id, False)
+    assert attribute(b_id, POD_A, UUID0, trusting) == (a_id, True)
+    assert attribute(a_id, POD_X, UUID0, trusting) == (None, True)
+
+
+def test_a_readable_empty_checkpoint_refuses_claims_from_pods_only() -> None:
+    empty = evidence(checkpoint=checkpoint_of())
+    assert attribute(a_id, None, UUID0, empty) == (a_id, False)
+    assert attribute(a_id, POD_A, UUID0, empty) == (None, True)
+    assert attribute(None, POD_A, UUID0, empty) == (None, False)
+
+
+def test_build_with_evidence_refuses_spoofed_claims_and_counts_them() -> None:
+    node = reading(
+        gpu0=[
+            ProcessSample(101, 2 * GI, 10.0),  # A's own process
+            ProcessSample(102, 1 * GI, 10.0),  # A's process that cleared its environment
+            ProcessSample(201, 30 * GI, 90.0),  # another pod, claiming A
+            ProcessSample(202, 1 * GI, 0.0),  # another pod, claiming an unrecorded ID
+            ProcessSample(401, 1 * GI, 0.0),  # a host process claiming C (not recorded)
+            ProcessSample(402, 1 * GI, 0.0),  # a host process claiming A
+        ],
+        gpu1=[ProcessSample(501, 1 * GI, 0.0)],  # pod M, no ID: ambiguous between M1 and M2
+    )
+    claims = {101: a_id, 102: None, 201: a_id, 202: UNRECORDED, 401: c_id, 402: a_id, 501: None}
+    pods = {101: POD_A, 102: POD_A, 201: POD_X, 202: POD_X, 501: POD_M}
+    records = [A, B, C, M1, M2]
+    builder = SnapshotBuilder("n", 5.0)
+    result = builder.build_result(
+        node,
+        INVENTORY,
+        records,
+        claims,
+        now_s=10.0,
+        wall_s=1_700_000_000.0,
+        health=HEALTH,
+        previous_reading_s=9.0,
+        evidence=evidence(pods),
+    )
+    snapshot = result.snapshot
+    a0 = usage_of(snapshot, A, UUID0)
+    assert [p.pid for p in a0.processes] == [101, 102]
+    assert a0.memory_used_bytes == 3 * GI  # the spoofers' 31 GiB are not charged to A
+    assert a0.sm_utilization_ratio == pytest.approx(0.2)
+    assert [p.pid for p in usage_of(snapshot, C, UUID0).processes] == [401]
+    assert [p.pid for p in snapshot.gpus[0].unattributed] == [201, 202, 402]
+    assert [p.pid for p in snapshot.gpus[1].unattributed] == [501]
+    assert {u: [p.pid for p in ps] for u, ps in result.misattributed.items()} == {
+        UUID0: [201, 202, 402],
+        UUID1: [501],
+    }
+    assert result.unknown_allocations == frozenset()  # refused claims ask pod-resources nothing
+    for pid in (201, 202, 402, 501):
+        assert all(pid not in {p.pid for p in c.processes} for c in snapshot.containers)
+
+
+def test_build_with_an_unreadable_checkpoint_is_todays_build() -> None:
+    node = reading(gpu0=[ProcessSample(101, GI, 10.0), ProcessSample(201, GI, 10.0)])
+    claims = {101: a_id, 201: UNRECORDED}
+    pods = {101: POD_A, 201: POD_X}
+    unreadable = evidence(pods, DeviceCheckpoint.unreadable("no checkpoint at /x"))
+    plain = build(SnapshotBuilder("n", 5.0), node, [A], claims)
+    checked = SnapshotBuilder("n", 5.0).build(
+        node,
+        INVENTORY,
+        [A],
+        claims,
+        now_s=10.0,
+        wall_s=1_700_000_000.0,
+        health=HEALTH,
+        previous_reading_s=9.0,
+        evidence=unreadable,
+    )
+    assert checked == plain
+    assert plain[1] == frozenset({UNRECORDED})
+
+
+def test_build_result_without_evidence_matches_build() -> None:
+    node = reading(gpu0=[ProcessSample(101, GI, 10.0)], gpu1=[ProcessSample(9, GI, 1.0)])
+    claims = {101: a_id}
+    snapshot, unknown = build(SnapshotBuilder("n", 5.0), node, [A], claims)
+    result = SnapshotBuilder("n", 5.0).build_result(
+        node,
+        INVENTORY,
+        [A],
+        claims,
+        now_s=10.0,
+        wall_s=1_700_000_000.0,
+        health=HEALTH,
+        previous_reading_s=9.0,
+    )
+    assert (result.snapshot, result.unknown_allocations) == (snapshot, unknown)
+    assert result.misattributed == {UUID0: (), UUID1: ()}

@@ -1,0 +1,234 @@
+"""The kubelet's device-manager checkpoint: which pod holds which allocation of our resource.
+
+The kubelet records every device it hands a container in `<device-plugin-dir>/
+kubelet_internal_checkpoint`, a JSON document it writes before the container starts and rewrites
+when pods come and go:
+
+    {"Data": {"PodDeviceEntries": [{"PodUID": ..., "ContainerName": ..., "ResourceName": ...,
+                                    "DeviceIDs": {"<NUMA node>": [<device ID>, ...], ...},
+                                    "AllocResp": "<base64 protobuf>"}, ...],
+              "RegisteredDevices": {"<resource>": [<device ID>, ...], ...}},
+     "Checksum": <uint32>}
+
+Kubelets up to 1.19 wrote `DeviceIDs` as a flat list; both forms are read. A device without NUMA
+affinity is listed under node -1, and a device with several nodes under each of them. The
+checksum is the FNV-32a of the kubelet's Go-specific dump of `Data`: it cannot be recomputed
+here, so it is not checked; a file that does not parse is refused whole instead. `AllocResp` and
+`RegisteredDevices` are not needed and not decoded.
+
+From the entries of our resource this gives, per allocation ID (`model.allocation_id` of the
+container's device IDs), the pod (and container) that holds it: evidence that a process's
+claimed `VGPU_ALLOCATION_ID` is its own (see `usage.attribute`). The file is the kubelet's and
+writable by root only, so a process in a pod cannot forge it.
+
+`parse_checkpoint` is pure; `CheckpointReader` reads the file and parses it again only when it
+has changed. Neither raises: a missing, unreadable or malformed file gives an empty checkpoint
+whose `reason` says why, and the caller then has no evidence (today's attribution).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deviceplugin.model import SliceId, allocation_id
+
+CHECKPOINT_FILE = "kubelet_internal_checkpoint"
+# A checkpoint larger than this is refused rather than read into memory on every change; a
+# kubelet's is a few hundred bytes per container.
+MAX_CHECKPOINT_BYTES = 64 << 20
+
+
+def normalize_pod_uid(uid: str) -> str:
+    """A pod UID as compared here: lowercase, with dashes (systemd slice names use underscores)."""
+    return uid.strip().lower().replace("_", "-")
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointEntry:
+    """One container's devices of our resource, as the kubelet recorded them."""
+
+    pod_uid: str  # normalised
+    container: str
+    allocation_id: str
+    device_ids: tuple[str, ...]  # sorted, distinct
+    gpu_uuids: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceCheckpoint:
+    """What the checkpoint says about one resource. `reason` is "" when the file was read, and
+    otherwise why it could not be (the checkpoint is then empty: no evidence either way)."""
+
+    entries: tuple[CheckpointEntry, ...] = ()
+    reason: str = "not read"
+    # Indexes over `entries`: allocation ID -> pod UIDs; pod UID -> allocation IDs;
+    # (pod UID, GPU UUID) -> the allocation IDs of that pod with slices of that GPU.
+    owners: Mapping[str, frozenset[str]] = field(default_factory=dict, repr=False)
+    pod_allocations: Mapping[str, frozenset[str]] = field(default_factory=dict, repr=False)
+    pod_gpu_allocations: Mapping[tuple[str, str], frozenset[str]] = field(
+        default_factory=dict, repr=False
+    )
+
+    @property
+    def readable(self) -> bool:
+        return not self.reason
+
+    @classmethod
+    def of(cls, entries: tuple[CheckpointEntry, ...]) -> DeviceCheckpoint:
+        owners: dict[str, set[str]] = {}
+        pods: dict[str, set[str]] = {}
+        pod_gpus: dict[tuple[str, str], set[str]] = {}
+        for e in entries:
+            owners.setdefault(e.allocation_id, set()).add(e.pod_uid)
+            pods.setdefault(e.pod_uid, set()).add(e.allocation_id)
+            for uuid in e.gpu_uuids:
+                pod_gpus.setdefault((e.pod_uid, uuid), set()).add(e.allocation_id)
+        return cls(
+            entries,
+            "",
+            {k: frozenset(v) for k, v in owners.items()},
+            {k: frozenset(v) for k, v in pods.items()},
+            {k: frozenset(v) for k, v in pod_gpus.items()},
+        )
+
+    @classmethod
+    def unreadable(cls, reason: str) -> DeviceCheckpoint:
+        return cls((), reason or "unreadable")
+
+    def pod_of(self, allocation: str) -> tuple[tuple[str, str], ...]:
+        """The (pod UID, container name) pairs that hold `allocation`: one, normally; none for an
+        allocation the kubelet did not record; more where it reused an init container's devices
+        for a later container of the same pod."""
+        return tuple(
+            (e.pod_uid, e.container) for e in self.entries if e.allocation_id == allocation
+        )
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's content is not what the kubelet writes."""
+
+
+def _device_ids(value: object, where: str) -> list[str]:
+    """The device IDs of an entry: a map of NUMA node -> IDs (current), or a list (<= 1.19)."""
+    if value is None:
+        return []
+    if isinstance(value, list):
+        lists: list[object] = [value]
+    elif isinstance(value, dict):
+        lists = list(value.values())
+    else:
+        raise CheckpointError(f"{where}.DeviceIDs is neither a map nor a list")
+    ids: list[str] = []
+    for ids_of_node in lists:
+        if ids_of_node is None:
+            continue
+        if not isinstance(ids_of_node, list) or not all(isinstance(d, str) for d in ids_of_node):
+            raise CheckpointError(f"{where}.DeviceIDs holds something other than device IDs")
+        ids.extend(ids_of_node)
+    return ids
+
+
+def _text(entry: Mapping[str, object], key: str, where: str) -> str:
+    value = entry.get(key)
+    if not isinstance(value, str):
+        raise CheckpointError(f"{where}.{key} is not a string")
+    return value
+
+
+def _entries(document: object, resource_name: str) -> tuple[CheckpointEntry, ...]:
+    if not isinstance(document, dict):
+        raise CheckpointError("not a JSON object")
+    data = document.get("Data")
+    if not isinstance(data, dict):
+        raise CheckpointError("no Data object")
+    raw = data.get("PodDeviceEntries")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise CheckpointError("Data.PodDeviceEntries is not a list")
+    entries: list[CheckpointEntry] = []
+    for i, entry in enumerate(raw):
+        where = f"Data.PodDeviceEntries[{i}]"
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{where} is not an object")
+        pod_uid = normalize_pod_uid(_text(entry, "PodUID", where))
+        container = _text(entry, "ContainerName", where)
+        resource = _text(entry, "ResourceName", where)
+        device_ids = _device_ids(entry.get("DeviceIDs"), where)
+        if not pod_uid:
+            raise CheckpointError(f"{where}.PodUID is empty")
+        if resource != resource_name or not device_ids:
+            continue
+        distinct = tuple(sorted(set(device_ids)))
+        gpus: set[str] = set()
+        for device_id in distinct:
+            try:
+                gpus.add(SliceId.parse(device_id).gpu_uuid)
+            except ValueError:
+                continue  # not one of our slice IDs: it still counts in the allocation ID
+        entries.append(
+            CheckpointEntry(pod_uid, container, allocation_id(distinct), distinct, frozenset(gpus))
+        )
+    return tuple(entries)
+
+
+def parse_checkpoint(blob: bytes, resource_name: str) -> DeviceCheckpoint:
+    """The entries of `resource_name` in a checkpoint file's content. Never raises: a document
+    that is not the kubelet's gives an empty checkpoint with the reason."""
+    try:
+        document = json.loads(blob)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        return DeviceCheckpoint.unreadable(f"not JSON: {e}")
+    try:
+        return DeviceCheckpoint.of(_entries(document, resource_name))
+    except CheckpointError as e:
+        return DeviceCheckpoint.unreadable(f"malformed: {e}")
+
+
+class CheckpointReader:
+    """Reads the checkpoint at `path` for `resource_name`, parsing it again only when its
+    identity (inode, size, modification and change times) differs from the last read; one stat
+    per call otherwise. A file over `max_bytes` is refused unread. `parses` counts the files
+    parsed. Never raises."""
+
+    def __init__(
+        self, path: Path, resource_name: str, *, max_bytes: int = MAX_CHECKPOINT_BYTES
+    ) -> None:
+        self.path = path
+        self._resource = resource_name
+        self._max_bytes = max_bytes
+        self._key: tuple[int, int, int, int] | None = None
+        self._latest = DeviceCheckpoint.unreadable("not read yet")
+        self.parses = 0
+
+    def read(self) -> DeviceCheckpoint:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return self._keep(None, DeviceCheckpoint.unreadable(f"no checkpoint at {self.path}"))
+        except OSError as e:
+            return self._keep(None, DeviceCheckpoint.unreadable(f"cannot stat {self.path}: {e}"))
+        key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        if key == self._key:
+            return self._latest
+        if st.st_size > self._max_bytes:
+            reason = f"{self.path} is {st.st_size} bytes, more than {self._max_bytes}"
+            return self._keep(key, DeviceCheckpoint.unreadable(reason))
+        try:
+            blob = self.path.read_bytes()
+        except OSError as e:
+            # Not remembered: a file that could not be read is tried again on the next call.
+            return self._keep(None, DeviceCheckpoint.unreadable(f"cannot read {self.path}: {e}"))
+        self.parses += 1
+        return self._keep(key, parse_checkpoint(blob, self._resource))
+
+    def _keep(
+        self, key: tuple[int, int, int, int] | None, checkpoint: DeviceCheckpoint
+    ) -> DeviceCheckpoint:
+        self._key = key
+        self._latest = checkpoint
+        return checkpoint
