@@ -221,7 +221,7 @@ class Poller:
         inventory = build_inventory(reading, self._config.slicing)
         pids = {p.pid for gpu in reading.gpus for p in gpu.processes}
         pid_allocation = self._resolver.resolve(pids)
-        result = self._builder.build_result(
+        snapshot, unknown = self._builder.build(
             reading,
             inventory,
             allocations,
@@ -232,7 +232,6 @@ class Poller:
             previous_reading_s=self._previous_reading_s,
             evidence=self._evidence(),
         )
-        snapshot, unknown = result.snapshot, result.unknown_allocations
         self._previous_reading_s = now_s
         duration_s = time.perf_counter() - started
         return Tick(inventory, self._enforce(snapshot), unknown, duration_s)

@@ -215,21 +215,6 @@ def attribute(
     return None, bool(held) or claim is not None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class BuildResult:
-    """A snapshot and what attributing its processes found besides.
-
-    `unknown_allocations`: allocation IDs accepted for GPU processes that are not among the
-    allocations given (the caller asks pod-resources again when there are any).
-    `misattributed`: per GPU UUID (every GPU of the reading), the processes whose claim was
-    refused (see `attribute`): each is unattributed, or attributed to the one allocation its own
-    pod holds on that GPU, never to the allocation it claimed."""
-
-    snapshot: NodeSnapshot
-    unknown_allocations: frozenset[str]
-    misattributed: Mapping[str, tuple[ProcessSample, ...]]
-
-
 @dataclasses.dataclass(slots=True)
 class _Accumulator:
     """One (allocation, GPU) while a snapshot is built."""
@@ -264,36 +249,9 @@ class SnapshotBuilder:
         previous_reading_s: float | None,
         evidence: AttributionEvidence | None = None,
     ) -> tuple[NodeSnapshot, frozenset[str]]:
-        """The snapshot of `reading`, and the allocation IDs found on GPU processes that are not in
-        `allocations` (the caller asks pod-resources again when there are any): `build_result`
-        without the misattributed processes."""
-        result = self.build_result(
-            reading,
-            inventory,
-            allocations,
-            pid_allocation,
-            now_s=now_s,
-            wall_s=wall_s,
-            health=health,
-            previous_reading_s=previous_reading_s,
-            evidence=evidence,
-        )
-        return result.snapshot, result.unknown_allocations
-
-    def build_result(
-        self,
-        reading: NodeReading,
-        inventory: Inventory,
-        allocations: Sequence[AllocationRecord],
-        pid_allocation: Mapping[int, str | None],
-        *,
-        now_s: float,
-        wall_s: float,
-        health: DaemonHealth,
-        previous_reading_s: float | None,
-        evidence: AttributionEvidence | None = None,
-    ) -> BuildResult:
-        """The snapshot of `reading`, with what attribution found besides.
+        """The snapshot of `reading`, and the allocation IDs accepted for GPU processes that are
+        not in `allocations` (the caller asks pod-resources again when there are any). Processes
+        whose claim was refused are in each GpuUsage's `misattributed`.
 
         `now_s` is the monotonic time of the reading, `previous_reading_s` that of the one before
         (None on the first build: this reading then covers no time and averages to 0.0); `wall_s`
@@ -420,11 +378,7 @@ class SnapshotBuilder:
             stale=False,
             health=health,
         )
-        return BuildResult(
-            snapshot,
-            frozenset(unknown),
-            {uuid: tuple(processes) for uuid, processes in misattributed.items()},
-        )
+        return snapshot, frozenset(unknown)
 
 
 def mark_stale(snapshot: NodeSnapshot, health: DaemonHealth) -> NodeSnapshot:

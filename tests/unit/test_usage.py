@@ -623,7 +623,7 @@ def test_build_with_evidence_refuses_spoofed_claims_and_counts_them() -> None:
     pods = {101: POD_A, 102: POD_A, 201: POD_X, 202: POD_X, 501: POD_M}
     records = [A, B, C, M1, M2]
     builder = SnapshotBuilder("n", 5.0)
-    result = builder.build_result(
+    snapshot, unknown = builder.build(
         node,
         INVENTORY,
         records,
@@ -634,7 +634,6 @@ def test_build_with_evidence_refuses_spoofed_claims_and_counts_them() -> None:
         previous_reading_s=9.0,
         evidence=evidence(pods),
     )
-    snapshot = result.snapshot
     a0 = usage_of(snapshot, A, UUID0)
     assert [p.pid for p in a0.processes] == [101, 102]
     assert a0.memory_used_bytes == 3 * GI  # the spoofers' 31 GiB are not charged to A
@@ -642,11 +641,9 @@ def test_build_with_evidence_refuses_spoofed_claims_and_counts_them() -> None:
     assert [p.pid for p in usage_of(snapshot, C, UUID0).processes] == [401]
     assert [p.pid for p in snapshot.gpus[0].unattributed] == [201, 202, 402]
     assert [p.pid for p in snapshot.gpus[1].unattributed] == [501]
-    assert {u: [p.pid for p in ps] for u, ps in result.misattributed.items()} == {
-        UUID0: [201, 202, 402],
-        UUID1: [501],
-    }
-    assert result.unknown_allocations == frozenset()  # refused claims ask pod-resources nothing
+    assert [p.pid for p in snapshot.gpus[0].misattributed] == [201, 202, 402]
+    assert [p.pid for p in snapshot.gpus[1].misattributed] == [501]
+    assert unknown == frozenset()  # refused claims ask pod-resources nothing
     for pid in (201, 202, 402, 501):
         assert all(pid not in {p.pid for p in c.processes} for c in snapshot.containers)
 
@@ -670,21 +667,3 @@ def test_build_with_an_unreadable_checkpoint_is_todays_build() -> None:
     )
     assert checked == plain
     assert plain[1] == frozenset({UNRECORDED})
-
-
-def test_build_result_without_evidence_matches_build() -> None:
-    node = reading(gpu0=[ProcessSample(101, GI, 10.0)], gpu1=[ProcessSample(9, GI, 1.0)])
-    claims = {101: a_id}
-    snapshot, unknown = build(SnapshotBuilder("n", 5.0), node, [A], claims)
-    result = SnapshotBuilder("n", 5.0).build_result(
-        node,
-        INVENTORY,
-        [A],
-        claims,
-        now_s=10.0,
-        wall_s=1_700_000_000.0,
-        health=HEALTH,
-        previous_reading_s=9.0,
-    )
-    assert (result.snapshot, result.unknown_allocations) == (snapshot, unknown)
-    assert result.misattributed == {UUID0: (), UUID1: ()}
