@@ -62,6 +62,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from deviceplugin.config import AllocationConfig, DeviceListStrategy, MpsConfig
 from deviceplugin.errors import AllocationError
@@ -85,7 +86,7 @@ ENV_MPS_PIPE_DIRECTORY = "CUDA_MPS_PIPE_DIRECTORY"
 ENV_XLA_MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 ENV_TF_ALLOW_GROWTH = "TF_FORCE_GPU_ALLOW_GROWTH"
 ENV_MEMORY_FRACTION_PREFIX = "VGPU_MEMORY_FRACTION_"
-MPS_SHM_CONTAINER_PATH = "/dev/shm"
+MPS_SHM_CONTAINER_PATH = "/dev/shm"  # noqa: S108 (the path MPS uses, not a temp file)
 
 VISIBLE_DEVICES_VOID = "void"
 VOLUME_MOUNTS_ROOT = "/var/run/nvidia-container-devices"
@@ -108,6 +109,37 @@ def mps_log_directory(root: str) -> str:
 
 def mps_shm_directory(root: str) -> str:
     return f"{root.rstrip('/')}/shm"
+
+
+@dataclass(frozen=True, slots=True)
+class MpsDefaults:
+    """What the MPS control daemon holds each new client to: one slice's memory per GPU (by
+    UUID, in MiB) and one slice's share of the threads. The control daemon's thread percentage
+    is one value for every GPU, so it is the smallest slice share of any GPU; MPS rejects 0."""
+
+    pinned_mem_limit_mib: tuple[tuple[str, int], ...] = ()
+    active_thread_percentage: int | None = None
+
+    def commands(self) -> tuple[str, ...]:
+        """The control commands that set these defaults, one per line of stdin."""
+        lines = [
+            f"set_default_device_pinned_mem_limit {uuid} {mib}M"
+            for uuid, mib in self.pinned_mem_limit_mib
+        ]
+        if self.active_thread_percentage is not None:
+            lines.append(f"set_default_active_thread_percentage {self.active_thread_percentage}")
+        return tuple(lines)
+
+
+def mps_defaults(inventory: Inventory) -> MpsDefaults:
+    """One slice's limits on every sliced GPU of the inventory."""
+    plans = [p for p in inventory.plans if p.sliced]
+    if not plans:
+        return MpsDefaults()
+    return MpsDefaults(
+        pinned_mem_limit_mib=tuple((p.gpu.uuid, p.memory_per_slice_bytes // MIB) for p in plans),
+        active_thread_percentage=max(1, min(100 // p.replicas for p in plans)),
+    )
 
 
 def memory_fraction_hundredths(limit_bytes: int, reserve_bytes: int, total_bytes: int) -> int:
@@ -274,18 +306,20 @@ __all__ = [
     "CDI_ANNOTATION_PREFIX",
     "ENV_ALLOCATION_ID",
     "ENV_COMPUTE_SHARE_PERCENT_PREFIX",
+    "ENV_MEMORY_FRACTION_PREFIX",
     "ENV_MEMORY_LIMIT_MIB_PREFIX",
     "ENV_MPS_ACTIVE_THREAD_PERCENTAGE",
-    "ENV_MEMORY_FRACTION_PREFIX",
     "ENV_MPS_PINNED_DEVICE_MEM_LIMIT",
     "ENV_MPS_PIPE_DIRECTORY",
     "ENV_TF_ALLOW_GROWTH",
     "ENV_VISIBLE_DEVICES",
     "ENV_XLA_MEM_FRACTION",
+    "MpsDefaults",
     "build_container_allocation",
     "format_hundredths",
     "framework_hints",
     "memory_fraction_hundredths",
+    "mps_defaults",
     "mps_log_directory",
     "mps_pipe_directory",
     "mps_shm_directory",

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import grpc
 
 from deviceplugin import __version__
+from deviceplugin.allocation import mps_defaults
 from deviceplugin.checkpoint import CHECKPOINT_FILE, CheckpointReader
 from deviceplugin.config import Config
 from deviceplugin.enforcer import Enforcer, RecordingControl
@@ -40,6 +41,7 @@ from deviceplugin.model import (
     NodeSnapshot,
     allocation_id,
 )
+from deviceplugin.mps import MpsControlDaemon
 from deviceplugin.plugin.lifecycle import PluginLifecycle
 from deviceplugin.plugin.server import DevicePluginService
 from deviceplugin.podresources import list_container_devices
@@ -464,6 +466,9 @@ class Daemon:
             cfg.resource_name,
             interval_s=pod_resources_interval_s,
         )
+        # The node's MPS control daemon, when MPS is on: started after the first poll (its
+        # defaults follow the slicing), supervised, and sent quit on every exit path.
+        self.mps = MpsControlDaemon(cfg.mps) if cfg.mps.enabled else None
         self.http: HttpServer | None = None
         if settings.metrics_address:
             self.http = HttpServer(
@@ -501,6 +506,7 @@ class Daemon:
             last_poll_success_s=self.poller.last_success_wall_s,
             poll_failures_consecutive=self.poller.failures,
             pod_resources_ok=self.tracker.ok,
+            mps=None if self.mps is None else self.mps.status,
         )
 
     def healthz(self) -> tuple[bool, str]:
@@ -537,6 +543,8 @@ class Daemon:
                     f"the GPU backend {self.backend.name} did not answer its first poll within "
                     f"{self.poller.timeout_s:g} s; see the log lines above for the GPU at fault"
                 ) from e
+            if self.mps is not None:
+                await asyncio.to_thread(self.mps.start, mps_defaults(self.inventory.value))
             if self.http is not None:
                 try:
                     self.http.start()
@@ -551,11 +559,18 @@ class Daemon:
                 tasks.create_task(
                     self.tracker.run(stop, self.poller.names_wanted), name="pod-resources"
                 )
+                if self.mps is not None:
+                    mps, inventory = self.mps, self.inventory
+                    tasks.create_task(
+                        mps.run(stop, lambda: mps_defaults(inventory.value)), name="mps"
+                    )
         finally:
             try:
                 # Every process it holds stopped runs again, whatever ended the daemon: first.
                 self.enforcer.close()
             finally:
+                if self.mps is not None:
+                    self.mps.stop()
                 if self.http is not None:
                     self.http.stop()
         log.info("stopped")

@@ -657,7 +657,7 @@ def _allocation(r: _Reader, value: object) -> AllocationConfig:
     if "contextReserve" in section:
         value = section["contextReserve"]
         # 0 is a valid reserve (no room kept for the CUDA context), unlike other sizes.
-        zero = value == 0 and not isinstance(value, bool) or value == "0"
+        zero = (value == 0 and not isinstance(value, bool)) or value == "0"
         parsed_reserve = 0 if zero else r.size(value, _join(path, "contextReserve"))
         reserve = reserve if parsed_reserve is None else parsed_reserve
     return AllocationConfig(
