@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -103,6 +104,7 @@ class MpsControlDaemon:
         self._lock = threading.Lock()
         self._applied: tuple[str, ...] = ()
         self._attempted = False
+        self._shm_warned = False
         self._next_restart_s = 0.0
         self._backoff_s = 1.0
         self.status = MpsStatus(
@@ -192,7 +194,8 @@ class MpsControlDaemon:
             same = os.path.samefile(self._shm_path, self.shm_directory)
         except OSError:
             same = False
-        if not same:
+        if not same and not self._shm_warned:
+            self._shm_warned = True
             log.warning(
                 "MPS clients get %s at /dev/shm, but this daemon's %s is another directory: "
                 "the MPS server will not share memory with them; mount %s at %s (the "
@@ -241,6 +244,7 @@ class MpsControlDaemon:
             except MpsCommandError as e:
                 self._set_status(up=False, error=str(e))
                 self._quit()
+                self._attempted = False
                 raise StartupError(f"cannot start the MPS control daemon: {e}") from e
             self._set_status(up=True, pid=pid)
             log.info(
@@ -308,22 +312,38 @@ class MpsControlDaemon:
             await asyncio.to_thread(self.supervise_once, defaults())
 
     def _quit(self) -> None:
+        """`quit`; if the control daemon that this daemon started (its PID file is in our pipe
+        directory) does not take it, or still runs 5 s later, SIGTERM: it must not outlive us."""
         pid = self.pid()
+        took = True
         try:
             self.send("quit")
         except MpsCommandError as e:
-            if pid is not None:
-                log.warning("MPS control daemon did not take quit pid=%d error=%s", pid, e)
-            else:
+            if pid is None:
                 log.debug("MPS quit sent with no control daemon running error=%s", e)
-            return
-        deadline = time.monotonic() + SETTLE_TIMEOUT_S
-        while pid is not None and _process_alive(pid):
-            if time.monotonic() > deadline:
-                log.warning("MPS control daemon still runs after quit pid=%d", pid)
                 return
+            log.warning("MPS control daemon did not take quit pid=%d error=%s", pid, e)
+            took = False
+        if pid is None:
+            log.info("MPS control daemon stopped")
+            return
+        if took and self._wait_gone(pid):
+            log.info("MPS control daemon stopped pid=%d", pid)
+            return
+        log.warning("MPS control daemon still runs after quit; sending SIGTERM pid=%d", pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        if not self._wait_gone(pid):
+            log.error("MPS control daemon still runs after SIGTERM pid=%d", pid)
+
+    @staticmethod
+    def _wait_gone(pid: int) -> bool:
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        while _process_alive(pid):
+            if time.monotonic() > deadline:
+                return False
             time.sleep(0.02)
-        log.info("MPS control daemon stopped pid=%s", pid)
+        return True
 
     def stop(self) -> None:
         """Send `quit`, if a start was ever attempted, and wait (bounded) for the control daemon
