@@ -1,7 +1,7 @@
 """MPS end to end, against a stand-in for nvidia-cuda-mps-control
-(tests/support/fake_mps_control.py) that daemonises like the real one and records what it was asked: the daemon starts the node's
-control daemon, sets one slice's limits per GPU, starts it again when it dies, hands containers
-the pipe directory, and sends it `quit` on every way out."""
+(tests/support/fake_mps_control.py) that daemonises like the real one and records what it was
+asked: the daemon starts the node's control daemon, sets one slice's limits per GPU, starts it
+again when it dies, hands containers the pipe directory, and sends it `quit` on every way out."""
 
 from __future__ import annotations
 
