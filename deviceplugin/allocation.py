@@ -70,6 +70,7 @@ from deviceplugin.model import (
     ContainerAllocation,
     DeviceNodeSpec,
     GpuInfo,
+    GpuPlan,
     Inventory,
     MountSpec,
     Slice,
@@ -131,9 +132,9 @@ class MpsDefaults:
         return tuple(lines)
 
 
-def mps_defaults(inventory: Inventory) -> MpsDefaults:
-    """One slice's limits on every sliced GPU of the inventory."""
-    plans = [p for p in inventory.plans if p.sliced]
+def mps_defaults(all_plans: Sequence[GpuPlan]) -> MpsDefaults:
+    """One slice's limits on every sliced GPU of the plan."""
+    plans = [p for p in all_plans if p.sliced]
     if not plans:
         return MpsDefaults()
     return MpsDefaults(

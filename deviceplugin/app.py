@@ -544,7 +544,7 @@ class Daemon:
                     f"{self.poller.timeout_s:g} s; see the log lines above for the GPU at fault"
                 ) from e
             if self.mps is not None:
-                await asyncio.to_thread(self.mps.start, mps_defaults(self.inventory.value))
+                await asyncio.to_thread(self.mps.start, mps_defaults(self.inventory.value.plans))
             if self.http is not None:
                 try:
                     self.http.start()
@@ -562,7 +562,7 @@ class Daemon:
                 if self.mps is not None:
                     mps, inventory = self.mps, self.inventory
                     tasks.create_task(
-                        mps.run(stop, lambda: mps_defaults(inventory.value)), name="mps"
+                        mps.run(stop, lambda: mps_defaults(inventory.value.plans)), name="mps"
                     )
         finally:
             try:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from dataclasses import replace as dataclasses_replace
 
 import pytest
 
 from deviceplugin.allocation import (
+    MpsDefaults,
     build_container_allocation,
     format_hundredths,
     framework_hints,
     memory_fraction_hundredths,
+    mps_defaults,
 )
 from deviceplugin.config import (
     AllocationConfig,
@@ -256,6 +259,34 @@ def test_mps_mounts_follow_the_root_and_come_after_volume_mounts() -> None:
         "/dev/shm",
     ]
     assert a.envs["CUDA_MPS_PIPE_DIRECTORY"] == "/var/lib/mps/pipe"
+
+
+def test_mps_defaults_are_one_slice_per_gpu_and_the_smallest_share() -> None:
+    # GPU 0: 80Gi / 4; GPU 1: 40Gi / 3; GPU 2: 16Gi / 2. One thread percentage for all: 25.
+    d = mps_defaults(INV.plans)
+    assert d == MpsDefaults(
+        pinned_mem_limit_mib=((U1, 20 * 1024), (U0, (40 * GI // 3) // MI), (U2, 8 * 1024)),
+        active_thread_percentage=25,
+    )
+    assert d.commands() == (
+        f"set_default_device_pinned_mem_limit {U1} 20480M",
+        f"set_default_device_pinned_mem_limit {U0} 13653M",
+        f"set_default_device_pinned_mem_limit {U2} 8192M",
+        "set_default_active_thread_percentage 25",
+    )
+
+
+def test_mps_defaults_leave_out_unsliced_gpus_and_need_a_sliced_one() -> None:
+    mig = GpuInfo(uuid="GPU-mig", index=3, name="A100", memory_total_bytes=GI, minor=3)
+    reading = NodeReading(0.0, (GpuReading(info=dataclasses_replace(mig, mig_enabled=True)),))
+    inv = build_inventory(reading, SlicingConfig())
+    assert mps_defaults(inv.plans) == MpsDefaults()
+    assert mps_defaults(inv.plans).commands() == ()
+    many = GpuInfo(uuid="GPU-many", index=0, name="X", memory_total_bytes=200 * GI, minor=0)
+    inv = build_inventory(
+        NodeReading(0.0, (GpuReading(info=many),)), SlicingConfig(default=SliceRule(replicas=200))
+    )
+    assert mps_defaults(inv.plans).active_thread_percentage == 1  # MPS rejects 0
 
 
 def test_mps_single_gpu() -> None:
