@@ -12,6 +12,9 @@ DEPLOY = ROOT / "daemonset"
 BASE = DEPLOY / "base"
 MONITORING = DEPLOY / "monitoring"
 EXAMPLES = DEPLOY / "examples"
+MPS_COMPONENT = DEPLOY / "components" / "mps"
+# vgpu config files that kustomize turns into the ConfigMap: not Kubernetes manifests.
+CONFIG_FILES = (BASE / "config.yaml", MPS_COMPONENT / "config.yaml")
 NAMESPACE = "vgpu-system"
 KUSTOMIZATION = "kustomization.yaml"
 
@@ -28,7 +31,7 @@ def manifest_files() -> list[Path]:
     """Every Kubernetes manifest under daemonset/: YAML files that are not kustomize's own
     files and not the config file that becomes a ConfigMap."""
     return sorted(
-        p for p in DEPLOY.rglob("*.yaml") if p.name != KUSTOMIZATION and p != BASE / "config.yaml"
+        p for p in DEPLOY.rglob("*.yaml") if p.name != KUSTOMIZATION and p not in CONFIG_FILES
     )
 
 
