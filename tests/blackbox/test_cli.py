@@ -217,6 +217,15 @@ def test_demo_shows_the_enforcer_at_work() -> None:
     assert "throttling default/inference/server" in out
     assert "THROTTLED" in out
     assert "killed the largest GPU process of default/notebook/jupyter" in out
+    # The JAX-style container read its hint and reserved 0.22 of the L4, inside its 5.6Gi slice:
+    # it is never killed.
+    assert (
+        "jax-train/jax is JAX-style: at start it reserves XLA_PYTHON_CLIENT_MEM_FRACTION=0.22"
+        in out
+    )
+    assert "(4.9Gi), within its 5.6Gi limit" in out
+    assert "default/jax-train/jax  1 slice" in out
+    assert "killed the largest GPU process of default/jax-train/jax" not in out
 
 
 def test_serve_with_a_bad_metrics_address_exits_2_naming_it(short_tmp: Path) -> None:
