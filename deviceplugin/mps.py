@@ -125,6 +125,9 @@ class MpsControlDaemon:
                 text=True,
                 timeout=COMMAND_TIMEOUT_S,
                 check=False,
+                # The daemon's own umask is 077; the control daemon's socket must be reachable
+                # by clients of any user, as when it is started by hand.
+                umask=0o022,
             )
         except FileNotFoundError as e:
             raise MpsCommandError(
@@ -181,7 +184,10 @@ class MpsControlDaemon:
     def _prepare_directories(self) -> None:
         try:
             for directory in (self.root, self.pipe_directory, self.log_directory):
-                directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+                directory.mkdir(parents=True, exist_ok=True)
+                # Not owner-only, unlike the daemon's own files: clients of any user enter the
+                # pipe directory, and MPS servers run as their clients' users and log here.
+                directory.chmod(0o755)
             self.shm_directory.mkdir(mode=0o755, parents=True, exist_ok=True)
             # Like /dev/shm: MPS servers run as their clients' users and create files here.
             self.shm_directory.chmod(0o1777)

@@ -145,6 +145,8 @@ async def test_starts_the_control_daemon_with_one_slice_per_gpu(node: Node) -> N
         assert (await asyncio.to_thread(get, f"{base}/healthz"))[0] == 200
         # The shared memory directory is open to MPS servers of any user, like /dev/shm.
         assert (mps_root(node) / "shm").stat().st_mode & 0o7777 == 0o1777
+        # The pipe directory is open to clients of any user (the daemon's own files are not).
+        assert (mps_root(node) / "pipe").stat().st_mode & 0o7777 == 0o755
     assert "quit" in commands(node)
 
 
@@ -251,6 +253,12 @@ async def test_serve_sends_quit_on_sigterm(node: Node) -> None:
         await registered(node, 8)
         pid = control_pid(node)
         assert pid is not None
+        # serve makes its own files owner-only (umask 077), but clients of any user must reach
+        # the control daemon: its directories and socket are not.
+        pipe = mps_root(node) / "pipe"
+        assert pipe.stat().st_mode & 0o777 == 0o755
+        assert (pipe / "control").stat().st_mode & 0o777 == 0o755
+        assert (node.root / "state").stat().st_mode & 0o777 == 0o700
         proc.send_signal(signal.SIGTERM)
         _, err = await asyncio.wait_for(proc.communicate(), 20)
         assert proc.returncode == 0, err.decode()
