@@ -14,7 +14,9 @@ daemon keeps no settings across a restart). A change of the defaults (a GPU adde
 is sent to the running control daemon; it applies to MPS servers started afterwards.
 
 `stop()` sends `quit` and waits for the control daemon to exit. The daemon calls it on every exit
-path, a failed start included.
+path, a failed start included. A daemon killed outright (SIGKILL, OOM) cannot, so at start a
+control daemon already running on the pipe directory is taken over: given the defaults and
+supervised like one started here.
 
 Shared memory: an MPS client and its server exchange data through files in `/dev/shm`, so a
 client must see the server's `/dev/shm`. The server inherits it from the control daemon, which
@@ -216,7 +218,18 @@ class MpsControlDaemon:
         """Start the control daemon and set its defaults; its PID. Raises MpsCommandError."""
         self._attempted = True
         self._prepare_directories()
-        self._run(["-d"], None)
+        running = self.pid()
+        if running is not None:
+            # One left by a daemon that was killed outright: take it over rather than fail on
+            # "already running"; its settings are replaced below.
+            log.warning(
+                "an MPS control daemon already runs on this pipe directory; taking it over "
+                "pid=%d pipe_directory=%s",
+                running,
+                self.pipe_directory,
+            )
+        else:
+            self._run(["-d"], None)
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
         while (pid := self.pid()) is None:
             if time.monotonic() > deadline:

@@ -234,6 +234,31 @@ async def test_defaults_that_cannot_be_set_fail_the_start_and_the_daemon_is_stop
     assert not alive(started[0]["pid"])
 
 
+async def test_a_control_daemon_left_running_is_taken_over(node: Node) -> None:
+    """A daemon killed outright (SIGKILL) leaves its control daemon behind: the next one takes it
+    over instead of failing on "already running"."""
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "CUDA_MPS_PIPE_DIRECTORY": str(mps_root(node) / "pipe"),
+        "CUDA_MPS_LOG_DIRECTORY": str(mps_root(node) / "log"),
+    }
+    left = await asyncio.create_subprocess_exec(str(FAKE_CONTROL), "-d", env=env)
+    assert await left.wait() == 0
+    orphan = control_pid(node)
+    assert orphan is not None
+    async with running_daemon(node, mps_config(node)) as daemon:
+        await registered(node, 8)
+        assert control_pid(node) == orphan
+        assert commands(node) == one_slice_defaults()
+        status = daemon.health().mps
+        assert status is not None
+        assert status.up
+        assert status.pid == orphan
+    assert [r["argv"] for r in records(node) if r["event"] == "run"].count(["-d"]) == 1
+    assert commands(node)[-1] == "quit"
+    assert not alive(orphan)
+
+
 async def test_serve_sends_quit_on_sigterm(node: Node) -> None:
     config = node.root / "config.yaml"
     config.write_text(
