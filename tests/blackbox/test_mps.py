@@ -199,6 +199,36 @@ async def test_a_dead_control_daemon_is_started_again_with_its_defaults(node: No
     assert not alive(second)
 
 
+async def test_a_control_daemon_that_will_not_start_again_is_retried_and_reported(
+    node: Node,
+) -> None:
+    async with running_daemon(node, mps_config(node)) as daemon:
+        assert daemon.mps is not None
+        daemon.mps.check_interval_s = 0.05
+        await registered(node, 8)
+        first = control_pid(node)
+        assert first is not None
+        (mps_root(node) / "fake-fail-start").touch()
+        os.kill(first, signal.SIGKILL)
+
+        def down() -> bool:
+            status = daemon.health().mps
+            return status is not None and not status.up and "exited with 1" in status.error
+
+        await eventually(down, what="the failed restart to be reported")
+        assert daemon.healthz()[0]  # not yet: /healthz fails after 30 s down
+        (mps_root(node) / "fake-fail-start").unlink()
+        await eventually(
+            lambda: (daemon.health().mps or pytest.fail("no MPS status")).up,
+            what="the retry, after the backoff",
+        )
+        status = daemon.health().mps
+        assert status is not None
+        assert status.restarts_total == 1
+        assert status.error == ""
+        assert commands(node) == one_slice_defaults() * 2
+
+
 async def test_a_failed_start_stops_the_daemon_and_still_sends_quit(node: Node) -> None:
     mps_root(node).mkdir()
     (mps_root(node) / "fake-fail-start").touch()
