@@ -53,6 +53,10 @@ libraries' workspaces, which live outside a framework's pool:
 A GPU whose limit is no more than the reserve gets no fraction (it would be 0), and then neither
 does JAX; TensorFlow's hint stands.
 
+With MPS the fractions are of one slice, whatever the container holds: the GPU holds each MPS
+client process to one slice's memory, so a JAX process told its container's k slices would fail
+to reserve them at start. The container still gets k slices' worth across its processes.
+
 With MPS, the container also gets the MPS pipe directory (`<mps.root>/pipe`, mounted at the same
 path, named by `CUDA_MPS_PIPE_DIRECTORY`) and the MPS server's shared memory (`<mps.root>/shm`
 mounted at `/dev/shm`), without which a client cannot reach the server.
@@ -226,11 +230,16 @@ def build_container_allocation(
     memory_mib: list[int] = []
     share_percent: list[int] = []
     memory_bytes: list[int] = []
+    # What one process may hold on each GPU: with MPS, the GPU holds every client process to one
+    # slice, whatever the container holds (a client cannot raise the control daemon's limit).
+    process_bytes: list[int] = []
     for gpu_slices in by_gpu.values():
         gpu, replicas = _gpu_info(inventory, gpu_slices[0])
         gpus.append(gpu)
         memory_bytes.append(sum(s.memory_limit_bytes for s in gpu_slices))
         memory_mib.append(memory_bytes[-1] // MIB)
+        one_slice = min(s.memory_limit_bytes for s in gpu_slices)
+        process_bytes.append(one_slice if mps.enabled else memory_bytes[-1])
         share_percent.append(len(gpu_slices) * 100 // replicas)
     uuids = [g.uuid for g in gpus]
 
@@ -253,7 +262,7 @@ def build_container_allocation(
         envs[ENV_MPS_PIPE_DIRECTORY] = mps_pipe_directory(mps.root)
     if cfg.framework_hints:
         totals = [g.memory_total_bytes for g in gpus]
-        envs.update(framework_hints(memory_bytes, totals, cfg.context_reserve_bytes))
+        envs.update(framework_hints(process_bytes, totals, cfg.context_reserve_bytes))
 
     mounts: list[MountSpec] = []
     if DeviceListStrategy.VOLUME_MOUNTS in strategies:

@@ -209,6 +209,22 @@ def test_a_slice_no_bigger_than_the_reserve_gets_no_fraction() -> None:
     assert a.envs["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
 
 
+def test_with_mps_the_hints_are_what_one_process_may_hold() -> None:
+    # Two slices of GPU 0 (40Gi) and one of GPU 2 (8Gi). Without MPS a process may use the
+    # container's whole limit; with MPS the GPU holds every process to one slice.
+    ids = [f"{U1}::0", f"{U1}::1", f"{U2}::0"]
+    plain = alloc(ids)
+    assert plain.envs["VGPU_MEMORY_FRACTION_0"] == "0.49"  # (40Gi - 512Mi) / 80Gi
+    assert plain.envs["VGPU_MEMORY_FRACTION_1"] == "0.46"  # (8Gi - 512Mi) / 16Gi
+    assert plain.envs["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.46"
+    mps = alloc(ids, mps=True)
+    assert mps.envs["VGPU_MEMORY_FRACTION_0"] == "0.24"  # (20Gi - 512Mi) / 80Gi
+    assert mps.envs["VGPU_MEMORY_FRACTION_1"] == "0.46"
+    assert mps.envs["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.24"
+    # The container's own limits are unchanged: k slices' worth, across its processes.
+    assert mps.envs["VGPU_MEMORY_LIMIT_MIB_0"] == str(40 * 1024)
+
+
 def test_hints_can_be_turned_off() -> None:
     cfg = AllocationConfig(framework_hints=False)
     a = build_container_allocation([f"{U1}::0", f"{U0}::0"], INV, cfg, NO_MPS)
