@@ -283,8 +283,12 @@ class MpsControlDaemon:
                     try:
                         self._apply(defaults)
                     except MpsCommandError as e:
-                        log.warning("MPS defaults not sent; retrying error=%s", e)
+                        # Once per failure, not once a second while it lasts.
+                        level = logging.DEBUG if self.status.error == str(e) else logging.WARNING
+                        log.log(level, "MPS defaults not sent; retrying error=%s", e)
                         self._applied = ()
+                        self._set_status(up=True, pid=pid, error=str(e))
+                        return
                 self._set_status(up=True, pid=pid)
                 return
             now = time.monotonic()
