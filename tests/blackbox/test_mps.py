@@ -229,6 +229,21 @@ async def test_a_control_daemon_that_will_not_start_again_is_retried_and_reporte
         assert commands(node) == one_slice_defaults() * 2
 
 
+async def test_a_change_of_gpus_is_sent_to_the_running_control_daemon(node: Node) -> None:
+    async with running_daemon(node, mps_config(node)) as daemon:
+        assert daemon.mps is not None
+        daemon.mps.check_interval_s = 0.05
+        await registered(node, 8)
+        pid = control_pid(node)
+        node.write_gpus([TWO_GPUS[0]])  # the L4 is gone
+        a100 = one_slice_defaults()[0]
+        threads = one_slice_defaults()[2]
+        await eventually(
+            lambda: commands(node)[3:] == [a100, threads], what="the new defaults to be sent"
+        )
+        assert control_pid(node) == pid  # the same control daemon, not a restart
+
+
 async def test_a_failed_start_stops_the_daemon_and_still_sends_quit(node: Node) -> None:
     mps_root(node).mkdir()
     (mps_root(node) / "fake-fail-start").touch()
