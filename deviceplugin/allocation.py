@@ -1,4 +1,4 @@
-"""The Allocate response for one container (DESIGN 3), as plain data.
+"""The Allocate response for one container (docs/design.md §3), as plain data.
 
 Pure: device IDs + inventory + config -> ContainerAllocation. The gRPC servicer turns the result
 into protobuf and maps AllocationError to INVALID_ARGUMENT.

@@ -15,7 +15,7 @@ MAX_DEVICE_ID_LENGTH = 63  # the kubelet's limit for Device.ID
 
 @dataclass(frozen=True, slots=True, order=True)
 class SliceId:
-    """One slice of a GPU: `<GPU-UUID>::<n>` on the wire (DESIGN 2, a contract)."""
+    """One slice of a GPU: `<GPU-UUID>::<n>` on the wire (docs/design.md §2, a contract)."""
 
     gpu_uuid: str
     n: int
@@ -33,8 +33,8 @@ class SliceId:
 
 
 def allocation_id(slice_ids: Iterable[str]) -> str:
-    """VGPU_ALLOCATION_ID (DESIGN 3, a contract): the first 16 hex digits of the SHA-256 of the
-    container's slice IDs, sorted and joined with commas. Recomputable from pod-resources."""
+    """VGPU_ALLOCATION_ID (docs/design.md §3, a contract): the first 16 hex digits of the SHA-256
+    of the container's slice IDs, sorted and joined with commas. Recomputable from pod-resources."""
     joined = ",".join(sorted(slice_ids))
     return hashlib.sha256(joined.encode()).hexdigest()[:16]
 
@@ -157,7 +157,7 @@ class DeviceNodeSpec:
 
 @dataclass(frozen=True, slots=True)
 class ContainerAllocation:
-    """What Allocate hands one container (DESIGN 3), before it becomes protobuf."""
+    """What Allocate hands one container (docs/design.md §3), before it becomes protobuf."""
 
     allocation_id: str
     slice_ids: tuple[str, ...]

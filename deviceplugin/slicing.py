@@ -1,4 +1,5 @@
-"""Slicing (DESIGN 2): physical GPUs + config -> slices, and the preferred allocation among them.
+"""Slicing (docs/design.md §2): physical GPUs + config -> slices, and the preferred
+allocation among them.
 
 Pure: no I/O, no clocks, no driver. Everything here takes plain values and returns plain values.
 

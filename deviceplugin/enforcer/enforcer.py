@@ -122,7 +122,7 @@ def write_stopped_record(path: Path, entries: Iterable[tuple[int, float]]) -> No
 
 
 class Enforcer:
-    """Memory and compute enforcement for one node (DESIGN 4)."""
+    """Memory and compute enforcement for one node (docs/design.md §4)."""
 
     def __init__(
         self,

@@ -12,12 +12,12 @@ since the reading they hold was taken (`taken_at_s`, which a stale snapshot keep
 stops is noticed from the last successful poll, not from the first failure reported (a hung poll is
 reported only at its timeout).
 
-Memory (DESIGN 4). A container's memory on a GPU above its limit for `grace_period_s` is a
+Memory (docs/design.md §4). A container's memory on a GPU above its limit for `grace_period_s` is a
 violation. `kill`: the largest of its processes on that GPU is killed, then nothing more until that
 process has left the GPU's process list (or `kill_timeout_s` passed, after which its memory counts
 as freed), and the container is checked again. `monitor`: one record per violation.
 
-Compute (DESIGN 4). Per GPU and tick:
+Compute (docs/design.md §4). Per GPU and tick:
 
 1. Each container's utilisation `u` is the sum of its processes' SM utilisation this poll,
    smoothed into `m` by an EWMA (the controller works on these, not on the 5 s window, whose lag
@@ -223,7 +223,7 @@ def _util_ratio(processes: Iterable[ProcessSample]) -> float:
 
 
 class EnforcementPolicy:
-    """The memory and compute policy of DESIGN 4, as a pure state machine over snapshots."""
+    """The memory and compute policy (docs/design.md §4): a pure state machine over snapshots."""
 
     def __init__(self, config: EnforcementConfig, tuning: ControllerTuning | None = None) -> None:
         self.config = config
