@@ -205,6 +205,9 @@ class ContainerUsage:
     # may run (None when not throttled), and the total time they have spent stopped.
     duty_cycle_ratio: float | None = None
     throttled_seconds_total: float = 0.0
+    # The share of the GPU it may use now (docs/design.md §4): compute_share_ratio, raised under
+    # work-conserving sharing by time others leave idle. None until the enforcer has decided.
+    entitlement_ratio: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

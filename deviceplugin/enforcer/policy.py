@@ -207,6 +207,7 @@ class _ComputeState:
     demand_ratio: float | None = None
     duty: float = 1.0  # 1 = not throttled
     violating: bool = False  # monitor: inside a recorded violation
+    entitlement_ratio: float | None = None  # this tick's; None for a container without a share
 
     @property
     def throttled(self) -> bool:
@@ -240,6 +241,13 @@ class EnforcementPolicy:
         """The container's duty cycle, None when it is not throttled."""
         state = self._compute.get(key)
         return state.duty if state is not None and state.throttled else None
+
+    def entitlement(self, key: ContainerKey) -> float | None:
+        """The share of its GPU the container may use as of the last tick: its nominal share,
+        raised under work-conserving sharing by time that others leave idle. None when not known
+        (no tick yet, or no share)."""
+        state = self._compute.get(key)
+        return state.entitlement_ratio if state is not None else None
 
     def throttled(self) -> frozenset[ContainerKey]:
         return frozenset(k for k, s in self._compute.items() if s.throttled)
@@ -491,6 +499,7 @@ class EnforcementPolicy:
             state = states[key]
             share = c.compute_share_ratio
             entitled = entitlements[key]
+            state.entitlement_ratio = min(entitled, 1.0) if entitled < float("inf") else None
             pids = frozenset(p.pid for p in processes[key])
             if not enforcing:
                 decisions.extend(self._monitor(c, state, entitled, busy=bool(pids)))
