@@ -222,3 +222,19 @@ def test_the_simulator_names_a_bad_pod_argument(bad: str, tmp_path: Path) -> Non
     )  # fmt: skip
     assert result.returncode == 2
     assert "NAMESPACE/NAME:CONTAINER=N" in result.stderr or "named twice" in result.stderr
+
+
+def test_the_demo_tells_its_story_once_and_writes_no_screen_codes_into_a_pipe() -> None:
+    result = run_cli("demo", "--duration", "6")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "\x1b" not in out
+    assert out.count("vgpu demo:") == 1
+    assert out.count("enforcement actions:") == 2  # the view in the story, and at the end
+    kill = out.index("killed the largest GPU process of default/notebook/jupyter")
+    exited = re.search(r"process \d+ of default/notebook/jupyter has exited", out)
+    assert exited is not None
+    assert kill < exited.start(), "the exit was reported before the kill"
+    # Containers are namespace/pod/container everywhere the demo names them.
+    assert "default/llm-finetune/trainer" in out
+    assert not re.search(r"(?<![/\w-])llm-finetune/trainer", out)
