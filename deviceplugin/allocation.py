@@ -113,7 +113,7 @@ def build_container_allocation(
 ) -> ContainerAllocation:
     """What one container gets for `device_ids`. Raises AllocationError naming every bad ID."""
     slices = _validate(device_ids, inventory)
-    slices.sort(key=lambda s: (s.gpu_index, s.id))
+    slices.sort(key=lambda s: (s.gpu_index, s.id.gpu_uuid, s.id.n))  # SliceId's order, faster
 
     by_gpu: dict[str, list[Slice]] = {}
     for s in slices:

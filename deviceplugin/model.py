@@ -114,10 +114,12 @@ class Slice:
     memory_limit_bytes: int
     compute_share_ratio: float
     healthy: bool
+    # `<GPU-UUID>::<n>`, made once: Allocate and GetPreferredAllocation read it for every slice
+    # of the node on every call.
+    device_id: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def device_id(self) -> str:
-        return str(self.id)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device_id", str(self.id))
 
 
 @dataclass(frozen=True, slots=True)
