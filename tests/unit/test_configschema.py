@@ -216,6 +216,8 @@ def example_configs() -> list[tuple[str, object]]:
                 examples.append((f"{doc.relative_to(ROOT)} block {i}", block))
     for path in sorted(DEPLOY.rglob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
+            if isinstance(doc, dict) and "version" in doc and "kind" not in doc:
+                examples.append((str(path.relative_to(ROOT)), path.read_text()))  # a config file
             if isinstance(doc, dict) and doc.get("kind") == "ConfigMap":
                 for key, text in doc.get("data", {}).items():
                     if key.endswith((".yaml", ".yml")):
