@@ -1,7 +1,8 @@
 """Command line: argument parsing only. Each subcommand resolves its settings here, at the edge.
 
 Exit codes: 0 success; 1 the daemon failed at run time; 2 bad configuration or usage
-(including a backend that cannot start, such as a missing state file or GPU driver).
+(including a backend that cannot start, such as a missing state file or GPU driver); 3 from
+`check-config --backend`: the config is valid but the backend cannot start.
 """
 
 from __future__ import annotations
@@ -31,9 +32,27 @@ EXIT_OK = 0
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DEFAULT_METRICS_ADDRESS = ":9410"
+DEFAULT_STATE_DIR = "/var/lib/vgpu"
+
 
 def _env(name: str, default: str) -> str:
     return os.environ.get(name) or default
+
+
+def _one_of(options: Sequence[str]) -> Callable[[str], str]:
+    """An argparse type: one of `options`, in any case. argparse applies it to a default read
+    from the environment too, so a bad VGPU_LOG_LEVEL is reported like a bad flag."""
+
+    def parse(value: str) -> str:
+        if value.lower() not in options:
+            raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(options)}")
+        return value.lower()
+
+    parse.__name__ = "value"
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,39 +63,58 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="run the daemon (one per GPU node)")
+    serve = sub.add_parser(
+        "serve",
+        help="run the daemon (one per GPU node)",
+        description="Run the daemon. Each flag can also be set by the environment variable "
+        "named in its help; a flag wins over the environment.",
+    )
     serve.add_argument(
         "--config",
+        metavar="PATH",
         default=_env("VGPU_CONFIG", ""),
-        help="config file (YAML or JSON) [VGPU_CONFIG]; default: built-in defaults",
+        help="config file, YAML or JSON (default: the built-in defaults; env VGPU_CONFIG)",
     )
     serve.add_argument(
         "--backend",
+        metavar="nvml|fake:PATH",
         default=_env("VGPU_BACKEND", "nvml"),
-        help="nvml, or fake:PATH for fake GPUs from a JSON state file [VGPU_BACKEND]",
+        help="nvml for the node's GPUs, or fake:PATH for fake GPUs from a JSON state file "
+        "(default: nvml; env VGPU_BACKEND)",
     )
     serve.add_argument(
         "--device-plugin-dir",
+        metavar="DIR",
         default=_env("VGPU_DEVICE_PLUGIN_DIR", DEFAULT_DEVICE_PLUGIN_DIR),
-        help="the kubelet's device-plugin directory [VGPU_DEVICE_PLUGIN_DIR]",
+        help="the kubelet's device-plugin directory "
+        f"(default: {DEFAULT_DEVICE_PLUGIN_DIR}; env VGPU_DEVICE_PLUGIN_DIR)",
     )
     serve.add_argument(
         "--pod-resources-socket",
+        metavar="PATH",
         default=_env("VGPU_POD_RESOURCES_SOCKET", DEFAULT_POD_RESOURCES_SOCKET),
-        help="the kubelet's pod-resources socket [VGPU_POD_RESOURCES_SOCKET]",
+        help="the kubelet's pod-resources socket "
+        f"(default: {DEFAULT_POD_RESOURCES_SOCKET}; env VGPU_POD_RESOURCES_SOCKET)",
     )
     serve.add_argument(
         "--metrics-address",
-        default=_env("VGPU_METRICS_ADDRESS", ":9410"),
-        help="host:port of the metrics endpoint [VGPU_METRICS_ADDRESS]",
+        metavar="HOST:PORT",
+        default=_env("VGPU_METRICS_ADDRESS", DEFAULT_METRICS_ADDRESS),
+        help="where /metrics, /status and /healthz are served; an empty host means every "
+        f"address (default: {DEFAULT_METRICS_ADDRESS}; env VGPU_METRICS_ADDRESS)",
     )
     serve.add_argument(
         "--state-dir",
-        default=_env("VGPU_STATE_DIR", "/var/lib/vgpu"),
-        help="directory for what must survive a daemon restart [VGPU_STATE_DIR]",
+        metavar="DIR",
+        default=_env("VGPU_STATE_DIR", DEFAULT_STATE_DIR),
+        help="directory for what must survive a daemon restart, such as the processes held "
+        f"stopped (default: {DEFAULT_STATE_DIR}; env VGPU_STATE_DIR)",
     )
     serve.add_argument(
-        "--node-name", default=_env("NODE_NAME", ""), help="this node's name [NODE_NAME]"
+        "--node-name",
+        metavar="NAME",
+        default=_env("NODE_NAME", ""),
+        help="this node's name, the node label of every metric (default: empty; env NODE_NAME)",
     )
     _add_log_flags(serve)
 
@@ -86,8 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("path", help="config file to check")
     check.add_argument(
         "--backend",
+        metavar="nvml|fake:PATH",
         default=os.environ.get("VGPU_BACKEND", ""),
-        help="plan for the GPUs of this backend (nvml or fake:PATH); default: the demo's GPUs",
+        help="plan for the GPUs of this backend; exit 3 if it cannot start while the config "
+        "is valid (default: the demo's GPUs; env VGPU_BACKEND)",
+    )
+
+    sub.add_parser(
+        "config-schema",
+        help="print the JSON Schema of the config file (for editors and check-jsonschema)",
     )
 
     demo = sub.add_parser(
@@ -127,9 +172,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_log_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-format", choices=["text", "json"], default="text")
     parser.add_argument(
-        "--log-level", choices=["debug", "info", "warning", "error"], default="info"
+        "--log-format",
+        metavar="|".join(LOG_FORMATS),
+        type=_one_of(LOG_FORMATS),
+        default=_env("VGPU_LOG_FORMAT", "text"),
+        help="text: key=value lines; json: one JSON object a line (default: text; "
+        "env VGPU_LOG_FORMAT)",
+    )
+    parser.add_argument(
+        "--log-level",
+        metavar="|".join(LOG_LEVELS),
+        type=_one_of(LOG_LEVELS),
+        default=_env("VGPU_LOG_LEVEL", "info"),
+        help="the least severe lines written; every enforcement action is a warning "
+        "(default: info; env VGPU_LOG_LEVEL)",
     )
 
 
@@ -205,6 +262,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(duration_s=args.duration, out=sys.stdout)
 
 
+def cmd_config_schema(args: argparse.Namespace) -> int:
+    import json  # noqa: PLC0415
+
+    from deviceplugin.configschema import config_schema  # noqa: PLC0415
+
+    print(json.dumps(config_schema(), indent=2, ensure_ascii=False))
+    return EXIT_OK
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from deviceplugin.statuscli import run_status  # noqa: PLC0415
 
@@ -216,6 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = {
         "serve": cmd_serve,
         "check-config": cmd_check_config,
+        "config-schema": cmd_config_schema,
         "demo": cmd_demo,
         "status": cmd_status,
     }

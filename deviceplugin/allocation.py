@@ -1,4 +1,4 @@
-"""The Allocate response for one container (DESIGN 3), as plain data.
+"""The Allocate response for one container (docs/design.md §3), as plain data.
 
 Pure: device IDs + inventory + config -> ContainerAllocation. The gRPC servicer turns the result
 into protobuf and maps AllocationError to INVALID_ARGUMENT.
@@ -218,7 +218,7 @@ def build_container_allocation(
 ) -> ContainerAllocation:
     """What one container gets for `device_ids`. Raises AllocationError naming every bad ID."""
     slices = _validate(device_ids, inventory)
-    slices.sort(key=lambda s: (s.gpu_index, s.id))
+    slices.sort(key=lambda s: (s.gpu_index, s.id.gpu_uuid, s.id.n))  # SliceId's order, faster
 
     by_gpu: dict[str, list[Slice]] = {}
     for s in slices:

@@ -19,6 +19,9 @@ from deviceplugin.slicing import format_bytes, plan_gpus
 
 EXIT_OK = 0
 EXIT_INVALID = 2
+# The config is valid, but the GPUs of --backend cannot be read (no driver, no state file): not a
+# config error, so not 2.
+EXIT_BACKEND = 3
 
 
 def _gpus_of(backend_spec: str) -> list[GpuInfo]:
@@ -122,7 +125,12 @@ def check_config(path: Path, backend_spec: str, out: TextIO, err: TextIO) -> int
             gpus = _gpus_of(backend_spec)
         except BackendError as e:
             print(f"cannot read GPUs from {backend_spec}: {e}", file=err)
-            return EXIT_INVALID
+            print(
+                f"{path}: the config itself is valid; only the slicing plan for {backend_spec} "
+                "could not be made (leave out --backend to plan for the demo's GPUs)",
+                file=err,
+            )
+            return EXIT_BACKEND
         print(f"\nslicing plan for the GPUs of {backend_spec}:", file=out)
     else:
         from deviceplugin.demo import example_gpus  # noqa: PLC0415

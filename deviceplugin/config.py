@@ -1,4 +1,5 @@
-"""The versioned config file (DESIGN 7): types, defaults, loading and validation, in one place.
+"""The versioned config file (docs/design.md §7): types, defaults, loading and
+validation, in one place.
 
 Loading is implemented below the types. Every error names the key path and the bad value.
 """

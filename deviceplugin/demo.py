@@ -10,6 +10,10 @@ usage, as `vgpu-device-plugin status` and the metrics endpoint do, while the enf
 the noisy neighbour and kills a container's process that went over its memory limit, and a
 JAX-style container sizes its up-front memory reservation from the hint Allocate gave it. It runs
 until Ctrl-C or --duration, then stops everything it started and removes its directory.
+
+The story is printed once. Then, on a terminal, the status view stays at the bottom and is
+redrawn in place while events (enforcement actions, exits) scroll above it; into a pipe or a file,
+only the events are written as they happen, and the view once more at the end.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -106,10 +110,62 @@ def jax_preallocation(envs: Mapping[str, str], gpu_memory_bytes: int) -> int:
 
 # A second into the live view the notebook grows past its 10Gi: killed after the grace period.
 GROW_AFTER_S = 1.0
-GROWN = (("notebook", "jupyter"), 14 * GiB)
+GROWN = (("default", "notebook", "jupyter"), 14 * GiB)
 # A process on the node that no pod asked slices for: counted as unattributed, never touched.
 HOST_PROCESS = (2 * GiB, 30.0)
 STATUS_EVERY_S = 5.0
+REDRAW_EVERY_S = 1.0  # on a terminal, where the view is redrawn in place
+# How long an exit waits for the enforcer's account of a kill, so that the kill comes first.
+KILL_REPORT_WAIT_S = 2.0
+# Terminal control: to the start of the line N lines up, and clear to the end of the screen.
+CURSOR_UP = "\x1b[{}F"
+CLEAR_BELOW = "\x1b[J"
+
+
+class LiveView:
+    """The live part of the demo's output. On a terminal the status view sits at the bottom and
+    is redrawn in place, with event lines scrolling above it; elsewhere events are written as
+    they come and the view only when asked to (`final`), so a log holds no screen codes."""
+
+    def __init__(self, out: TextIO, *, terminal: bool) -> None:
+        self._out = out
+        self.terminal = terminal
+        self._view: list[str] = []
+        self._drawn = 0  # lines of the view now on the screen
+
+    def _erase(self) -> None:
+        if self._drawn:
+            self._out.write(CURSOR_UP.format(self._drawn) + CLEAR_BELOW)
+            self._drawn = 0
+
+    def event(self, *lines: str) -> None:
+        """Lines that stay: above the view on a terminal."""
+        view = self._view if self.terminal else []
+        self._erase()
+        for line in lines:
+            print(line, file=self._out)
+        self._draw(view)
+
+    def update(self, view: list[str]) -> None:
+        """A new status view: redrawn in place on a terminal, kept for `final` elsewhere."""
+        self._view = view
+        if self.terminal:
+            self._erase()
+            self._draw(view)
+
+    def final(self) -> None:
+        """Leave the last view on the screen (on a terminal it already is)."""
+        if not self.terminal and self._view:
+            for line in self._view:
+                print(line, file=self._out)
+            self._out.flush()
+        self._drawn = 0
+
+    def _draw(self, view: list[str]) -> None:
+        for line in view:
+            print(line, file=self._out)
+        self._drawn = len(view)
+        self._out.flush()
 
 
 class DemoWorkloads:
@@ -130,7 +186,7 @@ class DemoWorkloads:
                 if not c.device_ids:
                     continue
                 uuid = c.device_ids[0].rsplit("::", 1)[0]
-                owner = f"{pod.name}/{c.name}"
+                owner = f"{pod.namespace}/{pod.name}/{c.name}"
                 work = DEMO_WORKLOADS.get((pod.name, c.name))
                 demand = SIZED_BY_HINTS.get((pod.name, c.name))
                 if demand is not None:
@@ -175,10 +231,13 @@ class DemoWorkloads:
                 return pid
         raise KeyError(owner)
 
-    def reap(self) -> list[tuple[int, str]]:
-        """Forget processes that have exited (the driver stops listing them); (pid, owner)."""
-        gone = [(pid, w[3]) for pid, w in self._work.items() if w[0].poll() is not None]
-        for pid, _ in gone:
+    def reap(self) -> list[tuple[int, str, int]]:
+        """Forget processes that have exited (the driver stops listing them); (pid, owner,
+        return code: -9 when killed)."""
+        gone = [
+            (pid, w[3], code) for pid, w in self._work.items() if (code := w[0].poll()) is not None
+        ]
+        for pid, _, _ in gone:
             del self._work[pid]
         if gone:
             self.write()
@@ -276,7 +335,9 @@ def render_slices(inventory: Inventory, held_by: dict[str, str]) -> list[str]:
 
 
 def render_pods(pods: Sequence[PodGrant], inventory: Inventory) -> list[str]:
-    lines = [f"{'POD/CONTAINER':<30} {'SLICES':>6}  {'GPU':<5} {'MEMORY':>8} {'COMPUTE':>8}"]
+    lines = [
+        f"{'NAMESPACE/POD/CONTAINER':<38} {'SLICES':>6}  {'GPU':<5} {'MEMORY':>8} {'COMPUTE':>8}"
+    ]
     for pod in pods:
         for c in pod.containers:
             slices = [inventory.by_id[d] for d in c.device_ids if d in inventory.by_id]
@@ -284,7 +345,7 @@ def render_pods(pods: Sequence[PodGrant], inventory: Inventory) -> list[str]:
             memory = sum(s.memory_limit_bytes for s in slices)
             compute = f"{sum(s.compute_share_ratio for s in slices) * 100:.4g}%"
             lines.append(
-                f"{pod.name + '/' + c.name:<30} {len(c.device_ids):>6}  "
+                f"{pod.namespace + '/' + pod.name + '/' + c.name:<38} {len(c.device_ids):>6}  "
                 f"{','.join(map(str, gpus)):<5} {format_bytes(memory):>8} {compute:>8}"
             )
     return lines
@@ -345,12 +406,15 @@ async def _demo(duration_s: float | None, out: TextIO, workdir: Path) -> int:
             await sim.admit_pod(name, containers, resource_name=resource)
         pods = sim.pods()
         held_by = {
-            d: f"{p.name}/{c.name}" for p in pods for c in p.containers for d in c.device_ids
+            d: f"{p.namespace}/{p.name}/{c.name}"
+            for p in pods
+            for c in p.containers
+            for d in c.device_ids
         }
         say(*render_slices(inventory, held_by), "")
         say(*render_pods(pods, inventory), "")
         first = pods[0].containers[0]
-        say(f"what {pods[0].name}/{first.name} got from Allocate:")
+        say(f"what {pods[0].namespace}/{pods[0].name}/{first.name} got from Allocate:")
         say(*(f"  {k}={v}" for k, v in sorted(first.envs.items())), "")
 
         say("restarting the kubelet (it deletes every plugin socket and re-creates kubelet.sock)…")
@@ -385,7 +449,13 @@ async def _demo(duration_s: float | None, out: TextIO, workdir: Path) -> int:
             if duration_s is None
             else f"running for {duration_s:g} s; Ctrl-C stops earlier"
         )
-        await _live(daemon, workloads, stop, duration_s, say, seen=daemon.poller.snapshot)
+        terminal = out.isatty()
+        view = LiveView(out, terminal=terminal)
+        await _live(daemon, workloads, stop, duration_s, view, seen=daemon.poller.snapshot)
+        if not terminal:
+            view.event("the status view at the end:")
+            view.update(_status_lines(daemon))
+        view.final()
         say("stopping")
         return 0
     finally:
@@ -401,41 +471,73 @@ async def _live(
     workloads: DemoWorkloads,
     stop: asyncio.Event,
     duration_s: float | None,
-    say: Callable[..., None],
+    view: LiveView,
     *,
     seen: NodeSnapshot | None,
 ) -> None:
     """Until Ctrl-C or the duration: grow the notebook past its limit once, reap exited
-    workloads, print each enforcement action as it happens and the status view every 5 s."""
+    workloads, report each enforcement action as it happens (a killed process's exit only after
+    its kill), and keep the status view current."""
     loop = asyncio.get_running_loop()
     started = loop.time()
     deadline = None if duration_s is None else started + duration_s
     last_view = started
     grown = False
+    reported_kills: set[str] = set()  # owners whose kill the enforcer has reported
+    exits: list[tuple[float, int, str, int]] = []  # (seen at, pid, owner, return code)
+    view.update(_status_lines(daemon, width=_width(view)) if view.terminal else [])
     while not stop.is_set() and (deadline is None or loop.time() < deadline):
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.2)
         now = loop.time()
         if not grown and now - started >= GROW_AFTER_S:
             grown = True
-            (pod, container), memory = GROWN
-            pid = workloads.grow(f"{pod}/{container}", memory)
-            say(
-                f"{pod}/{container} (pid {pid}) now uses {format_bytes(memory)} of GPU memory, "
-                "over its limit",
+            (namespace, pod, container), memory = GROWN
+            pid = workloads.grow(f"{namespace}/{pod}/{container}", memory)
+            view.event(
+                f"{namespace}/{pod}/{container} (pid {pid}) now uses {format_bytes(memory)} of "
+                "GPU memory, over its limit",
                 "",
             )
-        for pid, owner in workloads.reap():
-            say(f"process {pid} of {owner} has exited", "")
+        exits.extend((now, pid, owner, code) for pid, owner, code in workloads.reap())
         snapshot = daemon.poller.snapshot
         if snapshot is not None:
             lines = describe_actions(seen, snapshot)
             if lines:
-                say(*lines, "")
+                view.event(*lines, "")
+                reported_kills.update(_killed_owners(seen, snapshot))
             seen = snapshot
-        if now - last_view >= STATUS_EVERY_S:
+        for exit_ in list(exits):
+            at, pid, owner, code = exit_
+            killed = code == -signal.SIGKILL
+            if not killed or owner in reported_kills or now - at >= KILL_REPORT_WAIT_S:
+                exits.remove(exit_)
+                reported_kills.discard(owner)
+                how = " (SIGKILL)" if killed else ""
+                view.event(f"process {pid} of {owner} has exited{how}", "")
+        every = REDRAW_EVERY_S if view.terminal else STATUS_EVERY_S
+        if view.terminal and now - last_view >= every:
             last_view = now
-            say(*_status_lines(daemon), "")
+            view.update(_status_lines(daemon, width=_width(view)))
+
+
+def _width(view: LiveView) -> int:
+    """The view's width: the terminal's, less one column so that no line wraps."""
+    return max(shutil.get_terminal_size((81, 24)).columns - 1, 40) if view.terminal else 80
+
+
+def _killed_owners(before: NodeSnapshot | None, after: NodeSnapshot) -> set[str]:
+    """namespace/pod/container of each container with a kill counted between two snapshots."""
+    seen = {
+        (e.allocation_id, e.gpu_uuid, e.kind, e.action): e.count
+        for e in (before.enforcement if before else ())
+    }
+    return {
+        f"{e.namespace}/{e.pod}/{e.container}"
+        for e in after.enforcement
+        if e.action == "kill"
+        and e.count > seen.get((e.allocation_id, e.gpu_uuid, e.kind, e.action), 0)
+    }
 
 
 async def _wait_for_usage(daemon: Daemon, timeout_s: float) -> None:
@@ -454,11 +556,11 @@ async def _wait_for_usage(daemon: Daemon, timeout_s: float) -> None:
         await asyncio.sleep(0.1)
 
 
-def _status_lines(daemon: Daemon) -> list[str]:
+def _status_lines(daemon: Daemon, width: int = 80) -> list[str]:
     snapshot = daemon.poller.snapshot
     if snapshot is None:
         return ["(no snapshot yet)"]
-    return render_status(snapshot_to_json(snapshot), width=80)
+    return render_status(snapshot_to_json(snapshot), width=width)
 
 
 def run_demo(duration_s: float | None, out: TextIO) -> int:

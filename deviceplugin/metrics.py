@@ -1,4 +1,5 @@
-"""Prometheus metrics (DESIGN 5, a contract): the daemon's own registry, read on every scrape.
+"""Prometheus metrics (docs/design.md §5, a contract): the daemon's own registry, read on
+every scrape.
 
 A scrape does no work of its own: `SnapshotCollector` turns the latest `NodeSnapshot` (an
 immutable value swapped in by reference after every poll) into fresh metric families. Nothing

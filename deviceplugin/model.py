@@ -15,7 +15,7 @@ MAX_DEVICE_ID_LENGTH = 63  # the kubelet's limit for Device.ID
 
 @dataclass(frozen=True, slots=True, order=True)
 class SliceId:
-    """One slice of a GPU: `<GPU-UUID>::<n>` on the wire (DESIGN 2, a contract)."""
+    """One slice of a GPU: `<GPU-UUID>::<n>` on the wire (docs/design.md §2, a contract)."""
 
     gpu_uuid: str
     n: int
@@ -33,8 +33,8 @@ class SliceId:
 
 
 def allocation_id(slice_ids: Iterable[str]) -> str:
-    """VGPU_ALLOCATION_ID (DESIGN 3, a contract): the first 16 hex digits of the SHA-256 of the
-    container's slice IDs, sorted and joined with commas. Recomputable from pod-resources."""
+    """VGPU_ALLOCATION_ID (docs/design.md §3, a contract): the first 16 hex digits of the SHA-256
+    of the container's slice IDs, sorted and joined with commas. Recomputable from pod-resources."""
     joined = ",".join(sorted(slice_ids))
     return hashlib.sha256(joined.encode()).hexdigest()[:16]
 
@@ -114,10 +114,12 @@ class Slice:
     memory_limit_bytes: int
     compute_share_ratio: float
     healthy: bool
+    # `<GPU-UUID>::<n>`, made once: Allocate and GetPreferredAllocation read it for every slice
+    # of the node on every call.
+    device_id: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def device_id(self) -> str:
-        return str(self.id)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device_id", str(self.id))
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +159,7 @@ class DeviceNodeSpec:
 
 @dataclass(frozen=True, slots=True)
 class ContainerAllocation:
-    """What Allocate hands one container (DESIGN 3), before it becomes protobuf."""
+    """What Allocate hands one container (docs/design.md §3), before it becomes protobuf."""
 
     allocation_id: str
     slice_ids: tuple[str, ...]
@@ -205,6 +207,9 @@ class ContainerUsage:
     # may run (None when not throttled), and the total time they have spent stopped.
     duty_cycle_ratio: float | None = None
     throttled_seconds_total: float = 0.0
+    # The share of the GPU it may use now (docs/design.md §4): compute_share_ratio, raised under
+    # work-conserving sharing by time others leave idle. None until the enforcer has decided.
+    entitlement_ratio: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,11 +1,11 @@
 """Which allocation a GPU process claims and which pod it runs in, read from /proc; whether the
 daemon sees host PIDs.
 
-Allocate gives every container `VGPU_ALLOCATION_ID` (DESIGN 3). The GPU driver lists processes by
-host PID, so the daemon reads `/proc/<pid>/environ` of each GPU process for that one variable, and
-falls back to the nearest ancestor that has it (a process started with a cleared environment still
-belongs to the container that started it). Nothing else from a process environment is kept,
-returned or logged: it may hold secrets.
+Allocate gives every container `VGPU_ALLOCATION_ID` (docs/design.md §3). The GPU driver lists
+processes by host PID, so the daemon reads `/proc/<pid>/environ` of each GPU process for that one
+variable, and falls back to the nearest ancestor that has it (a process started with a cleared
+environment still belongs to the container that started it). Nothing else from a process
+environment is kept, returned or logged: it may hold secrets.
 
 That variable is only a claim: any process can set it, and the ID is predictable. So the daemon
 also reads the pod a process runs in from `/proc/<pid>/cgroup` (`pod_uid_in_cgroup`), which the

@@ -1,4 +1,5 @@
-"""Slicing (DESIGN 2): physical GPUs + config -> slices, and the preferred allocation among them.
+"""Slicing (docs/design.md §2): physical GPUs + config -> slices, and the preferred
+allocation among them.
 
 Pure: no I/O, no clocks, no driver. Everything here takes plain values and returns plain values.
 
@@ -199,11 +200,10 @@ def _unique(ids: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(ids))
 
 
-def _check_request(available: list[str], must_include: list[str], size: int) -> None:
+def _check_request(available_set: set[str], must_include: list[str], size: int) -> None:
     problems: list[str] = []
     if size < 0:
         problems.append(f"allocation size {size} is negative")
-    available_set = set(available)
     missing = [i for i in must_include if i not in available_set]
     if missing:
         problems.extend(f'must-include device ID "{i}" is not available' for i in missing)
@@ -212,9 +212,9 @@ def _check_request(available: list[str], must_include: list[str], size: int) -> 
             f"allocation size {size} is smaller than the {len(must_include)} "
             "must-include device IDs"
         )
-    if size > len(available):
+    if size > len(available_set):
         problems.append(
-            f"allocation size {size} is larger than the {len(available)} available device IDs"
+            f"allocation size {size} is larger than the {len(available_set)} available device IDs"
         )
     if problems:
         raise AllocationError("cannot choose a preferred allocation: " + "; ".join(problems))
@@ -264,20 +264,26 @@ def preferred_allocation(
     exists."""
     available_ids = _unique(available)
     must_ids = _unique(must_include)
-    _check_request(available_ids, must_ids, size)
+    available_set = set(available_ids)
+    _check_request(available_set, must_ids, size)
 
     must_set = set(must_ids)
-    available_set = set(available_ids)
     pools: dict[str, _GpuPool] = {}
+    # One pass over every slice of the node on every call: kept to set lookups and appends.
+    pool = _GpuPool(-1, "", [], 0)
     for s in inventory.slices:
-        pool = pools.get(s.id.gpu_uuid)
-        if pool is None:
-            pool = pools[s.id.gpu_uuid] = _GpuPool(s.gpu_index, s.id.gpu_uuid, [], 0)
-        if s.device_id in must_set:
+        uuid = s.id.gpu_uuid
+        if uuid != pool.uuid:
+            found = pools.get(uuid)
+            if found is None:
+                found = pools[uuid] = _GpuPool(s.gpu_index, uuid, [], 0)
+            pool = found
+        device_id = s.device_id
+        if device_id in must_set:
             pool.chosen.append(s)
             pool.picked += 1
             pool.used += 1
-        elif s.device_id in available_set:
+        elif device_id in available_set:
             pool.free.append(s)
         else:
             pool.used += 1
@@ -289,7 +295,10 @@ def preferred_allocation(
     else:
         _pack(ordered_pools, remaining)
 
-    chosen = sorted((s for p in ordered_pools for s in p.chosen), key=lambda s: (s.gpu_index, s.id))
+    chosen = sorted(
+        (s for p in ordered_pools for s in p.chosen),
+        key=lambda s: (s.gpu_index, s.id.gpu_uuid, s.id.n),  # SliceId's order, without its __lt__
+    )
     result = [s.device_id for s in chosen]
     unknown_must = sorted(i for i in must_ids if i not in inventory.by_id)
     result.extend(unknown_must)

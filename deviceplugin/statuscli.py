@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import time
 import urllib.error
@@ -15,6 +17,8 @@ from deviceplugin.statusview import render_status
 EXIT_OK = 0
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
+# Home the cursor and clear the screen: a --watch frame replaces the last one on a terminal.
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
 
 def _status_url(address: str) -> str:
@@ -50,6 +54,15 @@ def _fetch_status(url: str) -> dict[str, object]:
     return doc
 
 
+def _silence(out: TextIO) -> None:
+    """After the reader went away (`status --watch | head`): point `out` at /dev/null, so that
+    the interpreter's last flush at exit does not fail again on the closed pipe."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, out.fileno())
+        os.close(devnull)
+
+
 def run_status(
     address: str, watch_s: float | None, *, as_json: bool, out: TextIO, err: TextIO
 ) -> int:
@@ -80,6 +93,8 @@ def run_status(
             "running there? point --address at its --metrics-address)"
         )
 
+    # Screen codes only for a terminal; into a pipe or a file each frame follows the last.
+    terminal = out.isatty()
     try:
         try:
             text = frame()
@@ -88,9 +103,15 @@ def run_status(
             return EXIT_RUNTIME
         if watch_s is None:
             print(text, file=out)
+            out.flush()
             return EXIT_OK
+        first = True
         while True:
-            out.write("\x1b[H\x1b[2J" + text + "\n")
+            if terminal:
+                out.write(CLEAR_SCREEN + text + "\n")
+            else:
+                out.write(("" if first else "\n") + text + "\n")
+            first = False
             out.flush()
             time.sleep(watch_s)
             try:
@@ -98,4 +119,7 @@ def run_status(
             except (OSError, _NoStatusError) as e:  # keep watching: the daemon may be restarting
                 text = f"{problem(e)}; retrying every {watch_s:g}s"
     except KeyboardInterrupt:
+        return EXIT_OK
+    except BrokenPipeError:  # the reader is gone (`| head`): nothing more to show
+        _silence(out)
         return EXIT_OK

@@ -114,6 +114,7 @@ def _container(c: ContainerUsage) -> dict[str, Any]:
         "memory_limit_bytes": c.memory_limit_bytes,
         "sm_utilization_ratio": _num(c.sm_utilization_ratio),
         "compute_share_ratio": _num(c.compute_share_ratio),
+        "entitlement_ratio": _num(c.entitlement_ratio),
         "throttled": c.duty_cycle_ratio is not None,
         "duty_cycle_ratio": _num(c.duty_cycle_ratio),
         "throttled_seconds_total": _num(c.throttled_seconds_total),
@@ -315,6 +316,12 @@ def _gpu_lines(
 
     for c in containers:
         tail_parts = [f"{_int(c.get('slices'))} slice{'s' if _int(c.get('slices')) != 1 else ''}"]
+        share = _float(c.get("compute_share_ratio"))
+        entitled = _float(c.get("entitlement_ratio"))
+        if entitled is not None:
+            # Under work-conserving sharing a container may use more than its share; without
+            # this, one held at 33% of a 25% share looks like enforcement failing.
+            tail_parts.append(f"share {_percent(share)}, may use {_percent(entitled)}")
         if c.get("throttled"):
             duty = _float(c.get("duty_cycle_ratio"))
             tail_parts.append(f"THROTTLED duty={_percent(duty)}")

@@ -28,8 +28,8 @@ processes killed or throttled for it) by copying its ID, nor escape its own cont
 clearing, corrupting or replacing the variable. A misattributed process never counts for the
 allocation it claimed; it is counted apart per GPU.
 
-Utilisation ratios are time-weighted averages over a sliding window (DESIGN 5), so that a scrape
-does not beat against a duty cycle.
+Utilisation ratios are time-weighted averages over a sliding window (docs/design.md §5), so that a
+scrape does not beat against a duty cycle.
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ mounts as the DaemonSet mounts the node's. Then, in order:
    pod does on a node whose kubelet is up);
 2. waits for the registration and the full device list;
 3. admits a one-container pod and a two-container pod, and checks what Allocate gave each
-   container against the contract (DESIGN 3);
+   container against the contract (docs/design.md §3);
 4. with --exec, checks that the container's security context lets the daemon do what enforcement
    needs on the node: read /proc/<pid>/environ (where VGPU_ALLOCATION_ID is found) of a host
    process running as another user and of one running as root with every capability, and
-   SIGSTOP/SIGCONT both (DESIGN 4);
+   SIGSTOP/SIGCONT both (docs/design.md §4);
 5. with --exec, checks GET /healthz (200, as the DaemonSet's probes expect) and GET /metrics on
    the metrics port, from inside the container; `--metrics optional` only reports when nothing
    listens there;
@@ -164,7 +164,7 @@ def run_command(command: str, timeout_s: float) -> None:
 
 
 def check_grant(grant: ContainerGrant, count: int) -> None:
-    """The Allocate answer for one container holding `count` slices, against DESIGN 3."""
+    """The Allocate answer for one container holding `count` slices, against docs/design.md §3."""
     who = f"container {grant.name}"
     check(len(grant.device_ids) == count, f"{who} got {count} slice(s)")
     by_uuid = {gpu.uuid: gpu for gpu in GPUS}

@@ -122,7 +122,7 @@ def write_stopped_record(path: Path, entries: Iterable[tuple[int, float]]) -> No
 
 
 class Enforcer:
-    """Memory and compute enforcement for one node (DESIGN 4)."""
+    """Memory and compute enforcement for one node (docs/design.md §4)."""
 
     def __init__(
         self,
@@ -485,6 +485,7 @@ class Enforcer:
                 c,
                 duty_cycle_ratio=self._cycler.duty((c.allocation_id, c.gpu_uuid)),
                 throttled_seconds_total=self._cycler.stopped_seconds((c.allocation_id, c.gpu_uuid)),
+                entitlement_ratio=self.policy.entitlement((c.allocation_id, c.gpu_uuid)),
             )
             for c in snapshot.containers
         )

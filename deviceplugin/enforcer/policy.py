@@ -12,12 +12,12 @@ since the reading they hold was taken (`taken_at_s`, which a stale snapshot keep
 stops is noticed from the last successful poll, not from the first failure reported (a hung poll is
 reported only at its timeout).
 
-Memory (DESIGN 4). A container's memory on a GPU above its limit for `grace_period_s` is a
+Memory (docs/design.md §4). A container's memory on a GPU above its limit for `grace_period_s` is a
 violation. `kill`: the largest of its processes on that GPU is killed, then nothing more until that
 process has left the GPU's process list (or `kill_timeout_s` passed, after which its memory counts
 as freed), and the container is checked again. `monitor`: one record per violation.
 
-Compute (DESIGN 4). Per GPU and tick:
+Compute (docs/design.md §4). Per GPU and tick:
 
 1. Each container's utilisation `u` is the sum of its processes' SM utilisation this poll,
    smoothed into `m` by an EWMA (the controller works on these, not on the 5 s window, whose lag
@@ -207,6 +207,7 @@ class _ComputeState:
     demand_ratio: float | None = None
     duty: float = 1.0  # 1 = not throttled
     violating: bool = False  # monitor: inside a recorded violation
+    entitlement_ratio: float | None = None  # this tick's; None for a container without a share
 
     @property
     def throttled(self) -> bool:
@@ -223,7 +224,7 @@ def _util_ratio(processes: Iterable[ProcessSample]) -> float:
 
 
 class EnforcementPolicy:
-    """The memory and compute policy of DESIGN 4, as a pure state machine over snapshots."""
+    """The memory and compute policy (docs/design.md §4): a pure state machine over snapshots."""
 
     def __init__(self, config: EnforcementConfig, tuning: ControllerTuning | None = None) -> None:
         self.config = config
@@ -240,6 +241,13 @@ class EnforcementPolicy:
         """The container's duty cycle, None when it is not throttled."""
         state = self._compute.get(key)
         return state.duty if state is not None and state.throttled else None
+
+    def entitlement(self, key: ContainerKey) -> float | None:
+        """The share of its GPU the container may use as of the last tick: its nominal share,
+        raised under work-conserving sharing by time that others leave idle. None when not known
+        (no tick yet, or no share)."""
+        state = self._compute.get(key)
+        return state.entitlement_ratio if state is not None else None
 
     def throttled(self) -> frozenset[ContainerKey]:
         return frozenset(k for k, s in self._compute.items() if s.throttled)
@@ -491,6 +499,7 @@ class EnforcementPolicy:
             state = states[key]
             share = c.compute_share_ratio
             entitled = entitlements[key]
+            state.entitlement_ratio = min(entitled, 1.0) if entitled < float("inf") else None
             pids = frozenset(p.pid for p in processes[key])
             if not enforcing:
                 decisions.extend(self._monitor(c, state, entitled, busy=bool(pids)))

@@ -1,4 +1,4 @@
-"""The fake GPU backend: GPUs described by a JSON state file (DESIGN 8), processes that are real.
+"""The fake GPU backend: GPUs from a JSON state file (docs/design.md §8), processes that are real.
 
 Part of the product: `--backend fake:PATH`, the demo, CI and users' dry runs all run on it. The file
 lists GPUs and the processes using them; the processes are real processes on this machine, so that
@@ -92,7 +92,8 @@ class FakeState:
 
     def to_json(self) -> dict[str, Any]:
         """The state as JSON data; `parse_state(state.to_json()) == state`. The optional keys beyond
-        DESIGN 8 (pci_bus_id, mig_enabled, health_reason) are written only when they are set."""
+        docs/design.md §8 (pci_bus_id, mig_enabled, health_reason) are written only when
+        they are set."""
         gpus: list[dict[str, Any]] = []
         for gpu in self.gpus:
             entry: dict[str, Any] = {
@@ -331,8 +332,8 @@ def _check_unique(
 
 
 def parse_state(data: object) -> FakeState:
-    """Validate parsed JSON data as a state file (DESIGN 8). Raises StateFileError listing every
-    problem, each naming its JSON path, the bad value and what is expected."""
+    """Validate parsed JSON data as a state file (docs/design.md §8). Raises StateFileError listing
+    every problem, each naming its JSON path, the bad value and what is expected."""
     problems = _Problems()
     gpus: list[tuple[int, FakeGpu]] = []
     if not isinstance(data, Mapping):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import signal
 import socket
 import subprocess
@@ -270,26 +271,73 @@ def test_status_command_bad_address() -> None:
     assert "'nonsense'" in result.stderr
 
 
-def test_status_command_watch_refreshes_until_ctrl_c(server: HttpServer) -> None:
-    env = {**os.environ, "COLUMNS": "100"}
-    proc = subprocess.Popen(
+def _watch(server: HttpServer, stdout: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
         [*CLI, "status", "--address", f"127.0.0.1:{server.port}", "--watch", "0.1"],
-        stdout=subprocess.PIPE,
+        stdout=stdout,
         stderr=subprocess.PIPE,
-        env=env,
+        env={**os.environ, "COLUMNS": "100"},
     )
-    assert proc.stdout is not None
+
+
+def _read_until(fd: int, needle: bytes, count: int) -> bytes:
     seen = b""
     deadline = time.monotonic() + 30
-    while seen.count(b"\x1b[H\x1b[2J") < 3 and time.monotonic() < deadline:
-        chunk = os.read(proc.stdout.fileno(), 65536)
+    while seen.count(needle) < count and time.monotonic() < deadline:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # a pty whose other end closed
+            break
         if not chunk:
             break
         seen += chunk
+    return seen
+
+
+def test_status_command_watch_refreshes_until_ctrl_c(server: HttpServer) -> None:
+    """Into a pipe: one frame after another, no screen codes."""
+    proc = _watch(server, subprocess.PIPE)
+    assert proc.stdout is not None
+    header = f"node {NODE}".encode()
+    seen = _read_until(proc.stdout.fileno(), header, 3)
     proc.send_signal(signal.SIGINT)
     rest, err = proc.communicate(timeout=10)
-    assert seen.count(b"\x1b[H\x1b[2J") >= 3, err
+    assert seen.count(header) >= 3, err
     assert proc.returncode == 0, err
-    frame = (seen + rest).split(b"\x1b[H\x1b[2J")[1].decode()
+    assert b"\x1b" not in seen + rest
+    frame = (seen + rest).decode().split("\n\n" + f"node {NODE}")[0]
     assert frame.startswith(f"node {NODE}")
     assert max(len(line) for line in frame.splitlines()) <= 100
+
+
+def test_status_command_watch_redraws_in_place_on_a_terminal(server: HttpServer) -> None:
+    primary, secondary = pty.openpty()
+    proc = _watch(server, secondary)
+    os.close(secondary)
+    try:
+        seen = _read_until(primary, b"\x1b[H\x1b[2J", 3)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=10)
+        os.close(primary)
+    assert seen.count(b"\x1b[H\x1b[2J") >= 3, err
+    assert proc.returncode == 0, err
+    frame = seen.split(b"\x1b[H\x1b[2J")[1].decode()
+    assert frame.startswith(f"node {NODE}")
+
+
+def test_status_command_watch_exits_cleanly_when_the_reader_goes(server: HttpServer) -> None:
+    """`vgpu-device-plugin status --watch | head`: no traceback when head has had enough."""
+    proc = _watch(server, subprocess.PIPE)
+    assert proc.stdout is not None
+    _read_until(proc.stdout.fileno(), f"node {NODE}".encode(), 1)
+    proc.stdout.close()
+    try:
+        proc.wait(timeout=30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    assert "BrokenPipe" not in err

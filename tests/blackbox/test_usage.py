@@ -25,7 +25,7 @@ from tests.blackbox.daemon_harness import (
     with_processes,
 )
 
-DESIGN_METRICS = {
+CONTRACT_METRICS = {
     "vgpu_gpu_info",
     "vgpu_gpu_healthy",
     "vgpu_gpu_memory_total_bytes",
@@ -142,7 +142,7 @@ async def test_container_usage_reaches_metrics_under_its_pod(
         exposed = {f.name for f in families} | {
             f.name + "_total" for f in families if f.type == "counter"
         }
-        assert exposed >= DESIGN_METRICS, DESIGN_METRICS - exposed
+        assert exposed >= CONTRACT_METRICS, CONTRACT_METRICS - exposed
         status, body = get(daemon, "/healthz")
         assert status == 200, body
 

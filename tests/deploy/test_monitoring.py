@@ -24,7 +24,8 @@ from tests.deploy.support import (
 )
 from tests.unit.test_metrics import sample_snapshot
 
-# DESIGN 5 and the issue that made the dashboard: the series the dashboard and alerts rely on.
+# docs/design.md §5 and the issue that made the dashboard: the series the dashboard and alerts
+# rely on.
 CONTRACT = {
     "vgpu_gpu_info",
     "vgpu_gpu_healthy",

@@ -1,4 +1,5 @@
-"""Unit tables for deviceplugin.allocation: the Allocate response of one container (DESIGN 3)."""
+"""Unit tables for deviceplugin.allocation: one container's Allocate response
+(docs/design.md §3)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The config file (DESIGN 7): defaults, the vgpu format, NVIDIA's format, and the messages a user
-sees when a file is wrong."""
+"""The config file (docs/design.md §7): defaults, the vgpu format, NVIDIA's format, and the
+messages a user sees when a file is wrong."""
 
 from __future__ import annotations
 

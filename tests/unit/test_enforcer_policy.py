@@ -664,3 +664,21 @@ def test_water_fill_level(
     keyed_shares = {(k, GPU): v for k, v in shares.items()}
     keyed_demands = {(k, GPU): v for k, v in demands.items()}
     assert water_fill_level(keyed_shares, keyed_demands) == pytest.approx(level)
+
+
+def test_the_entitlement_is_what_a_container_may_use_now() -> None:
+    """What the status view shows next to the nominal share: alone, a work-conserving container
+    may use the whole GPU; with a hungry neighbour, its share; held to its share otherwise."""
+    policy = EnforcementPolicy(config())
+    plant = TimeSlicedGpu({"a": [100]}, {"a": 0.25, "b": 0.75})
+    assert policy.entitlement(("a", GPU)) is None  # nothing decided yet
+    drive(policy, plant, 6)
+    assert policy.entitlement(("a", GPU)) == pytest.approx(1.0)
+    plant.demands["b"] = [100]
+    drive(policy, plant, 20)
+    assert policy.entitlement(("a", GPU)) == pytest.approx(0.25)
+    assert policy.entitlement(("b", GPU)) == pytest.approx(0.75)
+
+    held = EnforcementPolicy(config(work_conserving=False))
+    drive(held, TimeSlicedGpu({"a": [100]}, {"a": 0.25}), 6)
+    assert held.entitlement(("a", GPU)) == pytest.approx(0.25)

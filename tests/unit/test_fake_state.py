@@ -1,4 +1,5 @@
-"""The fake backend's state file (DESIGN 8) and its time-slicing model, on a fake /proc tree."""
+"""The fake backend's state file (docs/design.md §8) and its time-slicing model, on a fake
+/proc tree."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ from deviceplugin.gpu.fake import (
 )
 from deviceplugin.model import GpuInfo
 
-# The example of DESIGN 8, verbatim.
-DESIGN_EXAMPLE: dict[str, Any] = {
+# The example of docs/design.md §8, verbatim.
+CONTRACT_EXAMPLE: dict[str, Any] = {
     "gpus": [
         {
             "uuid": "GPU-0a1b",
@@ -67,7 +68,7 @@ def two_gpus() -> dict[str, Any]:
 
 
 def test_design_example_parses_with_every_field() -> None:
-    state = parse_state(DESIGN_EXAMPLE)
+    state = parse_state(CONTRACT_EXAMPLE)
     assert state == FakeState(
         gpus=(
             FakeGpu(
@@ -143,7 +144,7 @@ def test_to_json_round_trips() -> None:
 
 
 def test_to_json_of_the_design_example_is_the_example() -> None:
-    assert parse_state(DESIGN_EXAMPLE).to_json() == DESIGN_EXAMPLE
+    assert parse_state(CONTRACT_EXAMPLE).to_json() == CONTRACT_EXAMPLE
 
 
 # -- invalid files: every problem names the JSON path, the bad value and what is expected ------
@@ -339,8 +340,8 @@ def test_write_then_read_gives_the_same_state_and_leaves_no_temporary_file(tmp_p
     state = parse_state(two_gpus())
     write_state_file(path, state)
     assert read_state_file(path) == state
-    write_state_file(path, DESIGN_EXAMPLE)
-    assert read_state_file(path) == parse_state(DESIGN_EXAMPLE)
+    write_state_file(path, CONTRACT_EXAMPLE)
+    assert read_state_file(path) == parse_state(CONTRACT_EXAMPLE)
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
 
 

@@ -1,4 +1,5 @@
-"""The exporter's metrics (DESIGN 5, a contract) from hand-built snapshots, on a private registry.
+"""The exporter's metrics (docs/design.md §5, a contract) from hand-built snapshots, on a
+private registry.
 
 `sample_snapshot` is shared with the status-view and HTTP tests.
 """
@@ -187,7 +188,7 @@ NODE_ONLY = {"node"}
 
 # Every series the exporter writes, by exposed sample name, with exactly its label names.
 EXPECTED_LABELS: dict[str, set[str]] = {
-    # DESIGN 5
+    # docs/design.md §5
     "vgpu_gpu_info": GPU | {"model", "minor", "numa_node", "pci_bus_id"},
     "vgpu_gpu_healthy": GPU,
     "vgpu_gpu_memory_total_bytes": GPU,

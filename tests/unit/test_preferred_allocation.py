@@ -1,5 +1,5 @@
-"""GetPreferredAllocation (DESIGN 3): property tests over random inventories, worked examples,
-and the requests that cannot be met."""
+"""GetPreferredAllocation (docs/design.md §3): property tests over random inventories, worked
+examples, and the requests that cannot be met."""
 
 from __future__ import annotations
 

@@ -292,3 +292,24 @@ def test_view_tolerates_missing_fields() -> None:
     assert all(len(line) <= 80 for line in lines)
     assert any(line.startswith("GPU 0  ?") for line in lines)
     assert "containers on GPUs not in this snapshot: 1" in lines
+
+
+def test_view_shows_the_entitlement_next_to_the_share() -> None:
+    """A container held at 33% of a 25% share is within what work-conserving sharing lets it
+    use; the view says so, instead of 33%/25% looking like enforcement failing."""
+    snapshot = sample_snapshot()
+    containers = tuple(
+        dataclasses.replace(c, entitlement_ratio=0.33)
+        if c.allocation_id == OVER_LIMIT.allocation_id
+        else c
+        for c in snapshot.containers
+    )
+    doc = doc_of(dataclasses.replace(snapshot, containers=containers))
+    over = next(c for c in doc["containers"] if c["allocation_id"] == OVER_LIMIT.allocation_id)
+    assert over["entitlement_ratio"] == pytest.approx(0.33)
+    lines = render_status(doc)
+    line = next(line for line in lines if "team-b/" in line)
+    assert "share 25%, may use 33%" in line
+    assert "THROTTLED duty=60%" in line
+    named = next(line for line in lines if "team-a/trainer-0/main" in line)
+    assert "may use" not in named  # not decided yet: nothing claimed

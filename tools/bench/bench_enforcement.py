@@ -22,11 +22,11 @@
 Prints a table, then one JSON line.
 
 On a real GPU the shares come out differently in two ways. SIGSTOP stops the CPU threads, not
-the GPU: kernels already queued keep running (up to about 1000 launches per stream, anchors T4),
+the GPU: kernels already queued keep running (up to about 1000 launches per stream),
 so a stopped container keeps the GPU for the time its queue takes to drain. The feedback law
 compensates (it aims at the measured share, not at the duty), by holding a lower duty, down to
 `duty_min`; a workload with queues that take longer than a period to drain cannot be held below
-its drain time / period. And NVML's per-process samples come every 1/6-1 s (anchors N1) and lag,
+its drain time / period. And NVML's per-process samples come every 1/6-1 s and lag,
 like the `+noise` rows. The memory kill frees memory only when the driver has torn the context
 down; NVML shows it gone a little later.
 """

@@ -12,6 +12,10 @@ Node: 8 fake GPUs x 32 slices (256 devices), the kubelet simulator on the same m
   would be rejected, so this is the window that matters.
 - `start -> full list`: from spawning `vgpu-device-plugin serve` (a new Python process) to the
   simulator holding all 256 healthy devices; `in-process` leaves out interpreter start-up.
+- `vs minimal plugin`: the simulator's admission of a pod asking for 8 devices, on a node of 8
+  devices (8 GPUs x 1 slice) and of 256 (8 GPUs x 32 slices), alternating between vgpu and
+  `MinimalPlugin` below (the least a Python plugin can do) registered on the same simulator, so
+  both meet the same machine load. The ratio is of the medians; `extra` is vgpu's own cost.
 Prints a table, then one JSON line.
 """
 
@@ -29,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -38,12 +43,14 @@ from deviceplugin.config import Config, EnforcementConfig, SliceRule, SlicingCon
 from deviceplugin.gpu.fake import FakeBackend, FakeGpu, FakeState, write_state_file
 from deviceplugin.kubelet_sim import KubeletSimulator
 from deviceplugin.plugin.lifecycle import endpoint_name
-from deviceplugin.proto import dp, dp_grpc
+from deviceplugin.proto import DEVICE_PLUGIN_VERSION, HEALTHY, KUBELET_SOCKET, dp, dp_grpc
 
 GPUS = 8
 SLICES = 32
 RESOURCE = "nvidia.com/vgpu"
 SIZES = (1, 8, 64)
+MINIMAL = "example.com/minimal"
+POD_DEVICES = 8
 CONFIG = Config(
     slicing=SlicingConfig(default=SliceRule(replicas=SLICES)),
     enforcement=EnforcementConfig(poll_interval_s=0.1),
@@ -133,6 +140,141 @@ async def bench_allocate(root: Path, iterations: int) -> dict[str, dict[str, flo
     return results
 
 
+class MinimalPlugin(dp_grpc.DevicePluginServicer):
+    """The least a Python device plugin can do, as the yardstick: it lists its devices once,
+    prefers the first available IDs (must-include first) and answers Allocate with
+    NVIDIA_VISIBLE_DEVICES; no slicing, validation, allocation record, metrics or log line."""
+
+    def __init__(self, device_ids: list[str]) -> None:
+        self.device_ids = device_ids
+
+    async def GetDevicePluginOptions(  # noqa: N802 (the kubelet's method name)
+        self, request: dp.Empty, context: grpc.aio.ServicerContext
+    ) -> dp.DevicePluginOptions:
+        return dp.DevicePluginOptions(get_preferred_allocation_available=True)
+
+    async def ListAndWatch(  # noqa: N802
+        self, request: dp.Empty, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[dp.ListAndWatchResponse]:
+        yield dp.ListAndWatchResponse(
+            devices=[dp.Device(ID=i, health=HEALTHY) for i in self.device_ids]
+        )
+        await asyncio.Event().wait()
+
+    async def GetPreferredAllocation(  # noqa: N802
+        self, request: dp.PreferredAllocationRequest, context: grpc.aio.ServicerContext
+    ) -> dp.PreferredAllocationResponse:
+        responses = []
+        for req in request.container_requests:
+            chosen = list(req.must_include_deviceIDs)
+            for device_id in req.available_deviceIDs:
+                if len(chosen) >= req.allocation_size:
+                    break
+                if device_id not in chosen:
+                    chosen.append(device_id)
+            responses.append(dp.ContainerPreferredAllocationResponse(deviceIDs=chosen))
+        return dp.PreferredAllocationResponse(container_responses=responses)
+
+    async def Allocate(  # noqa: N802
+        self, request: dp.AllocateRequest, context: grpc.aio.ServicerContext
+    ) -> dp.AllocateResponse:
+        return dp.AllocateResponse(
+            container_responses=[
+                dp.ContainerAllocateResponse(
+                    envs={"NVIDIA_VISIBLE_DEVICES": ",".join(req.devices_ids)}
+                )
+                for req in request.container_requests
+            ]
+        )
+
+    async def PreStartContainer(  # noqa: N802
+        self, request: dp.PreStartContainerRequest, context: grpc.aio.ServicerContext
+    ) -> dp.PreStartContainerResponse:
+        return dp.PreStartContainerResponse()
+
+
+async def start_minimal_plugin(
+    plugin_dir: Path, resource_name: str, device_ids: list[str]
+) -> grpc.aio.Server:
+    """Serve the minimal plugin in `plugin_dir` and register it; the caller stops the server."""
+    endpoint = "minimal-" + resource_name.replace("/", "-") + ".sock"
+    server = grpc.aio.server()
+    dp_grpc.add_DevicePluginServicer_to_server(MinimalPlugin(device_ids), server)
+    server.add_insecure_port(f"unix://{plugin_dir / endpoint}")
+    await server.start()
+    async with grpc.aio.insecure_channel(f"unix://{plugin_dir / KUBELET_SOCKET}") as channel:
+        await dp_grpc.RegistrationStub(channel).Register(
+            dp.RegisterRequest(
+                version=DEVICE_PLUGIN_VERSION,
+                endpoint=endpoint,
+                resource_name=resource_name,
+                options=dp.DevicePluginOptions(get_preferred_allocation_available=True),
+            )
+        )
+    return server
+
+
+async def bench_versus_minimal(
+    root: Path, slices_per_gpu: int, iterations: int
+) -> dict[str, dict[str, float]]:
+    """Admission of 8-device pods through the simulator: vgpu and the minimal plugin, taking
+    turns on one simulator."""
+    state = write_node(root)
+    devices = GPUS * slices_per_gpu
+    sim = KubeletSimulator(root / "dp", root / "podres.sock")
+    await sim.start()
+    backend = FakeBackend(state)
+    config = Config(
+        slicing=SlicingConfig(default=SliceRule(replicas=slices_per_gpu)),
+        enforcement=EnforcementConfig(poll_interval_s=0.1),
+    )
+    settings = DaemonSettings(
+        config=config,
+        backend=f"fake:{state}",
+        device_plugin_dir=root / "dp",
+        pod_resources_socket=root / "podres.sock",
+        metrics_address="127.0.0.1:0",
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(Daemon(settings, backend).run(stop))
+    minimal = None
+    try:
+        await sim.wait_for(lambda: len(sim.healthy_ids(RESOURCE)) == devices, timeout_s=20)
+        minimal = await start_minimal_plugin(
+            root / "dp", MINIMAL, sorted(sim.healthy_ids(RESOURCE))
+        )
+        await sim.wait_for(lambda: len(sim.healthy_ids(MINIMAL)) == devices, timeout_s=20)
+        times: dict[str, list[float]] = {RESOURCE: [], MINIMAL: []}
+        for i in range(20 + iterations):
+            for resource in (RESOURCE, MINIMAL):
+                name = f"p{i}-{resource.split('/')[0]}"
+                t0 = time.perf_counter()
+                await sim.admit_pod(name, [("c", POD_DEVICES)], resource_name=resource)
+                if i >= 20:  # the first ones warm up
+                    times[resource].append((time.perf_counter() - t0) * 1000)
+                await sim.delete_pod("default", name)
+    finally:
+        stop.set()
+        await task
+        if minimal is not None:
+            await minimal.stop(None)
+        backend.close()
+        await sim.stop()
+    ours, theirs = (statistics.median(times[r]) for r in (RESOURCE, MINIMAL))
+    label = f"vs minimal plugin, {devices} devices"
+    return {
+        f"admission, {devices} devices, vgpu": {
+            "p50_ms": ours,
+            "p99_ms": percentile(times[RESOURCE], 99),
+        },
+        f"admission, {devices} devices, minimal": {
+            "p50_ms": theirs,
+            "p99_ms": percentile(times[MINIMAL], 99),
+        },
+        label: {"ratio": ours / theirs, "extra_ms": ours - theirs},
+    }
+
+
 async def time_kubelet_restart(sim: KubeletSimulator) -> float:
     before = len(sim.registrations)
     t0 = time.perf_counter()
@@ -198,6 +340,8 @@ def fresh_dir() -> Path:
 
 async def main_async(iterations: int, starts: int) -> dict[str, dict[str, float]]:
     results = await bench_allocate(fresh_dir(), iterations)
+    for slices_per_gpu in (1, SLICES):
+        results.update(await bench_versus_minimal(fresh_dir(), slices_per_gpu, iterations))
     sub = [await time_to_full_list_subprocess(fresh_dir()) for _ in range(starts)]
     inproc = [await time_to_full_list_in_process(fresh_dir()) for _ in range(starts)]
     results["start -> full list (new process)"] = {
@@ -219,10 +363,13 @@ def main() -> None:
     logging.basicConfig(level=logging.ERROR)
     results = asyncio.run(main_async(args.iterations, args.starts))
     print(f"node: {GPUS} GPUs x {SLICES} slices; {args.iterations} calls per row")
-    print(f"{'measure':<36} {'p50/median ms':>14} {'p99/max ms':>11}")
+    print(f"{'measure':<40} {'p50/median ms':>14} {'p99/max ms':>11}")
     for name, figures in results.items():
         first, second = list(figures.values())
-        print(f"{name:<36} {first:>14.2f} {second:>11.2f}")
+        if "ratio" in figures:
+            print(f"{name:<40} {'x' + format(first, '.2f'):>14} {'+' + format(second, '.2f'):>11}")
+        else:
+            print(f"{name:<40} {first:>14.2f} {second:>11.2f}")
     print(json.dumps({"bench": "plugin", "gpus": GPUS, "slices_per_gpu": SLICES, **results}))
 
 

@@ -1,0 +1,286 @@
+"""The JSON Schema of the config file (docs/design.md §7), for editors and `check-jsonschema`.
+
+`vgpu-device-plugin config-schema` prints it. It is written out by hand next to the parser in
+`config.py`, with the parser's own enums, defaults and minimums, and tests/unit/test_configschema.py
+checks the two against each other in both directions: every key the parser reads is here with the
+same type, choices and bounds, every key here is one the parser reads, unknown keys are refused by
+both, and the example configs validate. A key added to the parser without its schema fails them.
+
+Durations and sizes are strings with a unit, which JSON Schema cannot compare: their lower bounds
+travel as `x-minimumSeconds` and are enforced by the parser (`check-config`). NVIDIA
+k8s-device-plugin's format (a file with a top-level `sharing` or `flags`) is described at its top
+level only; `check-config` checks it in full.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deviceplugin.config import (
+    MIN_COMPUTE_PERIOD_S,
+    MIN_HANG_TIMEOUT_S,
+    MIN_POLL_INTERVAL_S,
+    AllocationPolicy,
+    ComputeAction,
+    Config,
+    DeviceListStrategy,
+    MemoryAction,
+    RecoveryPolicy,
+    format_duration,
+)
+
+Schema = dict[str, Any]
+
+# NVIDIA's names for the allocation policies, accepted as synonyms.
+_POLICY_SYNONYMS = ("packed", "distributed")
+_NVIDIA_TOP_KEYS = ("version", "flags", "resources", "sharing", "imex", "health")
+
+_DURATION_PATTERN = (
+    r"^\s*(\+?((\d+(\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h))+|[+-]?(0+(\.0*)?|\.0+))\s*$"
+)
+_SIZE_PATTERN = r"^\s*(\d+(\.\d*)?|\.\d+)\s*(B|k|K|KB|M|MB|G|GB|T|TB|Ki|KiB|Mi|MiB|Gi|GiB|Ti|TiB)?$"
+# An extended resource name as the kubelet checks it: <DNS subdomain>/<qualified name>.
+_RESOURCE_NAME_PATTERN = (
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+    r"/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+
+
+def _section(description: str, properties: Schema, **extra: Any) -> Schema:
+    """A mapping with exactly these keys; null stands for an empty section, as in the parser."""
+    return {
+        "type": ["object", "null"],
+        "description": description,
+        "properties": properties,
+        "additionalProperties": False,
+        **extra,
+    }
+
+
+def _duration(description: str, default_s: float, minimum_s: float = 0.0) -> Schema:
+    schema: Schema = {
+        "description": f"{description} A duration with a unit: 500ms, 2s, 1m30s.",
+        "anyOf": [{"type": "string", "pattern": _DURATION_PATTERN}, {"const": 0}],
+        "default": format_duration(default_s),
+        "x-minimumSeconds": minimum_s,
+    }
+    if minimum_s > 0:
+        schema["description"] += f" At least {format_duration(minimum_s)}."
+    return schema
+
+
+def _size(description: str) -> Schema:
+    return {
+        "description": f"{description} A size: 10Gi, 512Mi, 1G, or a whole number of bytes.",
+        "anyOf": [
+            {"type": "string", "pattern": _SIZE_PATTERN},
+            {"type": "integer", "minimum": 1},
+        ],
+    }
+
+
+def _choice(description: str, options: tuple[str, ...], default: str) -> Schema:
+    return {"description": description, "enum": list(options), "default": default}
+
+
+def _boolean(description: str, default: bool) -> Schema:
+    return {"description": description, "type": "boolean", "default": default}
+
+
+def _xids(description: str, default: tuple[int, ...]) -> Schema:
+    return {
+        "description": description,
+        "type": ["array", "null"],
+        "items": {"type": "integer", "minimum": 1},
+        "uniqueItems": True,
+        "default": list(default),
+    }
+
+
+def _slice_rule() -> Schema:
+    return {
+        "replicas": {
+            "description": "Slices per GPU: each gets 1/replicas of its memory and compute.",
+            "type": "integer",
+            "minimum": 1,
+        },
+        "memoryPerSlice": _size("Memory of one slice; replicas follow from the GPU's memory."),
+    }
+
+
+def _vgpu_schema() -> Schema:
+    d = Config()
+    e = d.enforcement
+    h = d.health
+    strategies = [s.value for s in DeviceListStrategy]
+    match = _section(
+        "Which GPUs the override applies to; every key given must match.",
+        {
+            "model": {"description": "A glob on the GPU's name.", "type": "string", "minLength": 1},
+            "index": {"description": "The GPU's index.", "type": "integer", "minimum": 0},
+            "uuid": {"description": "The GPU's UUID.", "type": "string", "minLength": 1},
+        },
+        minProperties=1,
+    )
+    match["type"] = "object"
+    override: Schema = {
+        "type": "object",
+        "properties": {"match": match, **_slice_rule()},
+        "additionalProperties": False,
+        "required": ["match"],
+        "oneOf": [{"required": ["replicas"]}, {"required": ["memoryPerSlice"]}],
+    }
+    slicing = _section(
+        "How each GPU is split into slices.",
+        {
+            **_slice_rule(),
+            "overrides": {
+                "description": "Per-GPU exceptions; the first that matches a GPU wins.",
+                "type": ["array", "null"],
+                "items": override,
+                "default": [],
+            },
+        },
+        **{"not": {"required": ["replicas", "memoryPerSlice"]}},
+    )
+    slicing["properties"]["replicas"]["default"] = d.slicing.default.replicas
+    allocation = _section(
+        "How slices are chosen and handed to a container.",
+        {
+            "policy": _choice(
+                "pack: onto the GPU with the most used slices; spread: onto as many GPUs as"
+                " possible. NVIDIA's packed and distributed are accepted.",
+                (*(p.value for p in AllocationPolicy), *_POLICY_SYNONYMS),
+                d.allocation.policy.value,
+            ),
+            "deviceListStrategy": {
+                "description": "How a container gets its GPUs: one strategy or a list of them.",
+                "anyOf": [
+                    {"enum": strategies},
+                    {
+                        "type": "array",
+                        "items": {"enum": strategies},
+                        "minItems": 1,
+                        "uniqueItems": True,
+                    },
+                ],
+                "default": [s.value for s in d.allocation.device_list_strategy],
+            },
+        },
+    )
+    enforcement = _section(
+        "What happens to a container that uses more than its slices.",
+        {
+            "pollInterval": _duration(
+                "How often GPU memory and utilisation are measured.",
+                e.poll_interval_s,
+                MIN_POLL_INTERVAL_S,
+            ),
+            "dryRun": _boolean("Decide, log and count every action; send no signal.", e.dry_run),
+            "memory": _section(
+                "A container above its memory limit.",
+                {
+                    "action": _choice(
+                        "kill: SIGKILL its largest GPU process after gracePeriod; monitor: record.",
+                        tuple(a.value for a in MemoryAction),
+                        e.memory.action.value,
+                    ),
+                    "gracePeriod": _duration(
+                        "How long a container may stay above its limit.", e.memory.grace_period_s
+                    ),
+                },
+            ),
+            "compute": _section(
+                "A container above its compute share while others want the GPU.",
+                {
+                    "action": _choice(
+                        "throttle: a SIGSTOP/SIGCONT duty cycle; monitor: record.",
+                        tuple(a.value for a in ComputeAction),
+                        e.compute.action.value,
+                    ),
+                    "window": _duration(
+                        "Utilisation is averaged over this window; at least one period.",
+                        e.compute.window_s,
+                    ),
+                    "period": _duration(
+                        "The length of one stop/resume cycle.",
+                        e.compute.period_s,
+                        MIN_COMPUTE_PERIOD_S,
+                    ),
+                    "workConserving": _boolean(
+                        "Let containers use GPU time nobody else wants.", e.compute.work_conserving
+                    ),
+                },
+            ),
+        },
+    )
+    mps = _section(
+        "CUDA MPS limits in each container's environment.",
+        {"enabled": _boolean("Add the MPS limits.", d.mps.enabled)},
+    )
+    health = _section(
+        "GPU health from NVML's Xid and ECC events (nvml backend).",
+        {
+            "enabled": _boolean("Take a GPU out of service on a critical event.", h.enabled),
+            "ignoredXids": _xids(
+                "Xids caused by applications (replaces the default).", h.ignored_xids
+            ),
+            "additionalIgnoredXids": _xids(
+                "Xids to ignore on top of ignoredXids.", h.additional_ignored_xids
+            ),
+            "criticalXids": _xids("Xids that always take a GPU out of service.", h.critical_xids),
+            "recovery": _choice(
+                "manual: a failed GPU stays out until restart; auto: back after recoveryDelay.",
+                tuple(p.value for p in RecoveryPolicy),
+                h.recovery.value,
+            ),
+            "recoveryDelay": _duration(
+                "Fault-free time before a GPU returns (recovery: auto).", h.recovery_delay_s
+            ),
+            "hangTimeout": _duration(
+                "A GPU whose NVML call hangs this long is unhealthy.",
+                h.hang_timeout_s,
+                MIN_HANG_TIMEOUT_S,
+            ),
+        },
+    )
+    return _section(
+        "vgpu's own config format.",
+        {
+            "version": {"description": "The format's version.", "const": "v1", "default": "v1"},
+            "resourceName": {
+                "description": "The extended resource pods request, e.g. nvidia.com/vgpu.",
+                "type": "string",
+                "pattern": _RESOURCE_NAME_PATTERN,
+                "not": {"pattern": r"kubernetes\.io/|^requests\."},
+                "default": d.resource_name,
+            },
+            "slicing": slicing,
+            "allocation": allocation,
+            "enforcement": enforcement,
+            "mps": mps,
+            "health": health,
+        },
+    )
+
+
+def config_schema() -> Schema:
+    """The JSON Schema (draft 2020-12) of a config file, as JSON data."""
+    nvidia = {
+        "type": "object",
+        "description": "NVIDIA k8s-device-plugin's format (check-config checks it in full).",
+        "properties": {key: {} for key in _NVIDIA_TOP_KEYS},
+        "additionalProperties": False,
+    }
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "vgpu device plugin config",
+        "description": "Every key is optional; unknown keys are errors. See docs/design.md §7.",
+        "$defs": {"vgpu": _vgpu_schema(), "nvidia": nvidia},
+        "if": {
+            "type": "object",
+            "anyOf": [{"required": ["sharing"]}, {"required": ["flags"]}],
+        },
+        "then": {"$ref": "#/$defs/nvidia"},
+        "else": {"$ref": "#/$defs/vgpu"},
+    }

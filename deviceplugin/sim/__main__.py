@@ -1,0 +1,9 @@
+"""`python -m deviceplugin.sim`: the kubelet simulator on its own, for trying the daemon without a
+kubelet. The simulator itself is `deviceplugin.kubelet_sim`."""
+
+import sys
+
+from deviceplugin.kubelet_sim import main
+
+if __name__ == "__main__":
+    sys.exit(main())
