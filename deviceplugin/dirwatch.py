@@ -80,7 +80,9 @@ class DirectoryWatch:
             self._task = asyncio.create_task(self._read_events(inotify), name="dirwatch")
         else:
             self.mode = "poll"
-            self._task = asyncio.create_task(self._poll(), name="dirwatch-poll")
+            # Listed now, not when the task first runs: a change made right after start counts.
+            listing = list_entries(self.directory)
+            self._task = asyncio.create_task(self._poll(listing), name="dirwatch-poll")
         log.debug("watching directory=%s mode=%s", self.directory, self.mode)
 
     async def close(self) -> None:
@@ -151,11 +153,10 @@ class DirectoryWatch:
         finally:
             inotify.close()
         self.mode = "poll"
-        await self._poll()
+        await self._poll(list_entries(self.directory))
 
-    async def _poll(self) -> None:
+    async def _poll(self, before: _Listing) -> None:
         # A listing of a local directory of a few entries: cheap enough for the event loop.
-        before = list_entries(self.directory)
         while True:
             await asyncio.sleep(self.fallback_interval_s)
             now = list_entries(self.directory)
