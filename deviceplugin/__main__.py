@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--config",
         default=_env("VGPU_CONFIG", ""),
-        help="config file (YAML or JSON) [VGPU_CONFIG]; default: built-in defaults",
+        help="config file (YAML or JSON) [VGPU_CONFIG]; default: built-in defaults. "
+        "Reloaded without a restart on SIGHUP and when its content changes",
     )
     serve.add_argument(
         "--backend",

@@ -45,7 +45,12 @@ from deviceplugin.plugin.server import DevicePluginService
 from deviceplugin.podresources import list_container_devices
 from deviceplugin.procs import AllocationResolver, pid_namespace_warning
 from deviceplugin.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
-from deviceplugin.reload import ConfigReloader, ReloadMetrics, apply_config
+from deviceplugin.reload import (
+    ConfigReloader,
+    ReloadMetrics,
+    apply_config,
+    report_hangups_without_a_config,
+)
 from deviceplugin.slicing import build_inventory, format_bytes, keep_held_slices
 from deviceplugin.state import AllocationBook, Published
 from deviceplugin.usage import AttributionEvidence, SnapshotBuilder, mark_stale
@@ -638,6 +643,10 @@ class Daemon:
                     )
                     tasks.create_task(
                         reloader.run(stop, hangup or asyncio.Event()), name="config-reload"
+                    )
+                elif hangup is not None:
+                    tasks.create_task(
+                        report_hangups_without_a_config(stop, hangup), name="config-reload"
                     )
                 tasks.create_task(
                     self.tracker.run(stop, self.poller.names_wanted), name="pod-resources"

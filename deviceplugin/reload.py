@@ -134,6 +134,21 @@ async def change_resources(daemon: Daemon, old_name: str, new_name: str) -> None
     await daemon.replace_plugin(new_name)
 
 
+async def report_hangups_without_a_config(stop: asyncio.Event, hangup: asyncio.Event) -> None:
+    """Without --config there is nothing to reload: say so on each SIGHUP."""
+    while True:
+        waiters = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(hangup.wait())}
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+        if stop.is_set():
+            return
+        hangup.clear()
+        log.warning("SIGHUP: no config file to reload (the daemon runs on the built-in defaults)")
+
+
 class ConfigReloader:
     """Reloads the config at `path` on SIGHUP (`hangup` set) and on a change of its content."""
 
@@ -206,7 +221,9 @@ class ConfigReloader:
             self._metrics.counted("refused")
             return "refused"
         if loaded.hash == self.running_hash:
-            log.info("config unchanged hash=%s trigger=%s", loaded.hash, trigger)
+            # A ConfigMap update touches the directory several times for one new content.
+            level = logging.INFO if trigger == "SIGHUP" else logging.DEBUG
+            log.log(level, "config unchanged hash=%s trigger=%s", loaded.hash, trigger)
             return "unchanged"
         changes = describe_changes(self._daemon.settings.config, loaded.config)
         await self._daemon.apply_config(loaded.config)

@@ -306,3 +306,36 @@ async def test_the_plugin_notices_every_kubelet_event_without_inotify(node: Node
             os.rename(other, node.plugin_socket())
 
         await registers_again(replace_socket, "our socket replaced")
+
+
+async def test_sighup_without_a_config_file_keeps_serving_and_says_why(node: Node) -> None:
+    log = node.root / "serve.log"
+    with log.open("wb") as stderr:
+        proc = await asyncio.create_subprocess_exec(
+            *CLI,
+            "serve",
+            "--backend",
+            f"fake:{node.state_file}",
+            "--device-plugin-dir",
+            str(node.plugin_dir),
+            "--pod-resources-socket",
+            str(node.podres_socket),
+            "--state-dir",
+            str(node.root / "state"),
+            "--metrics-address",
+            "127.0.0.1:0",
+            stderr=stderr,
+            env={**os.environ, "VGPU_CONFIG": ""},
+        )
+    try:
+        await registered(node, 8)
+        proc.send_signal(signal.SIGHUP)
+        await eventually(
+            lambda: "no config file to reload" in log.read_text(), what="the SIGHUP warning"
+        )
+        assert proc.returncode is None
+        assert node.sim.is_registered(RESOURCE)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 15)
+    assert proc.returncode == 0, log.read_text()
