@@ -16,8 +16,9 @@ and steady:
   sampler, which models utilisation from the processes' run state, is inside this figure: on a
   real node NVML's own sampling runs in the driver instead.
 
-Also measures, for each scenario, how many times a second the daemon process is woken up
-(voluntary context switches, all threads). Prints a table, then one JSON line.
+Also measures, for each scenario, how many times a second the daemon's event loop is woken up
+(the voluntary context switches of its main thread, as Linux counts them in /proc/PID/status).
+Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def cpu_s(proc: psutil.Process) -> float:
 
 
 def wakeups(proc: psutil.Process) -> int:
-    return sum(t.voluntary for t in [proc.num_ctx_switches()])
+    return int(proc.num_ctx_switches().voluntary)
 
 
 async def measure(pid: int, seconds: float) -> dict[str, float]:
