@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from deviceplugin import __version__, logs
-from deviceplugin.config import Config, load_config
+from deviceplugin.config import Config
 from deviceplugin.errors import BackendError, ConfigError, StartupError
 from deviceplugin.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
 
@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--config",
         metavar="PATH",
         default=_env("VGPU_CONFIG", ""),
-        help="config file, YAML or JSON (default: the built-in defaults; env VGPU_CONFIG)",
+        help="config file, YAML or JSON (default: the built-in defaults; env VGPU_CONFIG); "
+        "reloaded without a restart on SIGHUP and when its content changes",
     )
     serve.add_argument(
         "--backend",
@@ -190,18 +191,18 @@ def _add_log_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _load(path: str) -> Config:
-    return load_config(Path(path)) if path else Config()
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     from deviceplugin.app import DaemonSettings, serve  # noqa: PLC0415 (keeps check-config light)
+    from deviceplugin.reload import config_hash, read_config  # noqa: PLC0415
 
     logs.configure(args.log_format, getattr(logging, args.log_level.upper()))
     os.umask(0o077)  # every socket and file the daemon creates is owner-only
     try:
+        loaded = read_config(Path(args.config)) if args.config else None
         settings = DaemonSettings(
-            config=_load(args.config),
+            config=loaded.config if loaded else Config(),
+            config_path=Path(args.config) if args.config else None,
+            config_hash=loaded.hash if loaded else config_hash(b""),
             backend=args.backend,
             device_plugin_dir=Path(args.device_plugin_dir),
             pod_resources_socket=Path(args.pod_resources_socket),
@@ -221,19 +222,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             log.error("config error source=--metrics-address problem=%s", e)
             return EXIT_USAGE
-    return run_until_signalled(lambda stop: serve(settings, stop))
+    hangup = asyncio.Event()
+    return run_until_signalled(lambda stop: serve(settings, stop, hangup), on_hangup=hangup.set)
 
 
-def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> int:
-    """Run `main(stop)` on a new event loop; SIGTERM and SIGINT set `stop`."""
+def run_until_signalled(
+    main: Callable[[asyncio.Event], Awaitable[None]], on_hangup: Callable[[], None] | None = None
+) -> int:
+    """Run `main(stop)` on a new event loop; SIGTERM, SIGINT and SIGQUIT set `stop`, and so does
+    SIGHUP unless `on_hangup` is given (`serve` reloads its config on SIGHUP)."""
 
     async def runner() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         # Every way an operator asks a process to go ends in the same clean stop, which resumes
         # what the enforcer holds stopped; SIGKILL is left to the next start.
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, on_hangup or stop.set)
         try:
             await main(stop)
         except (BackendError, StartupError) as e:

@@ -47,7 +47,13 @@ from deviceplugin.plugin.server import DevicePluginService
 from deviceplugin.podresources import list_container_devices
 from deviceplugin.procs import AllocationResolver, pid_namespace_warning
 from deviceplugin.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
-from deviceplugin.slicing import build_inventory, format_bytes
+from deviceplugin.reload import (
+    ConfigReloader,
+    ReloadMetrics,
+    apply_config,
+    report_hangups_without_a_config,
+)
+from deviceplugin.slicing import build_inventory, format_bytes, keep_held_slices
 from deviceplugin.state import AllocationBook, Published
 from deviceplugin.usage import AttributionEvidence, SnapshotBuilder, mark_stale
 
@@ -74,6 +80,10 @@ class DaemonSettings:
     metrics_address: str = ":9410"
     state_dir: Path = Path("/var/lib/vgpu")
     node_name: str = ""
+    # The file `config` was read from, watched for changes and read again on SIGHUP; None for
+    # the built-in defaults (nothing to reload).
+    config_path: Path | None = None
+    config_hash: str = ""
 
 
 def open_backend(spec: str, config: Config | None = None) -> GpuBackend:
@@ -198,6 +208,7 @@ class Poller:
         self._book = book
         self._health = health
         self._resolver = resolver or AllocationResolver()
+        self._builder_node = node_name
         self._builder = SnapshotBuilder(node_name, config.enforcement.compute.window_s)
         self._checkpoint = checkpoint
         self._checkpoint_reason: str | None = None
@@ -213,6 +224,8 @@ class Poller:
         self._previous_reading_s: float | None = None
         self.snapshot: NodeSnapshot | None = None
         self.names_wanted = asyncio.Event()
+        # Set to poll at once rather than at the next tick.
+        self.wake = asyncio.Event()
         self.failures = 0
         self.last_success_wall_s = 0.0
 
@@ -220,7 +233,11 @@ class Poller:
         started = time.perf_counter()
         reading = self._backend.poll()
         now_s = time.monotonic()
-        inventory = build_inventory(reading, self._config.slicing)
+        inventory = keep_held_slices(
+            build_inventory(reading, self._config.slicing),
+            self._inventory.value,
+            (slice_id for record in allocations for slice_id in record.slice_ids),
+        )
         pids = {p.pid for gpu in reading.gpus for p in gpu.processes}
         pid_allocation = self._resolver.resolve(pids)
         snapshot, unknown = self._builder.build(
@@ -237,6 +254,17 @@ class Poller:
         self._previous_reading_s = now_s
         duration_s = time.perf_counter() - started
         return Tick(inventory, self._enforce(snapshot), unknown, duration_s)
+
+    def reconfigure(self, config: Config) -> None:
+        """Poll with a new config from the next tick on (a live reload)."""
+        old, self._config = self._config, config
+        self._interval_s = config.enforcement.poll_interval_s
+        self.timeout_s = max(5.0, 4 * self._interval_s)
+        if config.enforcement.compute.window_s != old.enforcement.compute.window_s:
+            self._builder = SnapshotBuilder(self._builder_node, config.enforcement.compute.window_s)
+        if config.resource_name != old.resource_name and self._checkpoint is not None:
+            self._checkpoint = CheckpointReader(self._checkpoint.path, config.resource_name)
+        self.wake.set()
 
     def _evidence(self) -> AttributionEvidence | None:
         """What a process's claimed allocation is checked against: the kubelet's device
@@ -257,6 +285,10 @@ class Poller:
                     checkpoint.reason,
                 )
         return AttributionEvidence(checkpoint, self._resolver.pod_uid_of, trust_host_processes=True)
+
+    def submit(self, call: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run `call` on the poll worker, between two ticks."""
+        return self._worker.submit(call)
 
     async def poll_once(self) -> None:
         """One poll; raises BackendError or TimeoutError when the backend does not answer."""
@@ -284,10 +316,20 @@ class Poller:
     async def run(self, stop: asyncio.Event) -> None:
         try:
             while not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self._interval_s)
+                waiters = {
+                    asyncio.ensure_future(stop.wait()),
+                    asyncio.ensure_future(self.wake.wait()),
+                }
+                try:
+                    await asyncio.wait(
+                        waiters, timeout=self._interval_s, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    for waiter in waiters:
+                        waiter.cancel()
                 if stop.is_set():
                     return
+                self.wake.clear()
                 failures = self.failures
                 try:
                     await self.poll_once()
@@ -343,7 +385,7 @@ class AllocationTracker:
     ) -> None:
         self._book = book
         self._socket = socket
-        self._resource = resource_name
+        self.resource_name = resource_name
         self._interval_s = interval_s
         self._min_gap_s = min_gap_s
         self._grace_s = grace_s
@@ -364,7 +406,7 @@ class AllocationTracker:
                 container=c.container,
             )
             for c in containers
-            if c.resource_name == self._resource
+            if c.resource_name == self.resource_name
         ]
         added, dropped = self._book.sync(live, now_s=now, grace_s=self._grace_s)
         self.refreshes += 1
@@ -469,6 +511,11 @@ class Daemon:
         # The node's MPS control daemon, when MPS is on: started after the first poll (its
         # defaults follow the slicing), supervised, and sent quit on every exit path.
         self.mps = MpsControlDaemon(cfg.mps) if cfg.mps.enabled else None
+        self.reload_metrics = ReloadMetrics(
+            self.metrics.registry, settings.node_name, settings.config_hash
+        )
+        # Set by the plugin's runner; setting it ends the running life cycle (see replace_plugin).
+        self._plugin_stop = asyncio.Event()
         self.http: HttpServer | None = None
         if settings.metrics_address:
             self.http = HttpServer(
@@ -477,6 +524,44 @@ class Daemon:
                 lambda: self.poller.snapshot,
                 self.healthz,
             )
+
+    async def apply_config(self, config: Config) -> None:
+        """Apply a new config without a restart: the one entry point of a live reload."""
+        await apply_config(self, config)
+
+    async def replace_enforcer(self) -> None:
+        """Swap in an enforcer with the current settings, between two polls (on the poll worker,
+        so that no snapshot is half enforced). The old one resumes what it holds stopped."""
+
+        def swap() -> None:
+            old = self.enforcer
+            if old is None:
+                return
+            old.close()
+            self.enforcer = self._start_enforcer()
+
+        await asyncio.wrap_future(self.poller.submit(swap))
+
+    async def replace_plugin(self, resource_name: str) -> None:
+        """Serve and register the plugin under `resource_name` instead: the running life cycle
+        ends (closing its server, removing its socket) and the runner starts the new one."""
+        old = self.lifecycle
+        self.lifecycle = PluginLifecycle(
+            self.service, plugin_dir=self.settings.device_plugin_dir, resource_name=resource_name
+        )
+        self.lifecycle.stats = old.stats
+        self._plugin_stop.set()
+
+    async def _serve_plugin(self, stop: asyncio.Event) -> None:
+        """Run the plugin's life cycle until `stop`; a new one after replace_plugin."""
+        while not stop.is_set():
+            self._plugin_stop = plugin_stop = asyncio.Event()
+            relay = asyncio.ensure_future(stop.wait())
+            relay.add_done_callback(functools.partial(_set_on_done, plugin_stop))
+            try:
+                await self.lifecycle.run(plugin_stop)
+            finally:
+                relay.cancel()
 
     def _enforce(self, snapshot: NodeSnapshot) -> NodeSnapshot:
         return snapshot if self.enforcer is None else self.enforcer.on_snapshot(snapshot)
@@ -519,8 +604,9 @@ class Daemon:
             unregistered_after_s=HEALTHZ_UNREGISTERED_S,
         )
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Run until `stop` is set. The first poll must succeed: nothing can be served before."""
+    async def run(self, stop: asyncio.Event, hangup: asyncio.Event | None = None) -> None:
+        """Run until `stop` is set. The first poll must succeed: nothing can be served before.
+        With a config file, `hangup` set (SIGHUP) or a change of its content reloads it."""
         cfg = self.settings.config
         log.info(
             "starting vgpu device plugin version=%s backend=%s resource=%s device_plugin_dir=%s",
@@ -555,7 +641,21 @@ class Daemon:
                 log.info("serving metrics and status address=%s", self.settings.metrics_address)
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self.poller.run(stop), name="poll")
-                tasks.create_task(self.lifecycle.run(stop), name="plugin")
+                tasks.create_task(self._serve_plugin(stop), name="plugin")
+                if self.settings.config_path is not None:
+                    reloader = ConfigReloader(
+                        self,
+                        self.settings.config_path,
+                        self.reload_metrics,
+                        self.settings.config_hash,
+                    )
+                    tasks.create_task(
+                        reloader.run(stop, hangup or asyncio.Event()), name="config-reload"
+                    )
+                elif hangup is not None:
+                    tasks.create_task(
+                        report_hangups_without_a_config(stop, hangup), name="config-reload"
+                    )
                 tasks.create_task(
                     self.tracker.run(stop, self.poller.names_wanted), name="pod-resources"
                 )
@@ -576,10 +676,17 @@ class Daemon:
         log.info("stopped")
 
 
-async def serve(settings: DaemonSettings, stop: asyncio.Event) -> None:
-    """Open the backend, run the daemon until `stop`, and release the backend on every path."""
+def _set_on_done(event: asyncio.Event, _: asyncio.Future[Any]) -> None:
+    event.set()
+
+
+async def serve(
+    settings: DaemonSettings, stop: asyncio.Event, hangup: asyncio.Event | None = None
+) -> None:
+    """Open the backend, run the daemon until `stop`, and release the backend on every path.
+    `hangup` (SIGHUP) reloads the config."""
     backend = open_backend(settings.backend, settings.config)
     try:
-        await Daemon(settings, backend).run(stop)
+        await Daemon(settings, backend).run(stop, hangup)
     finally:
         backend.close()

@@ -1296,12 +1296,19 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     problems parse_config finds."""
     source = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as file:
-            text = file.read()
-    except UnicodeDecodeError as e:
-        raise ConfigError([f"is not UTF-8 text (byte {e.start})"], source) from e
+        with open(path, "rb") as file:
+            content = file.read()
     except OSError as e:
         raise ConfigError([f"cannot read the file: {e.strerror or e}"], source) from e
+    return config_from_bytes(content, source)
+
+
+def config_from_bytes(content: bytes, source: str) -> Config:
+    """Parse a config file's content, as load_config does once it has read the file."""
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"is not UTF-8 text (byte {e.start})"], source) from e
     loader = _UniqueKeyLoader(text)
     try:
         data = loader.get_single_data()

@@ -6,6 +6,7 @@ shared with the poll loop. The snapshot is immutable, so a request sees one cons
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -21,6 +22,8 @@ from deviceplugin.model import NodeSnapshot
 from deviceplugin.statusview import snapshot_to_json
 
 log = logging.getLogger(__name__)
+
+_SAFETY_POLL_INTERVAL_S = 60.0
 
 JSON_TYPE = "application/json"
 TEXT_TYPE = "text/plain; charset=utf-8"
@@ -98,7 +101,9 @@ class HttpServer:
         self._server = server
         self._thread = threading.Thread(
             target=server.serve_forever,
-            kwargs={"poll_interval": 0.2},
+            # No timer while no request comes: stop() wakes the select by shutting the
+            # listening socket down; the long interval is only a safety net.
+            kwargs={"poll_interval": _SAFETY_POLL_INTERVAL_S},
             name="vgpu-http",
             daemon=True,
         )
@@ -122,7 +127,12 @@ class HttpServer:
         server, thread = self._server, self._thread
         if server is None:
             return
-        server.shutdown()
+        # shutdown() waits for serve_forever to notice; the socket's shutdown wakes its select.
+        stopper = threading.Thread(target=server.shutdown, name="vgpu-http-stop", daemon=True)
+        stopper.start()
+        with contextlib.suppress(OSError):
+            server.socket.shutdown(socket.SHUT_RDWR)
+        stopper.join()
         server.server_close()
         if thread is not None:
             thread.join()

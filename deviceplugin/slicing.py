@@ -16,8 +16,8 @@ for large requests; `spread` puts them on as many GPUs as it can, emptiest first
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 
 from deviceplugin.config import AllocationPolicy, GpuMatch, SliceRule, SlicingConfig
@@ -318,3 +318,24 @@ __all__ = [
     "preferred_allocation",
     "rule_for",
 ]
+
+
+def keep_held_slices(new: Inventory, old: Inventory, held_ids: Iterable[str]) -> Inventory:
+    """`new`, plus every slice of `old` that an allocation holds (`held_ids`), that `new` no
+    longer has, and whose GPU is still planned, advertised Unhealthy.
+
+    A new slicing plan (a config reload) can drop a slice that a running container holds; the
+    kubelet frees it only when that container's pod ends. Until then it stays on the device list,
+    Unhealthy so that nothing new is admitted onto it, with the memory and compute it was
+    handed out with."""
+    planned = {p.gpu.uuid for p in new.plans}
+    kept = [
+        replace(old.by_id[device_id], healthy=False)
+        for device_id in set(held_ids)
+        if device_id not in new.by_id
+        and device_id in old.by_id
+        and old.by_id[device_id].id.gpu_uuid in planned
+    ]
+    if not kept:
+        return new
+    return Inventory.of(new.plans, (*new.slices, *kept))

@@ -7,9 +7,10 @@ attribution reads their real environment and the enforcer's signals act on them.
 Time-slicing model: a process's SM utilisation is its `sm_demand_percent`, scaled down in proportion
 when the running processes' total demand on its GPU exceeds 100, and 0 while the process is stopped
 (SIGSTOP) or gone. A sampler thread reads the processes' run state every `sample_interval_s` and
-integrates the utilisation over time; `poll` reports the average since the previous poll, as NVML's
-process utilisation samples do. That is what lets a SIGSTOP/SIGCONT duty cycle of a few hundred
-milliseconds show in the readings.
+integrates the utilisation over time (it sleeps, with no timer, while no process is listed);
+`poll` reports the average since the previous poll, as NVML's process utilisation samples do.
+That is what lets a SIGSTOP/SIGCONT duty cycle of a few hundred milliseconds show in the
+readings.
 
 The file is re-read whenever it changes (inode, size or mtime). A malformed or missing file is
 logged once per distinct problem, and the last good state stays in force.
@@ -477,6 +478,8 @@ class FakeBackend:
         self._clock = clock
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # Set when there are processes to sample again (or on close): an idle sampler waits on it.
+        self._wake = threading.Event()
         self._closed = False
         self._sampler_error: BaseException | None = None
 
@@ -601,6 +604,7 @@ class FakeBackend:
                 return
             self._closed = True
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=_CLOSE_JOIN_TIMEOUT_S)
         if self._thread.is_alive():
             logger.warning(
@@ -674,6 +678,8 @@ class FakeBackend:
             pid for _, processes in self._plan for pid, demand in processes if demand > 0
         )
         self._generation += 1
+        if self._sampled_pids:
+            self._wake.set()
         # Processes that left the file stop accruing; new ones start at the next sampling round.
         keys = {(uuid, pid) for uuid, processes in self._plan for pid, _ in processes}
         self._current = {k: v for k, v in self._current.items() if k in keys}
@@ -717,6 +723,13 @@ class FakeBackend:
     def _run_sampler(self) -> None:
         try:
             while not self._stop.is_set():
+                with self._lock:
+                    idle = not self._sampled_pids
+                if idle:
+                    # Nothing to sample: no timer until a poll finds processes in the file.
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
                 started = time.perf_counter()
                 self._sample_round()
                 cost_s = time.perf_counter() - started

@@ -4,8 +4,10 @@
 - The kubelet not there yet: retry with backoff, waking early when kubelet.sock appears.
 - A kubelet restart deletes every socket in the directory and re-creates kubelet.sock; the
   kubelet never re-opens a broken ListAndWatch stream. Either way: restart the server and
-  register again. A stat of both sockets every `watch_interval_s` (10 ms) notices this within
-  tens of milliseconds, which matters: pods admitted before re-registration are rejected for good.
+  register again. A watch of the directory (inotify; a stat poll every `watch_interval_s` where
+  inotify is unavailable) wakes the life cycle, which then compares both sockets' inodes: it
+  notices within milliseconds, which matters: pods admitted before re-registration are rejected
+  for good, and costs nothing while nothing changes.
 - On stop: close the server and remove the socket.
 """
 
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import grpc
 
+from deviceplugin.dirwatch import DEFAULT_FALLBACK_INTERVAL_S, DirectoryWatch
 from deviceplugin.plugin.server import DevicePluginService
 from deviceplugin.proto import DEVICE_PLUGIN_VERSION, KUBELET_SOCKET, dp, dp_grpc
 
@@ -70,7 +73,8 @@ class PluginLifecycle:
         *,
         plugin_dir: Path,
         resource_name: str,
-        watch_interval_s: float = 0.01,
+        watch_interval_s: float = DEFAULT_FALLBACK_INTERVAL_S,
+        use_inotify: bool = True,
         stream_open_timeout_s: float = STREAM_OPEN_TIMEOUT_S,
         on_registered: Callable[[], None] = lambda: None,
     ) -> None:
@@ -80,7 +84,9 @@ class PluginLifecycle:
         self._endpoint = endpoint_name(resource_name)
         self._socket = plugin_dir / self._endpoint
         self._kubelet_socket = plugin_dir / KUBELET_SOCKET
-        self._watch_interval_s = watch_interval_s
+        self._dir_watch = DirectoryWatch(
+            plugin_dir, fallback_interval_s=watch_interval_s, use_inotify=use_inotify
+        )
         self.stream_open_timeout_s = stream_open_timeout_s
         self._on_registered = on_registered
         self._generation = 0
@@ -115,8 +121,14 @@ class PluginLifecycle:
         if generation == self._generation:
             self._stream_ended.set()
 
+    @property
+    def watch_mode(self) -> str:
+        """How the directory is watched: inotify, or poll where inotify is unavailable."""
+        return self._dir_watch.mode
+
     async def run(self, stop: asyncio.Event) -> None:
         self._dir.mkdir(parents=True, exist_ok=True)
+        self._dir_watch.start()
         try:
             while not stop.is_set():
                 server = await self._serve()
@@ -138,6 +150,7 @@ class PluginLifecycle:
         finally:
             self._service.stopping = True
             self._remove_socket()
+            await self._dir_watch.close()
 
     async def _serve(self) -> grpc.aio.Server:
         self._dir.mkdir(parents=True, exist_ok=True)
@@ -241,20 +254,38 @@ class PluginLifecycle:
     ) -> None:
         """Sleep for the backoff, waking early when either socket changes."""
         deadline = time.monotonic() + delay_s
-        while not stop.is_set() and time.monotonic() < deadline:
-            if _inode(self._kubelet_socket) != kubelet_inode or _inode(self._socket) != own_inode:
-                return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), min(self._watch_interval_s, delay_s))
+        changed = self._dir_watch.changed
+        stop_wait = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set() and (left_s := deadline - time.monotonic()) > 0:
+                changed.clear()
+                if (
+                    _inode(self._kubelet_socket) != kubelet_inode
+                    or _inode(self._socket) != own_inode
+                ):
+                    return
+                change_wait = asyncio.ensure_future(changed.wait())
+                try:
+                    await asyncio.wait(
+                        {stop_wait, change_wait},
+                        timeout=left_s,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                finally:
+                    change_wait.cancel()
+        finally:
+            stop_wait.cancel()
 
     async def _watch(self, stop: asyncio.Event) -> str:
         """Wait until something calls for a new registration; '' when stopping."""
         own = self._own_inode  # the socket the kubelet was told to dial, not whatever is there now
         registered_at = time.monotonic()
+        changed = self._dir_watch.changed
         stop_wait = asyncio.ensure_future(stop.wait())
         stream_wait = asyncio.ensure_future(self._stream_ended.wait())
         try:
             while True:
+                changed.clear()
                 if stop.is_set():
                     return ""
                 if self._stream_ended.is_set():
@@ -263,16 +294,21 @@ class PluginLifecycle:
                     return "plugin socket removed (kubelet restart)"
                 if _inode(self._kubelet_socket) != self._kubelet_inode:
                     return "kubelet.sock re-created (kubelet restart)"
-                if (
-                    self._service.opened_generation != self._generation
-                    and time.monotonic() - registered_at > self.stream_open_timeout_s
-                ):
-                    return "the kubelet opened no ListAndWatch stream after registration"
-                await asyncio.wait(
-                    {stop_wait, stream_wait},
-                    timeout=self._watch_interval_s,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
+                # A timer only while the kubelet still owes us its stream.
+                timeout_s: float | None = None
+                if self._service.opened_generation != self._generation:
+                    timeout_s = registered_at + self.stream_open_timeout_s - time.monotonic()
+                    if timeout_s < 0:
+                        return "the kubelet opened no ListAndWatch stream after registration"
+                change_wait = asyncio.ensure_future(changed.wait())
+                try:
+                    await asyncio.wait(
+                        {stop_wait, stream_wait, change_wait},
+                        timeout=timeout_s,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                finally:
+                    change_wait.cancel()
         finally:
             stop_wait.cancel()
             stream_wait.cancel()

@@ -89,6 +89,10 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         # The registration generation of the last ListAndWatch stream the kubelet opened.
         self.opened_generation = -1
 
+    def reconfigure(self, config: Config) -> None:
+        """Answer with `config`'s allocation settings from the next call on (a live reload)."""
+        self._config = config
+
     async def GetDevicePluginOptions(  # noqa: N802 (the kubelet's method name)
         self, request: dp.Empty, context: grpc.aio.ServicerContext
     ) -> dp.DevicePluginOptions:

@@ -338,3 +338,17 @@ def test_close_stops_the_sampler_and_later_polls_fail(
     backend.close()  # idempotent
     with pytest.raises(BackendError, match="after close"):
         backend.poll()
+
+
+def test_processes_added_to_a_file_that_had_none_are_sampled(
+    spawn: Spawn, state_path: Path, make_backend: MakeBackend
+) -> None:
+    # The sampler sleeps while no process is listed; the poll that reads the new file wakes it.
+    write_state_file(state_path, {"gpus": [gpu("GPU-a", 0, [])]})
+    backend = make_backend(state_path)
+    assert utilisation(measure(backend, 0.1)) == {}
+    a = spawn()
+    write_state_file(state_path, {"gpus": [gpu("GPU-a", 0, [(a.pid, GIB, 60)])]})
+    backend.poll()  # reads the new file
+    reading = measure(backend, 0.3)
+    assert utilisation(reading) == {a.pid: pytest.approx(60, abs=1)}

@@ -10,6 +10,7 @@ from deviceplugin.model import (
     GpuInfo,
     GpuPlan,
     GpuReading,
+    Inventory,
     NodeReading,
     SliceId,
 )
@@ -17,6 +18,7 @@ from deviceplugin.slicing import (
     MIG_EXCLUDED_REASON,
     build_inventory,
     format_bytes,
+    keep_held_slices,
     plan_gpus,
     rule_for,
 )
@@ -298,3 +300,38 @@ def test_empty_reading_gives_empty_inventory() -> None:
     inv = build_inventory(reading(), SlicingConfig())
     assert inv.slices == ()
     assert inv.plans == ()
+
+
+# --- keep_held_slices: a new plan with slices still held -------------------------------------
+
+
+def _inventory(replicas: int, *gpus: GpuInfo) -> Inventory:
+    reading = NodeReading(0.0, tuple(GpuReading(g) for g in gpus))
+    return build_inventory(reading, SlicingConfig(default=SliceRule(replicas=replicas)))
+
+
+def test_a_held_slice_the_new_plan_drops_stays_unhealthy_with_its_old_share() -> None:
+    g = gpu(0)
+    old, new = _inventory(4, g), _inventory(2, g)
+    held = [f"{g.uuid}::1", f"{g.uuid}::3"]
+    kept = keep_held_slices(new, old, held)
+    assert [s.device_id for s in kept.slices] == [f"{g.uuid}::{n}" for n in (0, 1, 3)]
+    dropped = kept.by_id[f"{g.uuid}::3"]
+    assert not dropped.healthy
+    assert dropped.memory_limit_bytes == 20 * GI  # what it was handed out with
+    assert dropped.compute_share_ratio == 0.25
+    # A held slice the new plan keeps is the new plan's, healthy.
+    assert kept.by_id[f"{g.uuid}::1"] == new.by_id[f"{g.uuid}::1"]
+
+
+def test_nothing_held_or_nothing_dropped_is_the_new_plan_itself() -> None:
+    g = gpu(0)
+    old, new = _inventory(4, g), _inventory(2, g)
+    assert keep_held_slices(new, old, []) is new
+    assert keep_held_slices(new, old, [f"{g.uuid}::0"]) is new
+
+
+def test_slices_of_a_gpu_that_is_gone_are_not_kept() -> None:
+    a, b = gpu(0), gpu(1)
+    old, new = _inventory(2, a, b), _inventory(2, a)
+    assert keep_held_slices(new, old, [f"{b.uuid}::0"]) is new

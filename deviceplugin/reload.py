@@ -1,0 +1,240 @@
+"""Live reload: a new config applied to the running daemon, without a restart.
+
+Two things ask for a reload: SIGHUP, and a change of the config file's content. The file is
+watched through its directory, because a ConfigMap volume never rewrites a file in place: the
+kubelet writes the new content into a new timestamped directory and swaps the `..data` symbolic
+link over to it. Every change in the directory (or a SIGHUP) makes the reloader read the file and
+compare the SHA-256 of its content with the running config's; only a different content is
+parsed and applied.
+
+A new config that does not parse is refused with the messages `check-config` prints, logged,
+counted (`vgpu_config_reloads_total{result="refused"}`), and the running one kept. One that
+parses is applied by `apply_config`, the one entry point (`Daemon.apply_config` calls it):
+
+- slicing: the next poll builds the inventory from the new plan. A slice that the new plan drops
+  and that an allocation holds stays advertised Unhealthy until the kubelet frees it.
+- allocation and MPS settings: the next Allocate uses them.
+- enforcement: a new enforcer with the new settings replaces the old, which first resumes every
+  process it holds stopped; the poll interval and utilisation window follow.
+- resource name: the plugin serves and registers under the new name; the old name's socket goes.
+- health checks: they belong to the GPU backend, opened once; a change takes effect at the next
+  restart, and the reload says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from deviceplugin.config import Config, config_from_bytes
+from deviceplugin.dirwatch import DirectoryWatch
+from deviceplugin.errors import ConfigError
+
+if TYPE_CHECKING:
+    from deviceplugin.app import Daemon
+
+log = logging.getLogger(__name__)
+
+# Where inotify is unavailable, the config's directory is listed this often.
+CONFIG_POLL_INTERVAL_S = 5.0
+RESULTS = ("applied", "refused")
+
+
+def config_hash(content: bytes) -> str:
+    """The hash by which a config's content is known: the first 16 hex digits of its SHA-256."""
+    return hashlib.sha256(content).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedConfig:
+    config: Config
+    hash: str
+
+
+def read_config(path: Path) -> LoadedConfig:
+    """Read and parse the config file once; raises ConfigError as load_config does."""
+    try:
+        content = path.read_bytes()
+    except OSError as e:
+        raise ConfigError([f"cannot read the file: {e.strerror or e}"], str(path)) from e
+    return LoadedConfig(config_from_bytes(content, str(path)), config_hash(content))
+
+
+class ReloadMetrics:
+    """`vgpu_config_reloads_total{result}` (both results at 0 from the start) and
+    `vgpu_config_info{hash}`, 1 for the running config."""
+
+    def __init__(self, registry: CollectorRegistry, node_name: str, config_hash: str) -> None:
+        self._reloads = Counter(
+            "vgpu_config_reloads",
+            "Config reloads, by result: applied, or refused (invalid; the running config kept).",
+            labelnames=("node", "result"),
+            registry=registry,
+        )
+        self._info = Gauge(
+            "vgpu_config_info",
+            "1 for the running config, labelled with the hash of its content.",
+            labelnames=("node", "hash"),
+            registry=registry,
+        )
+        self._node = node_name
+        for result in RESULTS:
+            self._reloads.labels(node=node_name, result=result)
+        self._info.labels(node=node_name, hash=config_hash).set(1)
+
+    def counted(self, result: str) -> None:
+        self._reloads.labels(node=self._node, result=result).inc()
+
+    def running(self, config_hash: str) -> None:
+        self._info.clear()
+        self._info.labels(node=self._node, hash=config_hash).set(1)
+
+
+def describe_changes(old: Config, new: Config) -> list[str]:
+    """The top-level sections that differ, e.g. ['slicing', 'enforcement']."""
+    return [
+        f.name
+        for f in dataclasses.fields(Config)
+        if f.compare and getattr(old, f.name) != getattr(new, f.name)
+    ]
+
+
+async def apply_config(daemon: Daemon, new: Config) -> None:
+    """Apply `new` to the running daemon (see the module's docstring)."""
+    old = daemon.settings.config
+    daemon.settings = dataclasses.replace(daemon.settings, config=new)
+    daemon.service.reconfigure(new)
+    if new.enforcement != old.enforcement:
+        await daemon.replace_enforcer()
+    daemon.poller.reconfigure(new)  # and polls at once: the new plan reaches the kubelet now
+    if new.resource_name != old.resource_name:
+        await change_resources(daemon, old.resource_name, new.resource_name)
+    if new.health != old.health:
+        log.warning(
+            "config reload: the health settings take effect at the next restart of the daemon"
+        )
+    for warning in new.warnings:
+        log.warning("config: %s", warning)
+
+
+async def change_resources(daemon: Daemon, old_name: str, new_name: str) -> None:
+    """The set of advertised resources changed: serve and register under `new_name`, stop
+    serving `old_name`. The one place that knows how the daemon's resources map to plugins."""
+    log.warning(
+        "config reload: resource renamed; registering again old=%s new=%s", old_name, new_name
+    )
+    daemon.tracker.resource_name = new_name
+    await daemon.replace_plugin(new_name)
+
+
+async def report_hangups_without_a_config(stop: asyncio.Event, hangup: asyncio.Event) -> None:
+    """Without --config there is nothing to reload: say so on each SIGHUP."""
+    while True:
+        waiters = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(hangup.wait())}
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+        if stop.is_set():
+            return
+        hangup.clear()
+        log.warning("SIGHUP: no config file to reload (the daemon runs on the built-in defaults)")
+
+
+class ConfigReloader:
+    """Reloads the config at `path` on SIGHUP (`hangup` set) and on a change of its content."""
+
+    def __init__(
+        self,
+        daemon: Daemon,
+        path: Path,
+        metrics: ReloadMetrics,
+        running_hash: str,
+        *,
+        use_inotify: bool = True,
+        poll_interval_s: float = CONFIG_POLL_INTERVAL_S,
+    ) -> None:
+        self._daemon = daemon
+        self._path = path
+        self._metrics = metrics
+        self.running_hash = running_hash
+        self._watch = DirectoryWatch(
+            path.parent, fallback_interval_s=poll_interval_s, use_inotify=use_inotify
+        )
+
+    async def run(self, stop: asyncio.Event, hangup: asyncio.Event) -> None:
+        self._watch.start()
+        log.info(
+            "watching the config for changes path=%s mode=%s hash=%s",
+            self._path,
+            self._watch.mode,
+            self.running_hash,
+        )
+        changed = self._watch.changed
+        try:
+            while not stop.is_set():
+                waiters = {
+                    asyncio.ensure_future(stop.wait()),
+                    asyncio.ensure_future(hangup.wait()),
+                    asyncio.ensure_future(changed.wait()),
+                }
+                try:
+                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for waiter in waiters:
+                        waiter.cancel()
+                if stop.is_set():
+                    return
+                trigger = "SIGHUP" if hangup.is_set() else "file changed"
+                hangup.clear()
+                changed.clear()
+                await self.reload(trigger)
+        finally:
+            await self._watch.close()
+
+    async def reload(self, trigger: str) -> str:
+        """Read the file; apply it if its content changed. Returns 'applied', 'refused' or
+        'unchanged'."""
+        try:
+            loaded = await asyncio.to_thread(read_config, self._path)
+        except ConfigError as e:
+            for problem in e.problems:
+                log.error("config reload refused: %s: %s", e.source, problem)
+            count = len(e.problems)
+            log.error(
+                "config reload refused: %s: invalid (%d problem%s); keeping the running config "
+                "hash=%s trigger=%s",
+                self._path,
+                count,
+                "s" if count != 1 else "",
+                self.running_hash,
+                trigger,
+            )
+            self._metrics.counted("refused")
+            return "refused"
+        if loaded.hash == self.running_hash:
+            # A ConfigMap update touches the directory several times for one new content.
+            level = logging.INFO if trigger == "SIGHUP" else logging.DEBUG
+            log.log(level, "config unchanged hash=%s trigger=%s", loaded.hash, trigger)
+            return "unchanged"
+        changes = describe_changes(self._daemon.settings.config, loaded.config)
+        await self._daemon.apply_config(loaded.config)
+        log.info(
+            "config reloaded hash=%s previous=%s changed=%s trigger=%s",
+            loaded.hash,
+            self.running_hash,
+            ",".join(changes) or "nothing",
+            trigger,
+        )
+        self.running_hash = loaded.hash
+        self._metrics.counted("applied")
+        self._metrics.running(loaded.hash)
+        return "applied"

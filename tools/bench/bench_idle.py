@@ -1,0 +1,201 @@
+"""The daemon's CPU use when nothing happens, and while it tracks a full node.
+
+    .venv/bin/python tools/bench/bench_idle.py [--seconds 30] [--scenario idle|tracking|all]
+
+Runs `vgpu-device-plugin serve` as its own process on the fake backend, the kubelet simulator in
+this process, and measures the daemon process's CPU time (all its threads: event loop, poll
+worker, the fake backend's sampler, HTTP) with psutil over `--seconds`, once it is registered
+and steady:
+
+- `idle`: one fake GPU, no GPU process, registered, nothing scraped. What a node without GPU
+  work pays for the daemon.
+- `tracking`: 8 fake GPUs x 32 slices, 256 one-slice containers each running two real GPU
+  processes (512 processes, 64 per GPU) that carry their container's Allocate env, at the default
+  poll interval (500 ms), nothing scraped. Every poll reads the 8 GPUs, attributes the 512
+  processes and builds the snapshot; the enforcer checks every container. The fake backend's
+  sampler, which models utilisation from the processes' run state, is inside this figure: on a
+  real node NVML's own sampling runs in the driver instead.
+
+Also measures, for each scenario, how many times a second the daemon's event loop is woken up
+(the voluntary context switches of its main thread, as Linux counts them in /proc/PID/status).
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before grpc is imported
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from deviceplugin.gpu.fake import FakeGpu, FakeProcess, FakeState, write_state_file
+from deviceplugin.kubelet_sim import KubeletSimulator
+
+RESOURCE = "nvidia.com/vgpu"
+MiB = 1024**2
+TRACKED_GPUS = 8
+TRACKED_SLICES = 32
+PROCESSES_PER_CONTAINER = 2
+
+
+def fake_gpu(i: int) -> FakeGpu:
+    return FakeGpu(
+        uuid=f"GPU-00000000-0000-4000-8000-{i:012d}",
+        index=i,
+        name="NVIDIA H200",
+        memory_total_bytes=141 * 1024**3,
+        minor=i,
+        numa_node=i // 4,
+    )
+
+
+def cpu_s(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return times.user + times.system
+
+
+def wakeups(proc: psutil.Process) -> int:
+    return int(proc.num_ctx_switches().voluntary)
+
+
+async def measure(pid: int, seconds: float) -> dict[str, float]:
+    proc = psutil.Process(pid)
+    cpu_before, ctx_before, started = cpu_s(proc), wakeups(proc), time.monotonic()
+    await asyncio.sleep(seconds)
+    elapsed = time.monotonic() - started
+    return {
+        "cpu_percent_of_a_core": 100 * (cpu_s(proc) - cpu_before) / elapsed,
+        "wakeups_per_s": (wakeups(proc) - ctx_before) / elapsed,
+    }
+
+
+async def run(scenario: str, seconds: float) -> dict[str, float]:
+    root = Path(tempfile.mkdtemp(prefix="vgi", dir="/tmp"))
+    tracking = scenario == "tracking"
+    gpus = [fake_gpu(i) for i in range(TRACKED_GPUS if tracking else 1)]
+    state = root / "gpus.json"
+    write_state_file(state, FakeState(gpus=tuple(gpus)))
+    config = root / "config.yaml"
+    config.write_text(f"version: v1\nslicing: {{replicas: {TRACKED_SLICES if tracking else 4}}}\n")
+    sim = KubeletSimulator(root / "dp", root / "podres.sock")
+    await sim.start()
+    daemon = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "deviceplugin", "serve", "--config", str(config),
+        "--backend", f"fake:{state}", "--device-plugin-dir", str(root / "dp"),
+        "--pod-resources-socket", str(root / "podres.sock"),
+        "--metrics-address", "127.0.0.1:0", "--state-dir", str(root / "state"),
+        "--log-level", "error",
+    )  # fmt: skip
+    work: list[subprocess.Popen[bytes]] = []
+    try:
+        slices = len(gpus) * (TRACKED_SLICES if tracking else 4)
+        await sim.wait_for(lambda: len(sim.healthy_ids(RESOURCE)) == slices, timeout_s=30)
+        if tracking:
+            per_gpu: dict[str, list[FakeProcess]] = {}
+            for i in range(slices):
+                grant = (await sim.admit_pod(f"p{i}", [("c", 1)])).containers[0]
+                env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **grant.envs}
+                uuid = grant.device_ids[0].rsplit("::", 1)[0]
+                for _ in range(PROCESSES_PER_CONTAINER):
+                    proc = subprocess.Popen(["sleep", "3600"], env=env)  # noqa: ASYNC220
+                    work.append(proc)
+                    per_gpu.setdefault(uuid, []).append(FakeProcess(proc.pid, 512 * MiB, 5))
+            write_state_file(
+                state,
+                FakeState(
+                    gpus=tuple(
+                        dataclasses.replace(g, processes=tuple(per_gpu.get(g.uuid, ())))
+                        for g in gpus
+                    )
+                ),
+            )
+        await asyncio.sleep(5)  # steady: attribution caches, pod-resources names
+        results = await measure(daemon.pid, seconds)
+        if daemon.returncode is not None:
+            raise RuntimeError(f"the daemon exited with {daemon.returncode}")
+        return results
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(daemon.wait(), 10)
+        except TimeoutError:
+            daemon.kill()
+            await daemon.wait()
+        for proc in work:
+            proc.kill()
+            proc.wait()
+        await sim.stop()
+
+
+async def restart_to_registered_ms(repeats: int) -> float:
+    """Median time from a kubelet restart to the daemon registered again with its full list."""
+    root = Path(tempfile.mkdtemp(prefix="vgr", dir="/tmp"))
+    state = root / "gpus.json"
+    write_state_file(state, FakeState(gpus=(fake_gpu(0),)))
+    sim = KubeletSimulator(root / "dp", root / "podres.sock")
+    await sim.start()
+    daemon = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "deviceplugin", "serve",
+        "--backend", f"fake:{state}", "--device-plugin-dir", str(root / "dp"),
+        "--pod-resources-socket", str(root / "podres.sock"),
+        "--metrics-address", "127.0.0.1:0", "--state-dir", str(root / "state"),
+        "--log-level", "error",
+    )  # fmt: skip
+    times: list[float] = []
+    try:
+        await sim.wait_for(lambda: len(sim.healthy_ids(RESOURCE)) == 4, timeout_s=30)
+        for _ in range(repeats):
+            before = len(sim.registrations)
+            started = time.perf_counter()
+            await sim.restart()
+            await sim.wait_for(
+                lambda before=before: (
+                    len(sim.registrations) > before  # type: ignore[misc]
+                    and len(sim.healthy_ids(RESOURCE)) == 4
+                ),
+                timeout_s=10,
+            )
+            times.append((time.perf_counter() - started) * 1000)
+            await asyncio.sleep(0.2)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(daemon.wait(), 10)
+        await sim.stop()
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--scenario", choices=["idle", "tracking", "all"], default="all")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    scenarios = ["idle", "tracking"] if args.scenario == "all" else [args.scenario]
+    results: dict[str, float] = {}
+    for scenario in scenarios:
+        measured = asyncio.run(run(scenario, args.seconds))
+        for key, value in measured.items():
+            results[f"{scenario}_{key}"] = value
+    results["kubelet_restart_to_registered_ms_p50"] = asyncio.run(restart_to_registered_ms(9))
+    print(f"{'measure':<44} {'value':>10}")
+    for name, value in results.items():
+        print(f"{name:<44} {value:>10.2f}")
+    print(json.dumps({"bench": "idle", "seconds": args.seconds, **results}))
+
+
+if __name__ == "__main__":
+    main()
