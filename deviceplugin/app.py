@@ -31,7 +31,7 @@ from deviceplugin.config import Config
 from deviceplugin.enforcer import Enforcer, RecordingControl
 from deviceplugin.errors import BackendError, StartupError
 from deviceplugin.gpu.backend import GpuBackend
-from deviceplugin.httpserver import HttpServer
+from deviceplugin.httpserver import HttpServer, TlsFiles
 from deviceplugin.metrics import DaemonMetrics, healthz
 from deviceplugin.model import (
     AllocationRecord,
@@ -70,6 +70,8 @@ class DaemonSettings:
     device_plugin_dir: Path = Path(DEFAULT_DEVICE_PLUGIN_DIR)
     pod_resources_socket: Path = Path(DEFAULT_POD_RESOURCES_SOCKET)
     metrics_address: str = ":9410"
+    # HTTPS for the metrics endpoint; None: plain HTTP.
+    metrics_tls: TlsFiles | None = None
     state_dir: Path = Path("/var/lib/vgpu")
     node_name: str = ""
 
@@ -471,6 +473,7 @@ class Daemon:
                 self.metrics,
                 lambda: self.poller.snapshot,
                 self.healthz,
+                tls=settings.metrics_tls,
             )
 
     def _enforce(self, snapshot: NodeSnapshot) -> NodeSnapshot:
