@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_om
+from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
 from deviceplugin.gpu.fake import FakeState, write_state_file
@@ -115,7 +116,11 @@ def test_gzip_when_accepted(server: HttpServer, accept: str) -> None:
     assert [f.name for f in parse_any(unzipped)] == [f.name for f in parse_any(plain.decode())]
 
 
-def parse_any(text: str) -> list[object]:
+def parse_om(text: str) -> list[Metric]:
+    return list(text_string_to_metric_families(text))  # type: ignore[no-untyped-call]
+
+
+def parse_any(text: str) -> list[Metric]:
     return list(parse_om(text) if text.endswith("# EOF\n") else parse_text(text))
 
 
