@@ -40,6 +40,7 @@ from deviceplugin.model import (
     NodeSnapshot,
     allocation_id,
 )
+from deviceplugin.nodelabels import NodeLabelFile
 from deviceplugin.plugin.lifecycle import PluginLifecycle
 from deviceplugin.plugin.server import DevicePluginService
 from deviceplugin.podresources import list_container_devices
@@ -466,6 +467,10 @@ class Daemon:
             cfg.resource_name,
             interval_s=pod_resources_interval_s,
         )
+        # Node labels through node feature discovery's feature file, when the config asks.
+        self.node_labels: NodeLabelFile | None = None
+        if cfg.node_labels.path:
+            self.node_labels = NodeLabelFile(Path(cfg.node_labels.path))
         self.http: HttpServer | None = None
         if settings.metrics_address:
             self.http = HttpServer(
@@ -554,6 +559,10 @@ class Daemon:
                 tasks.create_task(
                     self.tracker.run(stop, self.poller.names_wanted), name="pod-resources"
                 )
+                if self.node_labels is not None:
+                    tasks.create_task(
+                        self.node_labels.run(self.inventory, stop), name="node-labels"
+                    )
         finally:
             try:
                 # Every process it holds stopped runs again, whatever ended the daemon: first.

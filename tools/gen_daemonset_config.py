@@ -5,7 +5,8 @@
 
 daemonset/base/config.yaml becomes the ConfigMap the DaemonSet mounts (configMapGenerator), so
 a fresh install runs with exactly the defaults, each key commented. It is
-`deviceplugin.config.default_config_yaml()`, byte for byte, and daemonset/README.md quotes it
+`deviceplugin.config.default_config_yaml()` with `nodeLabels.path` set to NFD's directory,
+byte for byte, and daemonset/README.md quotes it
 between two markers; tests/deploy checks both.
 """
 
@@ -15,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from deviceplugin.config import default_config_yaml
+from deviceplugin.config import NFD_FEATURE_FILE, default_config_yaml
 
 DEPLOY = Path(__file__).resolve().parent.parent / "daemonset"
 CONFIG = DEPLOY / "base" / "config.yaml"
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="write or check daemonset/base/config.yaml")
     parser.add_argument("--check", action="store_true", help="exit 1 if a file is stale")
     args = parser.parse_args(argv)
-    config = default_config_yaml()
+    config = default_config_yaml(node_labels_path=NFD_FEATURE_FILE)
     readme = README.read_text()
     wanted = {CONFIG: config, README: readme_with(readme, config)}
     current = {CONFIG: CONFIG.read_text() if CONFIG.exists() else None, README: readme}
