@@ -12,6 +12,8 @@ DEPLOY = ROOT / "daemonset"
 BASE = DEPLOY / "base"
 MONITORING = DEPLOY / "monitoring"
 EXAMPLES = DEPLOY / "examples"
+# The Helm chart: templates, not manifests (tests/deploy/test_chart.py renders and checks them).
+CHART = DEPLOY / "chart"
 NAMESPACE = "vgpu-system"
 KUSTOMIZATION = "kustomization.yaml"
 
@@ -26,9 +28,11 @@ def load_documents(path: Path) -> list[Manifest]:
 
 def manifest_files() -> list[Path]:
     """Every Kubernetes manifest under daemonset/: YAML files that are not kustomize's own
-    files and not the config file that becomes a ConfigMap."""
+    files, not the config file that becomes a ConfigMap, and not the Helm chart's."""
     return sorted(
-        p for p in DEPLOY.rglob("*.yaml") if p.name != KUSTOMIZATION and p != BASE / "config.yaml"
+        p
+        for p in DEPLOY.rglob("*.yaml")
+        if p.name != KUSTOMIZATION and p != BASE / "config.yaml" and not p.is_relative_to(CHART)
     )
 
 

@@ -94,7 +94,7 @@ def test_kustomize_output_matches_the_kubernetes_schema(overlay: str) -> None:
     kinds = sorted(d["kind"] for d in docs)
     expected = ["ConfigMap", "DaemonSet", "Namespace", "Service", "ServiceAccount"]
     if overlay:
-        expected += ["ConfigMap", "PrometheusRule", "ServiceMonitor"]
+        expected += ["ConfigMap", "NetworkPolicy", "PrometheusRule", "ServiceMonitor"]
     assert kinds == sorted(expected)
     for doc in docs:
         if doc["kind"] != "Namespace":
