@@ -60,12 +60,16 @@ async def test_the_feature_file_names_the_slices_and_follows_gpu_health(node: No
         "nvidia.com/vgpu.product": "NVIDIA-A100-SXM4-80GB",
         "nvidia.com/vgpu.mig-strategy": "none",
     }
-    async with running_daemon(node, labels_config(features)):
+    async with running_daemon(node, labels_config(features)) as daemon:
         await registered(node, 8)
         await eventually(lambda: file_reads(features, healthy), what="the feature file")
         mode = stat.S_IMODE(features.stat().st_mode)
         assert mode == 0o644, oct(mode)  # NFD's worker may run as another user
         first_inode = features.stat().st_ino
+        # Polls that change nothing leave the file alone (NFD is woken by every write).
+        polls = daemon.poller.last_success_wall_s
+        await eventually(lambda: daemon.poller.last_success_wall_s > polls + 0.2, what="polls")
+        assert features.stat().st_ino == first_inode
 
         # GPU 1 falls ill: its four slices leave the count; the file is replaced, not edited.
         node.write_gpus((gpu(0), gpu(1, healthy=False)))
