@@ -37,12 +37,36 @@ default, `envvar`):
 
 With neither `envvar` nor `volume-mounts`, `NVIDIA_VISIBLE_DEVICES` is `void`: the NVIDIA runtime
 then injects nothing on its own, and the GPUs come only from CDI or the device specs.
+
+Framework hints (unless `allocation.frameworkHints: false`), so that frameworks that reserve GPU
+memory up front fit their slices instead of being killed for it. A GPU's fraction is
+(the container's memory limit on it - `allocation.contextReserve`) / the GPU's memory, rounded
+down to two decimals, computed in integers; the reserve stays free for the CUDA context and the
+libraries' workspaces, which live outside a framework's pool:
+
+- `VGPU_MEMORY_FRACTION_<i>` per visible ordinal i: for PyTorch's
+  `torch.cuda.set_per_process_memory_fraction` and vLLM's `--gpu-memory-utilization`.
+- `XLA_PYTHON_CLIENT_MEM_FRACTION` (JAX): one value for every GPU of the process, so the
+  fraction of the tightest GPU.
+- `TF_FORCE_GPU_ALLOW_GROWTH=true` (TensorFlow): allocate as needed rather than all at start.
+
+A GPU whose limit is no more than the reserve gets no fraction (it would be 0), and then neither
+does JAX; TensorFlow's hint stands.
+
+With MPS the fractions are of one slice, whatever the container holds: the GPU holds each MPS
+client process to one slice's memory, so a JAX process told its container's k slices would fail
+to reserve them at start. The container still gets k slices' worth across its processes.
+
+With MPS, the container also gets the MPS pipe directory (`<mps.root>/pipe`, mounted at the same
+path, named by `CUDA_MPS_PIPE_DIRECTORY`) and the MPS server's shared memory (`<mps.root>/shm`
+mounted at `/dev/shm`), without which a client cannot reach the server.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from deviceplugin.config import AllocationConfig, DeviceListStrategy, MpsConfig
 from deviceplugin.errors import AllocationError
@@ -50,6 +74,7 @@ from deviceplugin.model import (
     ContainerAllocation,
     DeviceNodeSpec,
     GpuInfo,
+    GpuPlan,
     Inventory,
     MountSpec,
     Slice,
@@ -62,6 +87,11 @@ ENV_MEMORY_LIMIT_MIB_PREFIX = "VGPU_MEMORY_LIMIT_MIB_"
 ENV_COMPUTE_SHARE_PERCENT_PREFIX = "VGPU_COMPUTE_SHARE_PERCENT_"
 ENV_MPS_PINNED_DEVICE_MEM_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 ENV_MPS_ACTIVE_THREAD_PERCENTAGE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+ENV_MPS_PIPE_DIRECTORY = "CUDA_MPS_PIPE_DIRECTORY"
+ENV_XLA_MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+ENV_TF_ALLOW_GROWTH = "TF_FORCE_GPU_ALLOW_GROWTH"
+ENV_MEMORY_FRACTION_PREFIX = "VGPU_MEMORY_FRACTION_"
+MPS_SHM_CONTAINER_PATH = "/dev/shm"  # noqa: S108 (the path MPS uses, not a temp file)
 
 VISIBLE_DEVICES_VOID = "void"
 VOLUME_MOUNTS_ROOT = "/var/run/nvidia-container-devices"
@@ -72,6 +102,81 @@ CONTROL_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-to
 GPU_DEVICE_NODE_PREFIX = "/dev/nvidia"
 
 MIB = 1 << 20
+
+
+def mps_pipe_directory(root: str) -> str:
+    return f"{root.rstrip('/')}/pipe"
+
+
+def mps_log_directory(root: str) -> str:
+    return f"{root.rstrip('/')}/log"
+
+
+def mps_shm_directory(root: str) -> str:
+    return f"{root.rstrip('/')}/shm"
+
+
+@dataclass(frozen=True, slots=True)
+class MpsDefaults:
+    """What the MPS control daemon holds each new client to: one slice's memory per GPU (by
+    UUID, in MiB) and one slice's share of the threads. The control daemon's thread percentage
+    is one value for every GPU, so it is the smallest slice share of any GPU; MPS rejects 0."""
+
+    pinned_mem_limit_mib: tuple[tuple[str, int], ...] = ()
+    active_thread_percentage: int | None = None
+
+    def commands(self) -> tuple[str, ...]:
+        """The control commands that set these defaults, one per line of stdin."""
+        lines = [
+            f"set_default_device_pinned_mem_limit {uuid} {mib}M"
+            for uuid, mib in self.pinned_mem_limit_mib
+        ]
+        if self.active_thread_percentage is not None:
+            lines.append(f"set_default_active_thread_percentage {self.active_thread_percentage}")
+        return tuple(lines)
+
+
+def mps_defaults(all_plans: Sequence[GpuPlan]) -> MpsDefaults:
+    """One slice's limits on every sliced GPU of the plan."""
+    plans = [p for p in all_plans if p.sliced]
+    if not plans:
+        return MpsDefaults()
+    return MpsDefaults(
+        pinned_mem_limit_mib=tuple((p.gpu.uuid, p.memory_per_slice_bytes // MIB) for p in plans),
+        active_thread_percentage=max(1, min(100 // p.replicas for p in plans)),
+    )
+
+
+def memory_fraction_hundredths(limit_bytes: int, reserve_bytes: int, total_bytes: int) -> int:
+    """floor(100 * (limit - reserve) / total), at least 0: a fraction in hundredths."""
+    if total_bytes <= 0:
+        return 0
+    return max(0, (limit_bytes - reserve_bytes) * 100 // total_bytes)
+
+
+def format_hundredths(hundredths: int) -> str:
+    """1 -> "0.01", 75 -> "0.75", 100 -> "1.00"."""
+    return f"{hundredths // 100}.{hundredths % 100:02d}"
+
+
+def framework_hints(
+    limits_bytes: Sequence[int], totals_bytes: Sequence[int], reserve_bytes: int
+) -> dict[str, str]:
+    """The framework hints for a container with `limits_bytes[i]` of memory on its visible GPU
+    i of `totals_bytes[i]`."""
+    fractions = [
+        memory_fraction_hundredths(limit, reserve_bytes, total)
+        for limit, total in zip(limits_bytes, totals_bytes, strict=True)
+    ]
+    envs = {
+        f"{ENV_MEMORY_FRACTION_PREFIX}{ordinal}": format_hundredths(f)
+        for ordinal, f in enumerate(fractions)
+        if f > 0
+    }
+    if fractions and min(fractions) > 0:
+        envs[ENV_XLA_MEM_FRACTION] = format_hundredths(min(fractions))
+    envs[ENV_TF_ALLOW_GROWTH] = "true"
+    return envs
 
 
 def _validate(device_ids: Sequence[str], inventory: Inventory) -> list[Slice]:
@@ -124,10 +229,17 @@ def build_container_allocation(
     gpus: list[GpuInfo] = []
     memory_mib: list[int] = []
     share_percent: list[int] = []
+    memory_bytes: list[int] = []
+    # What one process may hold on each GPU: with MPS, the GPU holds every client process to one
+    # slice, whatever the container holds (a client cannot raise the control daemon's limit).
+    process_bytes: list[int] = []
     for gpu_slices in by_gpu.values():
         gpu, replicas = _gpu_info(inventory, gpu_slices[0])
         gpus.append(gpu)
-        memory_mib.append(sum(s.memory_limit_bytes for s in gpu_slices) // MIB)
+        memory_bytes.append(sum(s.memory_limit_bytes for s in gpu_slices))
+        memory_mib.append(memory_bytes[-1] // MIB)
+        one_slice = min(s.memory_limit_bytes for s in gpu_slices)
+        process_bytes.append(one_slice if mps.enabled else memory_bytes[-1])
         share_percent.append(len(gpu_slices) * 100 // replicas)
     uuids = [g.uuid for g in gpus]
 
@@ -147,16 +259,32 @@ def build_container_allocation(
             f"{ordinal}={mib}M" for ordinal, mib in enumerate(memory_mib)
         )
         envs[ENV_MPS_ACTIVE_THREAD_PERCENTAGE] = str(max(1, min(share_percent)))
+        envs[ENV_MPS_PIPE_DIRECTORY] = mps_pipe_directory(mps.root)
+    if cfg.framework_hints:
+        totals = [g.memory_total_bytes for g in gpus]
+        envs.update(framework_hints(process_bytes, totals, cfg.context_reserve_bytes))
 
-    mounts: tuple[MountSpec, ...] = ()
+    mounts: list[MountSpec] = []
     if DeviceListStrategy.VOLUME_MOUNTS in strategies:
-        mounts = tuple(
+        mounts.extend(
             MountSpec(
                 container_path=f"{VOLUME_MOUNTS_ROOT}/{uuid}",
                 host_path=VOLUME_MOUNT_HOST_PATH,
                 read_only=True,
             )
             for uuid in uuids
+        )
+    if mps.enabled:
+        # Read-write, as the MPS client connects to the control daemon's socket in the pipe
+        # directory and shares memory with the MPS server through /dev/shm.
+        pipe = mps_pipe_directory(mps.root)
+        mounts.append(MountSpec(container_path=pipe, host_path=pipe, read_only=False))
+        mounts.append(
+            MountSpec(
+                container_path=MPS_SHM_CONTAINER_PATH,
+                host_path=mps_shm_directory(mps.root),
+                read_only=False,
+            )
         )
 
     cdi_names = tuple(f"{CDI_KIND}={uuid}" for uuid in uuids)
@@ -177,7 +305,7 @@ def build_container_allocation(
         slice_ids=tuple(s.device_id for s in slices),
         gpu_uuids=tuple(uuids),
         envs=envs,
-        mounts=mounts,
+        mounts=tuple(mounts),
         devices=devices,
         annotations=annotations,
         cdi_devices=cdi_devices,
@@ -188,9 +316,21 @@ __all__ = [
     "CDI_ANNOTATION_PREFIX",
     "ENV_ALLOCATION_ID",
     "ENV_COMPUTE_SHARE_PERCENT_PREFIX",
+    "ENV_MEMORY_FRACTION_PREFIX",
     "ENV_MEMORY_LIMIT_MIB_PREFIX",
     "ENV_MPS_ACTIVE_THREAD_PERCENTAGE",
     "ENV_MPS_PINNED_DEVICE_MEM_LIMIT",
+    "ENV_MPS_PIPE_DIRECTORY",
+    "ENV_TF_ALLOW_GROWTH",
     "ENV_VISIBLE_DEVICES",
+    "ENV_XLA_MEM_FRACTION",
+    "MpsDefaults",
     "build_container_allocation",
+    "format_hundredths",
+    "framework_hints",
+    "memory_fraction_hundredths",
+    "mps_defaults",
+    "mps_log_directory",
+    "mps_pipe_directory",
+    "mps_shm_directory",
 ]

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import grpc
 
 from deviceplugin import __version__
+from deviceplugin.allocation import mps_defaults
 from deviceplugin.checkpoint import CHECKPOINT_FILE, CheckpointReader
 from deviceplugin.config import Config
 from deviceplugin.enforcer import Enforcer, RecordingControl
@@ -40,6 +41,7 @@ from deviceplugin.model import (
     NodeSnapshot,
     allocation_id,
 )
+from deviceplugin.mps import MpsControlDaemon
 from deviceplugin.nodelabels import NodeLabelFile
 from deviceplugin.plugin.lifecycle import PluginLifecycle
 from deviceplugin.plugin.server import DevicePluginService
@@ -467,6 +469,9 @@ class Daemon:
             cfg.resource_name,
             interval_s=pod_resources_interval_s,
         )
+        # The node's MPS control daemon, when MPS is on: started after the first poll (its
+        # defaults follow the slicing), supervised, and sent quit on every exit path.
+        self.mps = MpsControlDaemon(cfg.mps) if cfg.mps.enabled else None
         # Node labels through node feature discovery's feature file, when the config asks.
         self.node_labels: NodeLabelFile | None = None
         if cfg.node_labels.path:
@@ -509,6 +514,7 @@ class Daemon:
             last_poll_success_s=self.poller.last_success_wall_s,
             poll_failures_consecutive=self.poller.failures,
             pod_resources_ok=self.tracker.ok,
+            mps=None if self.mps is None else self.mps.status,
         )
 
     def healthz(self) -> tuple[bool, str]:
@@ -545,6 +551,8 @@ class Daemon:
                     f"the GPU backend {self.backend.name} did not answer its first poll within "
                     f"{self.poller.timeout_s:g} s; see the log lines above for the GPU at fault"
                 ) from e
+            if self.mps is not None:
+                await asyncio.to_thread(self.mps.start, mps_defaults(self.inventory.value.plans))
             if self.http is not None:
                 try:
                     self.http.start()
@@ -559,6 +567,11 @@ class Daemon:
                 tasks.create_task(
                     self.tracker.run(stop, self.poller.names_wanted), name="pod-resources"
                 )
+                if self.mps is not None:
+                    mps, inventory = self.mps, self.inventory
+                    tasks.create_task(
+                        mps.run(stop, lambda: mps_defaults(inventory.value.plans)), name="mps"
+                    )
                 if self.node_labels is not None:
                     tasks.create_task(
                         self.node_labels.run(self.inventory, stop), name="node-labels"
@@ -568,6 +581,8 @@ class Daemon:
                 # Every process it holds stopped runs again, whatever ended the daemon: first.
                 self.enforcer.close()
             finally:
+                if self.mps is not None:
+                    self.mps.stop()
                 if self.http is not None:
                     self.http.stop()
         log.info("stopped")

@@ -5,7 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TextIO
 
-from deviceplugin.config import Config, load_config
+from deviceplugin.allocation import (
+    format_hundredths,
+    memory_fraction_hundredths,
+    mps_defaults,
+    mps_log_directory,
+    mps_pipe_directory,
+)
+from deviceplugin.config import Config, format_size, load_config
 from deviceplugin.errors import BackendError, ConfigError
 from deviceplugin.model import GpuInfo, GpuPlan
 from deviceplugin.slicing import format_bytes, plan_gpus
@@ -52,10 +59,50 @@ def render_plan(plans: tuple[GpuPlan, ...], resource_name: str) -> list[str]:
 
 def describe(config: Config) -> str:
     strategies = ",".join(s.value for s in config.allocation.device_list_strategy)
+    hints = config.allocation
     return (
         f"resource {config.resource_name}, allocation policy {config.allocation.policy.value}, "
-        f"device list {strategies}, MPS {'on' if config.mps.enabled else 'off'}"
+        f"device list {strategies}, MPS {'on' if config.mps.enabled else 'off'}, "
+        "framework hints "
+        + (
+            f"on (context reserve {format_size(hints.context_reserve_bytes)})"
+            if hints.framework_hints
+            else "off"
+        )
     )
+
+
+def render_limits(plans: tuple[GpuPlan, ...], config: Config) -> list[str]:
+    """What a one-slice container is told (framework hints) and, with MPS, what the control
+    daemon is told: the lines under the plan."""
+    sliced = [p for p in plans if p.sliced]
+    lines: list[str] = []
+    if config.allocation.framework_hints and sliced:
+        reserve = config.allocation.context_reserve_bytes
+        fractions = []
+        for plan in sliced:
+            h = memory_fraction_hundredths(
+                plan.memory_per_slice_bytes, reserve, plan.gpu.memory_total_bytes
+            )
+            fractions.append(f"GPU {plan.gpu.index} " + (format_hundredths(h) if h else "none"))
+        lines.append(
+            "memory fraction a one-slice container is told, after the "
+            f"{format_size(reserve)} context reserve:"
+        )
+        lines.append(
+            "  " + ", ".join(fractions) + "  (XLA_PYTHON_CLIENT_MEM_FRACTION, "
+            "VGPU_MEMORY_FRACTION_0)"
+        )
+    if config.mps.enabled:
+        mps = config.mps
+        lines.append(
+            f"MPS: {mps.control_command} -d, pipe {mps_pipe_directory(mps.root)}, "
+            f"log {mps_log_directory(mps.root)},"
+        )
+        lines.append("  then, on its stdin:")
+        commands = mps_defaults(plans).commands()
+        lines.extend(f"  {c}" for c in commands or ("(nothing: no GPU is sliced)",))
+    return lines
 
 
 def check_config(path: Path, backend_spec: str, out: TextIO, err: TextIO) -> int:
@@ -86,6 +133,9 @@ def check_config(path: Path, backend_spec: str, out: TextIO, err: TextIO) -> int
             "(pass --backend nvml on a GPU node to plan for its own GPUs):",
             file=out,
         )
-    for line in render_plan(plan_gpus(gpus, config.slicing), config.resource_name):
+    plans = plan_gpus(gpus, config.slicing)
+    for line in render_plan(plans, config.resource_name):
+        print(line, file=out)
+    for line in render_limits(plans, config):
         print(line, file=out)
     return EXIT_OK

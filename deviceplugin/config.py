@@ -20,6 +20,10 @@ from deviceplugin.errors import ConfigError
 
 DEFAULT_RESOURCE_NAME = "nvidia.com/vgpu"
 DEFAULT_REPLICAS = 4
+# What a CUDA context and the libraries' workspaces take outside a framework's memory pool.
+DEFAULT_CONTEXT_RESERVE_BYTES = 512 * 1024**2
+DEFAULT_MPS_ROOT = "/run/vgpu/mps"
+DEFAULT_MPS_CONTROL_COMMAND = "nvidia-cuda-mps-control"
 
 
 class AllocationPolicy(StrEnum):
@@ -79,6 +83,10 @@ class SlicingConfig:
 class AllocationConfig:
     policy: AllocationPolicy = AllocationPolicy.PACK
     device_list_strategy: tuple[DeviceListStrategy, ...] = (DeviceListStrategy.ENVVAR,)
+    # Tell frameworks that grab GPU memory up front their share (XLA_PYTHON_CLIENT_MEM_FRACTION,
+    # TF_FORCE_GPU_ALLOW_GROWTH, VGPU_MEMORY_FRACTION_<i>), less the context reserve.
+    framework_hints: bool = True
+    context_reserve_bytes: int = DEFAULT_CONTEXT_RESERVE_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +114,13 @@ class EnforcementConfig:
 
 @dataclass(frozen=True, slots=True)
 class MpsConfig:
+    """CUDA MPS: when enabled, the daemon runs and supervises the node's MPS control daemon
+    (`control_command -d`), with its pipe and log directories under `root`, and hands containers
+    the pipe directory and their limits."""
+
     enabled: bool = False
+    root: str = DEFAULT_MPS_ROOT
+    control_command: str = DEFAULT_MPS_CONTROL_COMMAND
 
 
 # Where node feature discovery's local source reads feature files; the DaemonSet's config sets it.
@@ -277,11 +291,11 @@ _NODE_LABELS_KEYS = ("path",)
 _SLICING_KEYS = ("replicas", "memoryPerSlice", "overrides")
 _OVERRIDE_KEYS = ("match", "replicas", "memoryPerSlice")
 _MATCH_KEYS = ("model", "index", "uuid")
-_ALLOCATION_KEYS = ("policy", "deviceListStrategy")
+_ALLOCATION_KEYS = ("policy", "deviceListStrategy", "frameworkHints", "contextReserve")
 _ENFORCEMENT_KEYS = ("pollInterval", "dryRun", "memory", "compute")
 _MEMORY_KEYS = ("action", "gracePeriod")
 _COMPUTE_KEYS = ("action", "window", "period", "workConserving")
-_MPS_KEYS = ("enabled",)
+_MPS_KEYS = ("enabled", "root", "controlCommand")
 _HEALTH_KEYS = (
     "enabled",
     "ignoredXids",
@@ -366,6 +380,14 @@ def format_duration(seconds: float) -> str:
     if micros % 1000 == 0:
         return f"{micros // 1000}ms"
     return f"{micros}us"
+
+
+def format_size(size_bytes: int) -> str:
+    """The shortest binary-unit way to write a size that parse_size reads back: 512Mi, 10Gi."""
+    for unit, size in (("Ti", 1024**4), ("Gi", 1024**3), ("Mi", 1024**2), ("Ki", 1024)):
+        if size_bytes and size_bytes % size == 0:
+            return f"{size_bytes // size}{unit}"
+    return str(size_bytes)
 
 
 def parse_size(value: str | int) -> int:
@@ -650,7 +672,23 @@ def _allocation(r: _Reader, value: object) -> AllocationConfig:
     if "deviceListStrategy" in section:
         parsed = r.strategies(section["deviceListStrategy"], _join(path, "deviceListStrategy"))
         strategies = parsed or strategies
-    return AllocationConfig(policy=policy, device_list_strategy=strategies)
+    hints = defaults.framework_hints
+    if "frameworkHints" in section:
+        parsed_hints = r.boolean(section["frameworkHints"], _join(path, "frameworkHints"))
+        hints = hints if parsed_hints is None else parsed_hints
+    reserve = defaults.context_reserve_bytes
+    if "contextReserve" in section:
+        value = section["contextReserve"]
+        # 0 is a valid reserve (no room kept for the CUDA context), unlike other sizes.
+        zero = (value == 0 and not isinstance(value, bool)) or value == "0"
+        parsed_reserve = 0 if zero else r.size(value, _join(path, "contextReserve"))
+        reserve = reserve if parsed_reserve is None else parsed_reserve
+    return AllocationConfig(
+        policy=policy,
+        device_list_strategy=strategies,
+        framework_hints=hints,
+        context_reserve_bytes=reserve,
+    )
 
 
 def _enforcement(r: _Reader, value: object) -> EnforcementConfig:
@@ -723,12 +761,38 @@ def _enforcement(r: _Reader, value: object) -> EnforcementConfig:
     )
 
 
+def _mps_root(r: _Reader, value: object, path: str) -> str | None:
+    root = r.string(value, path)
+    if root is None:
+        return None
+    if not root.startswith("/"):
+        r.error(path, f"{_show(root)} is not an absolute path (e.g. {DEFAULT_MPS_ROOT})")
+        return None
+    # Containers get <root>/pipe at the same path: keep it a plain, normalised path.
+    if os.path.normpath(root) != root or any(c in root for c in ",:\n"):
+        r.error(path, f"{_show(root)} is not a normalised path without commas or colons")
+        return None
+    return root
+
+
 def _mps(r: _Reader, value: object) -> MpsConfig:
     section = r.section(value, "mps", _MPS_KEYS)
-    if "enabled" not in section:
-        return MpsConfig()
-    enabled = r.boolean(section["enabled"], "mps.enabled")
-    return MpsConfig(enabled=bool(enabled))
+    defaults = MpsConfig()
+    enabled = defaults.enabled
+    if "enabled" in section:
+        parsed = r.boolean(section["enabled"], "mps.enabled")
+        enabled = enabled if parsed is None else parsed
+    root = defaults.root
+    if "root" in section:
+        root = _mps_root(r, section["root"], "mps.root") or root
+    command = defaults.control_command
+    if "controlCommand" in section:
+        parsed_command = r.string(section["controlCommand"], "mps.controlCommand")
+        if parsed_command is not None and not parsed_command.strip():
+            r.error("mps.controlCommand", "is empty (the default is nvidia-cuda-mps-control)")
+        elif parsed_command is not None:
+            command = parsed_command
+    return MpsConfig(enabled=enabled, root=root, control_command=command)
 
 
 def _node_labels(r: _Reader, value: object) -> NodeLabelsConfig:
@@ -900,11 +964,6 @@ _NV_IGNORED_FLAGS = (
     _IgnoredSetting("nvidiaDriverRoot", "/", _DRIVER_INSTEAD),
     _IgnoredSetting("nvidiaDevRoot", "/", _DRIVER_INSTEAD),
     _IgnoredSetting(
-        "mpsRoot",
-        "",
-        "vgpu does not run an MPS control daemon; with MPS it only sets each container's limits",
-    ),
-    _IgnoredSetting(
         "gdsEnabled",
         False,
         "vgpu does not pass GPUDirect Storage devices to containers",
@@ -1069,6 +1128,14 @@ def _nvidia_replicated(r: _Reader, value: object, path: str) -> _NvidiaSharing |
     return chosen
 
 
+def _nvidia_mps_root(r: _Reader, flags: Mapping[str, object]) -> str | None:
+    """flags.mpsRoot, where set (NVIDIA writes an unset one as "")."""
+    value = flags.get("mpsRoot")
+    if value is None or value == "":
+        return None
+    return _mps_root(r, value, "flags.mpsRoot")
+
+
 def _nvidia_flags(
     r: _Reader, value: object
 ) -> tuple[AllocationPolicy | None, tuple[DeviceListStrategy, ...] | None, bool]:
@@ -1179,6 +1246,20 @@ def _parse_nvidia(r: _Reader, data: Mapping[str, object]) -> Config:
             "timeSlicing and mps both list resources; vgpu shares GPUs one way, so keep one",
         )
     chosen = mps or time_slicing
+    flags = top.get("flags")
+    mps_root = _nvidia_mps_root(r, flags) if isinstance(flags, dict) else None
+    if mps is not None:
+        r.warn(
+            "sharing.mps: vgpu runs one MPS control daemon for the node, with its pipe directory"
+            " at <mps root>/pipe (not NVIDIA's <mps root>/<resource>/pipe), and does not set"
+            " the GPUs' compute mode to EXCLUSIVE_PROCESS: a process that bypasses MPS still"
+            " reaches the GPU, and the poller enforces its container's limits."
+        )
+    elif mps_root is not None:
+        r.warn(
+            "flags.mpsRoot is ignored: vgpu runs MPS only for a sharing.mps resource,"
+            " and none is listed."
+        )
     resource_name = defaults.resource_name
     slicing = defaults.slicing
     if chosen is None:
@@ -1197,7 +1278,10 @@ def _parse_nvidia(r: _Reader, data: Mapping[str, object]) -> Config:
         allocation=AllocationConfig(
             policy=policy or defaults.allocation.policy, device_list_strategy=device_list
         ),
-        mps=MpsConfig(enabled=mps is not None),
+        mps=MpsConfig(
+            enabled=mps is not None,
+            root=(mps_root if mps is not None and mps_root else DEFAULT_MPS_ROOT),
+        ),
         health=health,
     )
 
@@ -1313,6 +1397,12 @@ allocation:
   # How a container gets its GPUs, any of: envvar, volume-mounts, cdi-annotations, cdi-cri,
   # device-specs.
   deviceListStrategy: [{strategies}]
+  # Tell frameworks that reserve GPU memory up front their share, so that they fit their
+  # slices: XLA_PYTHON_CLIENT_MEM_FRACTION (JAX), TF_FORCE_GPU_ALLOW_GROWTH (TensorFlow) and
+  # VGPU_MEMORY_FRACTION_<i> per GPU (PyTorch, vLLM: set in code or on the command line).
+  frameworkHints: {"true" if d.allocation.framework_hints else "false"}
+  # Left out of those fractions for the CUDA context and libraries outside the framework's pool.
+  contextReserve: {format_size(d.allocation.context_reserve_bytes)}
 
 enforcement:
   # How often GPU memory and utilisation are measured.
@@ -1335,9 +1425,14 @@ enforcement:
     workConserving: {"true" if e.compute.work_conserving else "false"}
 
 mps:
-  # Also give each container CUDA MPS limits (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT,
-  # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); needs an MPS control daemon on the node.
+  # Run and supervise the node's CUDA MPS control daemon and share the GPUs through it: each
+  # MPS client process is held to one slice's memory and compute by the GPU itself, and
+  # containers get the pipe directory and their limits. Needs the DaemonSet's MPS component.
   enabled: {"true" if d.mps.enabled else "false"}
+  # The MPS pipe (<root>/pipe), log (<root>/log) and shared memory (<root>/shm) directories.
+  root: {d.mps.root}
+  # The MPS control program, started with -d and sent its commands on stdin.
+  controlCommand: {d.mps.control_command}
 
 health:
   # Watch NVML's Xid and double-bit ECC events, and take a GPU out of service (its slices turn

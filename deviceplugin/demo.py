@@ -7,7 +7,8 @@ container got. Then it restarts the kubelet, as a node upgrade would, and shows 
 re-registering with every allocation intact. Then the containers do GPU work (real processes
 carrying their Allocate env, listed in the state file), and it shows the live per-container
 usage, as `vgpu-device-plugin status` and the metrics endpoint do, while the enforcer throttles
-the noisy neighbour and kills a container's process that went over its memory limit. It runs
+the noisy neighbour and kills a container's process that went over its memory limit, and a
+JAX-style container sizes its up-front memory reservation from the hint Allocate gave it. It runs
 until Ctrl-C or --duration, then stops everything it started and removes its directory.
 """
 
@@ -22,7 +23,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -79,6 +80,7 @@ DEMO_PODS: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = (
     ("llm-finetune", (("trainer", 4),)),
     ("inference", (("server", 2), ("metrics-sidecar", 1))),
     ("notebook", (("jupyter", 1),)),
+    ("jax-train", (("jax", 1),)),
 )
 
 # The GPU work each container does: (memory in use, SM demand in percent). The sidecar holds a
@@ -88,6 +90,20 @@ DEMO_WORKLOADS: dict[tuple[str, str], tuple[int, float]] = {
     ("inference", "server"): (12 * GiB, 100.0),  # the noisy neighbour: 25% share, wants it all
     ("notebook", "jupyter"): (6 * GiB, 20.0),
 }
+# JAX-style containers: they reserve a fraction of the GPU's memory at start, as JAX does. The
+# fraction comes from XLA_PYTHON_CLIENT_MEM_FRACTION, which Allocate sets from the slice; without
+# it JAX takes 75% of the GPU, far over a slice, and the enforcer would kill it. (SM demand in %.)
+SIZED_BY_HINTS: dict[tuple[str, str], float] = {("jax-train", "jax"): 20.0}
+JAX_DEFAULT_FRACTION = 0.75
+ENV_XLA_MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def jax_preallocation(envs: Mapping[str, str], gpu_memory_bytes: int) -> int:
+    """What a JAX process reserves at start on a GPU of `gpu_memory_bytes`, given its env."""
+    fraction = float(envs.get(ENV_XLA_MEM_FRACTION, JAX_DEFAULT_FRACTION))
+    return int(fraction * gpu_memory_bytes)
+
+
 # A second into the live view the notebook grows past its 10Gi: killed after the grace period.
 GROW_AFTER_S = 1.0
 GROWN = (("notebook", "jupyter"), 14 * GiB)
@@ -106,16 +122,37 @@ class DemoWorkloads:
         # pid -> (process, GPU UUID, what it does, whose it is)
         self._work: dict[int, tuple[subprocess.Popen[bytes], str, FakeProcess, str]] = {}
 
-    def start(self, pods: Sequence[PodGrant]) -> None:
+    def start(self, pods: Sequence[PodGrant]) -> list[str]:
+        """Start every container's work; a line for each that sized itself from its hints."""
+        said: list[str] = []
         for pod in pods:
             for c in pod.containers:
-                work = DEMO_WORKLOADS.get((pod.name, c.name))
-                if work is None or not c.device_ids:
+                if not c.device_ids:
                     continue
                 uuid = c.device_ids[0].rsplit("::", 1)[0]
-                self._add(uuid, dict(c.envs), *work, owner=f"{pod.name}/{c.name}")
+                owner = f"{pod.name}/{c.name}"
+                work = DEMO_WORKLOADS.get((pod.name, c.name))
+                demand = SIZED_BY_HINTS.get((pod.name, c.name))
+                if demand is not None:
+                    gpu = next(g for g in DEMO_GPUS if g.uuid == uuid)
+                    memory = jax_preallocation(c.envs, gpu.memory_total_bytes)
+                    work = (memory, demand)
+                    limit = int(c.envs.get("VGPU_MEMORY_LIMIT_MIB_0", "0")) * MiB
+                    unhinted = jax_preallocation({}, gpu.memory_total_bytes)
+                    said += [
+                        f"{owner} is JAX-style: at start it reserves {ENV_XLA_MEM_FRACTION}="
+                        f"{c.envs.get(ENV_XLA_MEM_FRACTION, '(unset)')}",
+                        f"  of the {gpu.name}'s {format_bytes(gpu.memory_total_bytes)} "
+                        f"({format_bytes(memory)}), within its {format_bytes(limit)} limit; "
+                        "without the hint JAX would",
+                        f"  take {JAX_DEFAULT_FRACTION:.0%} ({format_bytes(unhinted)}) and be "
+                        "killed after the grace period",
+                    ]
+                if work is not None:
+                    self._add(uuid, dict(c.envs), *work, owner=owner)
         self._add(DEMO_GPUS[1].uuid, {}, *HOST_PROCESS, owner="host")
         self.write()
+        return said
 
     def _add(
         self, gpu_uuid: str, envs: dict[str, str], memory: int, demand: float, *, owner: str
@@ -329,12 +366,13 @@ async def _demo(duration_s: float | None, out: TextIO, workdir: Path) -> int:
             "",
         )
         before_work = daemon.poller.snapshot
-        workloads.start(sim.pods())
+        sized = workloads.start(sim.pods())
         assert daemon.http is not None
         address = f"127.0.0.1:{daemon.http.port}"
         say(
             "the containers now run GPU work: real processes that carry their Allocate env,",
             "listed in the state file; a host process with no slices uses the L4",
+            *sized,
             f"metrics: http://{address}/metrics   status: vgpu-device-plugin status "
             f"--address {address} --watch",
             "",
@@ -411,7 +449,7 @@ async def _wait_for_usage(daemon: Daemon, timeout_s: float) -> None:
             if snap
             else set()
         )
-        if busy >= set(DEMO_WORKLOADS):
+        if busy >= set(DEMO_WORKLOADS) | set(SIZED_BY_HINTS):
             return
         await asyncio.sleep(0.1)
 

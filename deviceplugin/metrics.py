@@ -230,6 +230,16 @@ class SnapshotCollector(Collector):
             "Age of the figures this scrape exposes at scrape time, in seconds.",
             NODE_LABELS,
         )
+        mps_up = _gauge(
+            "vgpu_mps_daemon_up",
+            "1 while the node's MPS control daemon runs, else 0; only with mps.enabled.",
+            NODE_LABELS,
+        )
+        mps_restarts = _counter(
+            "vgpu_mps_daemon_restarts",
+            "Times the MPS control daemon was found dead and started again, a count.",
+            NODE_LABELS,
+        )
 
         if snapshot is not None:
             for gpu in snapshot.gpus:
@@ -288,6 +298,9 @@ class SnapshotCollector(Collector):
             stale.add_metric(n, _flag(snapshot.stale))
             last_poll.add_metric(n, health.last_poll_success_s)
             age.add_metric(n, max(now_s - snapshot.taken_at_s, 0.0))
+            if health.mps is not None:
+                mps_up.add_metric(n, _flag(health.mps.up))
+                mps_restarts.add_metric(n, health.mps.restarts_total)
 
         yield from (
             gpu_info,
@@ -314,6 +327,8 @@ class SnapshotCollector(Collector):
             stale,
             last_poll,
             age,
+            mps_up,
+            mps_restarts,
         )
 
 
@@ -398,12 +413,14 @@ def healthz(
     now_wall_s: float,
     poll_stale_after_s: float,
     unregistered_after_s: float,
+    mps_down_after_s: float = 30.0,
 ) -> tuple[bool, str]:
     """Liveness for GET /healthz: (ok, reason).
 
     Not ok before the first snapshot, when the last successful poll is older than
     `poll_stale_after_s` (wall clock), or when the plugin has been unregistered from the kubelet
-    for longer than `unregistered_after_s` (monotonic clock)."""
+    for longer than `unregistered_after_s` (monotonic clock), or when MPS is on and its control
+    daemon has been down for longer than `mps_down_after_s` (monotonic clock)."""
     if snapshot is None:
         return False, "no poll yet"
     health = snapshot.health
@@ -414,6 +431,13 @@ def healthz(
         return False, (
             f"last successful poll {poll_age_s:.1f}s ago (limit {poll_stale_after_s:g}s)"
         )
+    if health.mps is not None and not health.mps.up and health.mps.down_since_s > 0:
+        down_s = now_mono_s - health.mps.down_since_s
+        if down_s > mps_down_after_s:
+            return False, (
+                f"MPS control daemon down for {down_s:.1f}s (limit {mps_down_after_s:g}s): "
+                f"{health.mps.error or 'not running'}"
+            )
     if not health.registered and health.unregistered_since_s > 0:
         unregistered_s = now_mono_s - health.unregistered_since_s
         if unregistered_s > unregistered_after_s:

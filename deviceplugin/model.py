@@ -247,6 +247,21 @@ class EnforcementCount:
 
 
 @dataclass(frozen=True, slots=True)
+class MpsStatus:
+    """The node's MPS control daemon, as the daemon that supervises it sees it."""
+
+    up: bool = False
+    pid: int | None = None
+    # Times it was found dead (or not answering) and started again.
+    restarts_total: int = 0
+    # Monotonic time since which it has been down; 0 while up.
+    down_since_s: float = 0.0
+    pipe_directory: str = ""
+    # Why it is down, or why the last start or command failed; "" when all is well.
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class DaemonHealth:
     """The daemon's own state, for /healthz and the self-metrics."""
 
@@ -258,6 +273,8 @@ class DaemonHealth:
     last_poll_success_s: float = 0.0  # wall-clock time of the last successful poll, 0 = never
     poll_failures_consecutive: int = 0
     pod_resources_ok: bool = False
+    # None unless mps.enabled.
+    mps: MpsStatus | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,6 +61,15 @@ def _health(h: DaemonHealth) -> dict[str, Any]:
         "last_poll_success_s": h.last_poll_success_s,
         "poll_failures_consecutive": h.poll_failures_consecutive,
         "pod_resources_ok": h.pod_resources_ok,
+        "mps": None
+        if h.mps is None
+        else {
+            "up": h.mps.up,
+            "pid": h.mps.pid,
+            "restarts_total": h.mps.restarts_total,
+            "pipe_directory": h.mps.pipe_directory,
+            "error": h.mps.error,
+        },
     }
 
 
@@ -266,6 +275,9 @@ def _header(doc: Mapping[str, Any], width: int) -> list[str]:
         "pod-resources up" if health.get("pod_resources_ok") else "pod-resources DOWN",
         f"GPUs {healthy}/{len(gpus)} healthy",
     ]
+    mps = health.get("mps")
+    if isinstance(mps, Mapping):
+        flags.append("MPS up" if mps.get("up") else "MPS DOWN")
     failures = _int(health.get("poll_failures_consecutive"))
     if failures:
         flags.append(f"last {failures} poll{'s' if failures != 1 else ''} FAILED")

@@ -4,10 +4,10 @@
     python tools/gen_daemonset_config.py --check  # exit 1 if it or the README's copy is stale
 
 daemonset/base/config.yaml becomes the ConfigMap the DaemonSet mounts (configMapGenerator), so
-a fresh install runs with exactly the defaults, each key commented. It is
-`deviceplugin.config.default_config_yaml()` with `nodeLabels.path` set to NFD's directory,
-byte for byte, and daemonset/README.md quotes it
-between two markers; tests/deploy checks both.
+a fresh install runs with exactly the defaults, each key commented, but for `nodeLabels.path`,
+set to NFD's directory: it is `deviceplugin.config.default_config_yaml()` with that path, byte
+for byte, and daemonset/README.md quotes it between two markers; tests/deploy checks both.
+daemonset/components/mps/config.yaml is the same with mps.enabled: true, for the MPS component.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from deviceplugin.config import NFD_FEATURE_FILE, default_config_yaml
 
 DEPLOY = Path(__file__).resolve().parent.parent / "daemonset"
 CONFIG = DEPLOY / "base" / "config.yaml"
+MPS_CONFIG = DEPLOY / "components" / "mps" / "config.yaml"
 README = DEPLOY / "README.md"
 BEGIN = "<!-- default config: written by tools/gen_daemonset_config.py; tests/deploy checks it -->"
 END = "<!-- end default config -->"
@@ -34,14 +35,31 @@ def readme_with(readme: str, config: str) -> str:
     return f"{head}{begin}```yaml\n{config}```\n{end}{tail}"
 
 
+def mps_config_yaml() -> str:
+    """The MPS component's config: the DaemonSet's (node labels included) with MPS on."""
+    config = default_config_yaml(node_labels_path=NFD_FEATURE_FILE)
+    off = "mps:\n"
+    head, found, tail = config.partition(off)
+    enabled = "  enabled: false\n"
+    if not found or enabled not in tail:
+        raise ValueError("the default config has no mps.enabled: false to turn on")
+    return head + found + tail.replace(enabled, "  enabled: true\n", 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="write or check daemonset/base/config.yaml")
     parser.add_argument("--check", action="store_true", help="exit 1 if a file is stale")
     args = parser.parse_args(argv)
     config = default_config_yaml(node_labels_path=NFD_FEATURE_FILE)
     readme = README.read_text()
-    wanted = {CONFIG: config, README: readme_with(readme, config)}
-    current = {CONFIG: CONFIG.read_text() if CONFIG.exists() else None, README: readme}
+    wanted = {
+        CONFIG: config,
+        MPS_CONFIG: mps_config_yaml(),
+        README: readme_with(readme, config),
+    }
+    current = {
+        path: path.read_text() if path.exists() else None for path in (CONFIG, MPS_CONFIG)
+    } | {README: readme}
     stale = [path for path in wanted if current[path] != wanted[path]]
     if args.check:
         for path in stale:

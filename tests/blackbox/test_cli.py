@@ -139,6 +139,27 @@ def test_check_config_prints_the_plan(short_tmp: Path) -> None:
     assert "total: 10 slices" in out
 
 
+def test_check_config_shows_the_hints_and_the_mps_commands(short_tmp: Path) -> None:
+    config = short_tmp / "config.yaml"
+    config.write_text("allocation: {contextReserve: 1Gi}\nmps: {enabled: true, root: /run/m}\n")
+    result = run_cli("check-config", str(config))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "MPS on, framework hints on (context reserve 1Gi)" in out
+    # The demo's GPUs in 4 slices: (20Gi - 1Gi) / 80Gi and (5758Mi - 1Gi) / 22.5Gi.
+    assert "  GPU 0 0.23, GPU 1 0.20  (XLA_PYTHON_CLIENT_MEM_FRACTION" in out
+    assert "pipe /run/m/pipe, log /run/m/log" in out
+    assert "set_default_active_thread_percentage 25" in out
+    assert (
+        "set_default_device_pinned_mem_limit GPU-9b2e4d6f-8a1c-4b3d-9e5f-a7b8c9d00002 5758M" in out
+    )
+    config.write_text("allocation: {frameworkHints: false}\n")
+    out = run_cli("check-config", str(config)).stdout
+    assert "framework hints off" in out
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in out
+    assert "MPS:" not in out
+
+
 def test_check_config_against_a_backend(short_tmp: Path) -> None:
     state = short_tmp / "gpus.json"
     write_state_file(state, FakeState(gpus=TWO_GPUS))
@@ -196,6 +217,15 @@ def test_demo_shows_the_enforcer_at_work() -> None:
     assert "throttling default/inference/server" in out
     assert "THROTTLED" in out
     assert "killed the largest GPU process of default/notebook/jupyter" in out
+    # The JAX-style container read its hint and reserved 0.22 of the L4, inside its 5.6Gi slice:
+    # it is never killed.
+    assert (
+        "jax-train/jax is JAX-style: at start it reserves XLA_PYTHON_CLIENT_MEM_FRACTION=0.22"
+        in out
+    )
+    assert "(4.9Gi), within its 5.6Gi limit" in out
+    assert "default/jax-train/jax  1 slice" in out
+    assert "killed the largest GPU process of default/jax-train/jax" not in out
 
 
 def test_serve_with_a_bad_metrics_address_exits_2_naming_it(short_tmp: Path) -> None:

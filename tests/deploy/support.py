@@ -12,6 +12,9 @@ DEPLOY = ROOT / "daemonset"
 BASE = DEPLOY / "base"
 MONITORING = DEPLOY / "monitoring"
 EXAMPLES = DEPLOY / "examples"
+MPS_COMPONENT = DEPLOY / "components" / "mps"
+# vgpu config files that kustomize turns into the ConfigMap: not Kubernetes manifests.
+CONFIG_FILES = (BASE / "config.yaml", MPS_COMPONENT / "config.yaml")
 # The Helm chart: templates, not manifests (tests/deploy/test_chart.py renders and checks them).
 CHART = DEPLOY / "chart"
 NAMESPACE = "vgpu-system"
@@ -32,7 +35,7 @@ def manifest_files() -> list[Path]:
     return sorted(
         p
         for p in DEPLOY.rglob("*.yaml")
-        if p.name != KUSTOMIZATION and p != BASE / "config.yaml" and not p.is_relative_to(CHART)
+        if p.name != KUSTOMIZATION and p not in CONFIG_FILES and not p.is_relative_to(CHART)
     )
 
 

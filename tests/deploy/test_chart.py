@@ -172,17 +172,42 @@ def test_the_chart_ships_the_monitoring_files_unchanged(name: str) -> None:
 # --- values -------------------------------------------------------------------------------------
 
 
-def test_mps_shares_the_mps_directory_and_the_host_ipc_namespace() -> None:
+def by_name(daemonset: Manifest) -> Manifest:
+    """The DaemonSet with its volumes, mounts and env sorted by name: a strategic-merge patch
+    puts the entries it adds or changes first, which means nothing to the kubelet."""
+    result = dict(yaml.safe_load(yaml.safe_dump(daemonset)))
+    spec = result["spec"]["template"]["spec"]
+    spec["volumes"].sort(key=lambda v: v["name"])
+    for c in spec["containers"]:
+        c["volumeMounts"].sort(key=lambda m: m["name"])
+        c["env"].sort(key=lambda e: e["name"])
+    return result
+
+
+def test_mps_renders_the_kustomize_mps_overlay() -> None:
+    chart = by_kind(render(sets=("mps.enabled=true",)))
+    kust = by_kind(kustomize(DEPLOY / "overlays" / "mps"))
+    key = ("DaemonSet", "vgpu-device-plugin")
+    assert by_name(without_config_map_hash(kust[key])) == by_name(chart[key]), (
+        "differs from overlays/mps"
+    )
+    kust_config = parse_config(
+        yaml.safe_load(kust[("ConfigMap", "vgpu-config")]["data"]["config.yaml"])
+    )
+    assert config_of(render(sets=("mps.enabled=true",))) == kust_config
+    assert kust_config.mps.enabled is True
+
+
+def test_mps_values_keep_the_rest_of_the_inline_config() -> None:
     docs = render(CHART / "ci" / "mps-values.yaml")
-    spec = pod_spec(docs)
-    assert spec["hostIPC"] is True
     volumes, mounts = volumes_and_mounts(docs)
     assert volumes["mps-root"]["hostPath"] == {"path": "/run/vgpu/mps", "type": "DirectoryOrCreate"}
     assert mounts["mps-root"]["mountPath"] == "/run/vgpu/mps"
+    assert mounts["mps-shm"]["mountPath"] == "/dev/shm"
     config = config_of(docs)
     assert config.mps.enabled is True
     assert config.slicing.default.replicas == 8  # the rest of the inline config is kept
-    assert "hostIPC" not in pod_spec(render())
+    assert "hostIPC" not in pod_spec(docs)
 
 
 def test_gpu_operator_values_move_the_host_paths_and_the_image() -> None:

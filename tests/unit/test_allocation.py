@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from dataclasses import replace as dataclasses_replace
 
 import pytest
 
-from deviceplugin.allocation import build_container_allocation
+from deviceplugin.allocation import (
+    MpsDefaults,
+    build_container_allocation,
+    format_hundredths,
+    framework_hints,
+    memory_fraction_hundredths,
+    mps_defaults,
+)
 from deviceplugin.config import (
     AllocationConfig,
     DeviceListStrategy,
@@ -95,6 +103,10 @@ def test_one_slice_on_one_gpu() -> None:
         "VGPU_ALLOCATION_ID": expected_allocation_id(ids),
         "VGPU_MEMORY_LIMIT_MIB_0": str(20 * 1024),
         "VGPU_COMPUTE_SHARE_PERCENT_0": "25",
+        # (20Gi - 512Mi) / 80Gi = 0.24375, rounded down.
+        "VGPU_MEMORY_FRACTION_0": "0.24",
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.24",
+        "TF_FORCE_GPU_ALLOW_GROWTH": "true",
     }
     assert a.mounts == ()
     assert a.devices == ()
@@ -143,6 +155,92 @@ def test_allocation_id_is_sha256_of_sorted_ids_and_order_independent() -> None:
         assert a.envs["VGPU_ALLOCATION_ID"] == want
 
 
+# --- framework hints ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("limit", "reserve", "total", "want"),
+    [
+        (20 * GI, 512 * MI, 80 * GI, 24),  # 0.24375: rounded down, never up
+        (20 * GI, 0, 80 * GI, 25),  # exact
+        (80 * GI, 0, 80 * GI, 100),  # the whole GPU
+        (80 * GI - 1, 0, 80 * GI, 99),  # one byte short of 100 is 0.99
+        (10 * GI, 512 * MI, 80 * GI, 11),  # 0.11875
+        (512 * MI, 512 * MI, 80 * GI, 0),  # nothing left after the reserve
+        (256 * MI, 512 * MI, 80 * GI, 0),  # less than the reserve: 0, not negative
+        (5 * GI, 512 * MI, 0, 0),  # a GPU reporting no memory gets no fraction
+    ],
+)
+def test_fraction_arithmetic_rounds_down(limit: int, reserve: int, total: int, want: int) -> None:
+    assert memory_fraction_hundredths(limit, reserve, total) == want
+
+
+@pytest.mark.parametrize(("h", "text"), [(1, "0.01"), (24, "0.24"), (75, "0.75"), (100, "1.00")])
+def test_fraction_is_written_with_two_decimals(h: int, text: str) -> None:
+    assert format_hundredths(h) == text
+
+
+def test_jax_gets_the_tightest_gpu_and_each_gpu_its_own_fraction() -> None:
+    # GPU 0: 1 of 4 slices of 80Gi (0.24); GPU 1: 2 of 3 of 40Gi (0.65); GPU 2: 1 of 2 of 16Gi
+    # (0.46). JAX takes one fraction for every GPU: the smallest, so that no GPU goes over.
+    a = alloc([f"{U1}::0", f"{U0}::0", f"{U0}::1", f"{U2}::0"])
+    assert a.envs["VGPU_MEMORY_FRACTION_0"] == "0.24"
+    assert a.envs["VGPU_MEMORY_FRACTION_1"] == "0.65"  # (2 * 40Gi/3 - 512Mi) / 40Gi = 0.6541
+    assert a.envs["VGPU_MEMORY_FRACTION_2"] == "0.46"  # (8Gi - 512Mi) / 16Gi = 0.46875
+    assert a.envs["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.24"
+    assert a.envs["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
+
+
+def test_context_reserve_is_taken_from_the_limit() -> None:
+    ids = [f"{U1}::0"]  # 20Gi of 80Gi
+    for reserve, want in ((0, "0.25"), (512 * MI, "0.24"), (4 * GI, "0.20"), (GI + 1, "0.23")):
+        cfg = AllocationConfig(context_reserve_bytes=reserve)
+        a = build_container_allocation(ids, INV, cfg, NO_MPS)
+        assert a.envs["XLA_PYTHON_CLIENT_MEM_FRACTION"] == want, reserve
+
+
+def test_a_slice_no_bigger_than_the_reserve_gets_no_fraction() -> None:
+    cfg = AllocationConfig(context_reserve_bytes=21 * GI)
+    # GPU 0's 20Gi slice is all reserve; GPU 1's two slices (26.7Gi) are not: (26.7 - 21) / 40.
+    a = build_container_allocation([f"{U1}::0", f"{U0}::0", f"{U0}::1"], INV, cfg, NO_MPS)
+    assert "VGPU_MEMORY_FRACTION_0" not in a.envs
+    assert a.envs["VGPU_MEMORY_FRACTION_1"] == "0.14"
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in a.envs  # 0 would leave JAX nothing
+    assert a.envs["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
+
+
+def test_with_mps_the_hints_are_what_one_process_may_hold() -> None:
+    # Two slices of GPU 0 (40Gi) and one of GPU 2 (8Gi). Without MPS a process may use the
+    # container's whole limit; with MPS the GPU holds every process to one slice.
+    ids = [f"{U1}::0", f"{U1}::1", f"{U2}::0"]
+    plain = alloc(ids)
+    assert plain.envs["VGPU_MEMORY_FRACTION_0"] == "0.49"  # (40Gi - 512Mi) / 80Gi
+    assert plain.envs["VGPU_MEMORY_FRACTION_1"] == "0.46"  # (8Gi - 512Mi) / 16Gi
+    assert plain.envs["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.46"
+    mps = alloc(ids, mps=True)
+    assert mps.envs["VGPU_MEMORY_FRACTION_0"] == "0.24"  # (20Gi - 512Mi) / 80Gi
+    assert mps.envs["VGPU_MEMORY_FRACTION_1"] == "0.46"
+    assert mps.envs["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.24"
+    # The container's own limits are unchanged: k slices' worth, across its processes.
+    assert mps.envs["VGPU_MEMORY_LIMIT_MIB_0"] == str(40 * 1024)
+
+
+def test_hints_can_be_turned_off() -> None:
+    cfg = AllocationConfig(framework_hints=False)
+    a = build_container_allocation([f"{U1}::0", f"{U0}::0"], INV, cfg, NO_MPS)
+    hinted = [k for k in a.envs if k.startswith(("XLA_", "TF_", "VGPU_MEMORY_FRACTION_"))]
+    assert hinted == []
+    assert a.envs["VGPU_MEMORY_LIMIT_MIB_0"] == str(20 * 1024)  # the limits stay
+
+
+def test_framework_hints_of_plain_figures() -> None:
+    assert framework_hints([8 * GI], [16 * GI], 0) == {
+        "VGPU_MEMORY_FRACTION_0": "0.50",
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.50",
+        "TF_FORCE_GPU_ALLOW_GROWTH": "true",
+    }
+
+
 def test_mps_envs() -> None:
     ids = [f"{U1}::0", f"{U1}::1", f"{U0}::0"]
     a = alloc(ids, mps=True)
@@ -152,6 +250,59 @@ def test_mps_envs() -> None:
     assert a.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "33"  # min(50, 33)
     assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in alloc(ids).envs
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in alloc(ids).envs
+
+
+def test_mps_mounts_the_pipe_directory_and_the_servers_shared_memory() -> None:
+    mps = MpsConfig(enabled=True, root="/run/vgpu/mps")
+    a = build_container_allocation([f"{U1}::0"], INV, ENVVAR, mps)
+    assert a.envs["CUDA_MPS_PIPE_DIRECTORY"] == "/run/vgpu/mps/pipe"
+    assert a.mounts == (
+        MountSpec("/run/vgpu/mps/pipe", "/run/vgpu/mps/pipe", read_only=False),
+        MountSpec("/dev/shm", "/run/vgpu/mps/shm", read_only=False),
+    )
+    off = build_container_allocation([f"{U1}::0"], INV, ENVVAR, NO_MPS)
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in off.envs
+    assert off.mounts == ()
+
+
+def test_mps_mounts_follow_the_root_and_come_after_volume_mounts() -> None:
+    mps = MpsConfig(enabled=True, root="/var/lib/mps")
+    cfg = AllocationConfig(device_list_strategy=(S.VOLUME_MOUNTS,))
+    a = build_container_allocation([f"{U1}::0"], INV, cfg, mps)
+    assert [m.container_path for m in a.mounts] == [
+        f"/var/run/nvidia-container-devices/{U1}",
+        "/var/lib/mps/pipe",
+        "/dev/shm",
+    ]
+    assert a.envs["CUDA_MPS_PIPE_DIRECTORY"] == "/var/lib/mps/pipe"
+
+
+def test_mps_defaults_are_one_slice_per_gpu_and_the_smallest_share() -> None:
+    # GPU 0: 80Gi / 4; GPU 1: 40Gi / 3; GPU 2: 16Gi / 2. One thread percentage for all: 25.
+    d = mps_defaults(INV.plans)
+    assert d == MpsDefaults(
+        pinned_mem_limit_mib=((U1, 20 * 1024), (U0, (40 * GI // 3) // MI), (U2, 8 * 1024)),
+        active_thread_percentage=25,
+    )
+    assert d.commands() == (
+        f"set_default_device_pinned_mem_limit {U1} 20480M",
+        f"set_default_device_pinned_mem_limit {U0} 13653M",
+        f"set_default_device_pinned_mem_limit {U2} 8192M",
+        "set_default_active_thread_percentage 25",
+    )
+
+
+def test_mps_defaults_leave_out_unsliced_gpus_and_need_a_sliced_one() -> None:
+    mig = GpuInfo(uuid="GPU-mig", index=3, name="A100", memory_total_bytes=GI, minor=3)
+    reading = NodeReading(0.0, (GpuReading(info=dataclasses_replace(mig, mig_enabled=True)),))
+    inv = build_inventory(reading, SlicingConfig())
+    assert mps_defaults(inv.plans) == MpsDefaults()
+    assert mps_defaults(inv.plans).commands() == ()
+    many = GpuInfo(uuid="GPU-many", index=0, name="X", memory_total_bytes=200 * GI, minor=0)
+    inv = build_inventory(
+        NodeReading(0.0, (GpuReading(info=many),)), SlicingConfig(default=SliceRule(replicas=200))
+    )
+    assert mps_defaults(inv.plans).active_thread_percentage == 1  # MPS rejects 0
 
 
 def test_mps_single_gpu() -> None:

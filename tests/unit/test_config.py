@@ -564,6 +564,73 @@ def test_nvidia_mps_config_enables_mps() -> None:
     assert config.resource_name == "nvidia.com/gpu"
 
 
+def test_nvidia_mps_root_and_what_vgpu_does_differently_are_said() -> None:
+    config = parse_yaml(
+        """
+        version: v1
+        flags: {mpsRoot: /run/nvidia/mps}
+        sharing:
+          mps:
+            resources:
+            - name: nvidia.com/gpu
+              replicas: 4
+        """
+    )
+
+    assert config.mps == MpsConfig(enabled=True, root="/run/nvidia/mps")
+    (warning,) = config.warnings
+    assert warning.startswith("sharing.mps: ")
+    assert "<mps root>/pipe" in warning
+    assert "EXCLUSIVE_PROCESS" in warning
+
+
+def test_nvidia_mps_root_without_mps_is_ignored_with_a_warning() -> None:
+    config = parse_yaml(
+        """
+        flags: {mpsRoot: /run/nvidia/mps}
+        sharing: {timeSlicing: {resources: [{name: nvidia.com/gpu, replicas: 2}]}}
+        """
+    )
+    assert config.mps == MpsConfig()
+    assert [w.split(" ")[0] for w in config.warnings] == ["flags.mpsRoot"]
+
+
+def test_vgpu_allocation_hints_and_mps_settings() -> None:
+    config = parse_yaml(
+        """
+        allocation: {frameworkHints: false, contextReserve: 1Gi}
+        mps: {enabled: true, root: /var/run/mps, controlCommand: /opt/bin/mps-control}
+        """
+    )
+    assert config.allocation.framework_hints is False
+    assert config.allocation.context_reserve_bytes == 1 << 30
+    assert config.mps == MpsConfig(True, "/var/run/mps", "/opt/bin/mps-control")
+    assert parse_yaml("allocation: {contextReserve: 0}").allocation.context_reserve_bytes == 0
+    assert parse_yaml("allocation: {}").allocation == AllocationConfig()
+
+
+@pytest.mark.parametrize(
+    ("text", "path", "shown"),
+    [
+        ("allocation: {frameworkHints: yes please}", "allocation.frameworkHints", '"yes please"'),
+        ("allocation: {contextReserve: lots}", "allocation.contextReserve", '"lots"'),
+        ("allocation: {contextReserve: -1}", "allocation.contextReserve", "-1"),
+        ("mps: {root: run/mps}", "mps.root", '"run/mps"'),
+        ("mps: {root: /run/../mps}", "mps.root", '"/run/../mps"'),
+        ("mps: {root: '/run/a,b'}", "mps.root", '"/run/a,b"'),
+        ("mps: {controlCommand: 3}", "mps.controlCommand", "3"),
+        ("mps: {controlCommand: ' '}", "mps.controlCommand", "empty"),
+        ("flags: {mpsRoot: relative}", "flags.mpsRoot", '"relative"'),
+    ],
+)
+def test_bad_hint_and_mps_settings_are_named(text: str, path: str, shown: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_yaml(text)
+    (problem,) = raised.value.problems
+    assert problem.startswith(f"{path}: "), problem
+    assert shown in problem
+
+
 @pytest.mark.parametrize(
     ("resource", "rename_by_default", "advertised"),
     [
@@ -1000,6 +1067,8 @@ def test_default_config_yaml_shows_every_setting() -> None:
         "slicing.overrides",
         "allocation.policy",
         "allocation.deviceListStrategy",
+        "allocation.frameworkHints",
+        "allocation.contextReserve",
         "enforcement.pollInterval",
         "enforcement.dryRun",
         "enforcement.memory.action",
@@ -1009,6 +1078,8 @@ def test_default_config_yaml_shows_every_setting() -> None:
         "enforcement.compute.period",
         "enforcement.compute.workConserving",
         "mps.enabled",
+        "mps.root",
+        "mps.controlCommand",
         "health.enabled",
         "health.ignoredXids",
         "health.additionalIgnoredXids",

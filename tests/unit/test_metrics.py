@@ -21,6 +21,7 @@ from deviceplugin.model import (
     GpuInfo,
     GpuReading,
     GpuUsage,
+    MpsStatus,
     NodeSnapshot,
     ProcessSample,
 )
@@ -561,6 +562,32 @@ MONO = 10_000.0
             "ok",
             id="one-failed-poll",
         ),
+        pytest.param(
+            sample_snapshot(health=DaemonHealth(True, 0, 1, 0, T0, 0, True, MpsStatus(up=True))),
+            True,
+            "ok",
+            id="mps-up",
+        ),
+        pytest.param(
+            sample_snapshot(
+                health=DaemonHealth(
+                    True, 0, 1, 0, T0, 0, True, MpsStatus(down_since_s=MONO - 5, error="x")
+                )
+            ),
+            True,
+            "ok",
+            id="mps-down-briefly",
+        ),
+        pytest.param(
+            sample_snapshot(
+                health=DaemonHealth(
+                    True, 0, 1, 0, T0, 0, True, MpsStatus(down_since_s=MONO - 45, error="gone")
+                )
+            ),
+            False,
+            "MPS control daemon down for 45.0s (limit 30s): gone",
+            id="mps-down-too-long",
+        ),
     ],
 )
 def test_healthz(snapshot: NodeSnapshot | None, ok: bool, reason: str) -> None:
@@ -585,3 +612,13 @@ def test_health_counters_per_gpu_and_xid() -> None:
     assert value("vgpu_gpu_xid_errors_total", {**gpu1, "xid": "79"}) == 1
     assert value("vgpu_gpu_xid_errors_total", {**gpu1, "xid": "13"}) == 4
     assert value("vgpu_gpu_xid_errors_total", {**gpu0, "xid": "13"}) is None
+
+
+def test_mps_series_only_when_mps_is_on() -> None:
+    off = DaemonMetrics("node-a", sample_snapshot, version="test")
+    assert off.registry.get_sample_value("vgpu_mps_daemon_up", {"node": "node-a"}) is None
+    health = DaemonHealth(True, 0, 1, 0, T0, 0, True, MpsStatus(up=False, restarts_total=3))
+    on = DaemonMetrics("node-a", lambda: sample_snapshot(health=health), version="test")
+    value = on.registry.get_sample_value
+    assert value("vgpu_mps_daemon_up", {"node": "node-a"}) == 0
+    assert value("vgpu_mps_daemon_restarts_total", {"node": "node-a"}) == 3

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from deviceplugin.model import ContainerUsage, NodeSnapshot
+from deviceplugin.model import ContainerUsage, MpsStatus, NodeSnapshot
 from deviceplugin.statusview import (
     container_name,
     memory_bar,
@@ -256,6 +256,27 @@ def test_view_flags_stale_and_unregistered() -> None:
     assert "STALE" in stale[0]
     assert "kubelet NOT REGISTERED" in stale[1]
     assert "pod-resources DOWN" in stale[1]
+
+
+def test_mps_state_in_the_document_and_the_view() -> None:
+    off = doc_of(sample_snapshot())
+    assert off["health"]["mps"] is None
+    assert "MPS" not in render_status(off)[1]
+    base = sample_snapshot()
+    health = dataclasses.replace(
+        base.health, mps=MpsStatus(up=True, pid=42, restarts_total=2, pipe_directory="/p")
+    )
+    doc = doc_of(dataclasses.replace(base, health=health))
+    assert doc["health"]["mps"] == {
+        "up": True,
+        "pid": 42,
+        "restarts_total": 2,
+        "pipe_directory": "/p",
+        "error": "",
+    }
+    assert "MPS up" in render_status(doc)[1]
+    doc["health"]["mps"]["up"] = False
+    assert "MPS DOWN" in render_status(doc)[1]
 
 
 def test_view_of_an_empty_node() -> None:

@@ -21,7 +21,8 @@ app.kubernetes.io/name: {{ include "vgpu.name" . }}
 {{- end -}}
 {{- end -}}
 
-{{/* The config file: .Values.config with nodeLabels.path and mps.enabled from their values. */}}
+{{/* The config file: .Values.config with nodeLabels.path, mps.enabled and mps.root from their
+values. */}}
 {{- define "vgpu.config" -}}
 {{- $config := deepCopy (.Values.config | default dict) -}}
 {{- if .Values.nodeLabels.enabled -}}
@@ -30,6 +31,7 @@ app.kubernetes.io/name: {{ include "vgpu.name" . }}
 {{- if .Values.mps.enabled -}}
 {{- $mps := deepCopy (get $config "mps" | default dict) -}}
 {{- $_ := set $mps "enabled" true -}}
+{{- $_ := set $mps "root" .Values.mps.root -}}
 {{- $_ := set $config "mps" $mps -}}
 {{- end -}}
 {{- toYaml $config -}}
