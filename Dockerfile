@@ -1,13 +1,18 @@
 # The vgpu device plugin daemon: one pod per GPU node (see daemonset/).
 #
-#   podman build -t vgpu-device-plugin:0.1.0 .
-#   docker build --build-arg BASE_IMAGE=python:3.11-slim-bookworm -t vgpu-device-plugin:0.1.0 .
+#   podman build -t registry.example.com/vgpu-device-plugin:0.1.0 .     (or docker build)
 #
-# BASE_IMAGE needs python3 (3.11 or newer) with the venv module; both stages use it, so the
-# virtual environment's interpreter is the one the final image runs. The package index is pip's
-# default unless the PIP_* build arguments below say otherwise (tools/image_test.sh passes the
-# host's).
-ARG BASE_IMAGE=python:3.11-slim-bookworm
+# BASE_IMAGE is taken by digest, so that a build today and a build next month start from the same
+# bytes; move it on with `skopeo inspect --format '{{.Digest}}' docker://python:3.11-slim-bookworm`
+# (the digest of the multi-architecture index). Another base (--build-arg BASE_IMAGE=...) needs
+# python3 3.11 or newer with the venv module; both stages use it, so the virtual environment's
+# interpreter is the one the final image runs.
+#
+# The dependencies come from requirements.lock, every file pinned by its sha256 (pip
+# --require-hashes); tools/lock_requirements.sh writes it from pyproject.toml and CI checks that
+# it is current. The package index is pip's default unless the PIP_* build arguments below say
+# otherwise (tools/image_test.sh passes the host's).
+ARG BASE_IMAGE=python:3.11-slim-bookworm@sha256:2e32f7d302adc1c37428355c1e646897c0c53f4fd60b6a551245fb90ee129f91
 
 # --- stage 1: build the wheel of this project (no dependencies) ---------------------------------
 FROM ${BASE_IMAGE} AS build
@@ -37,10 +42,16 @@ LABEL org.opencontainers.image.title="vgpu-device-plugin" \
       org.opencontainers.image.source="https://github.com/vgpu/vgpu-device-plugin" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.version="${VERSION}"
-# The wheel comes in through a bind mount, so no copy of it stays in a layer.
-RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+# The locked dependencies first, each file checked against its hash; then the wheel, with no
+# dependency resolution of its own. Both come in through bind mounts: no copy stays in a layer.
+RUN --mount=type=bind,source=requirements.lock,target=/tmp/requirements.lock \
+    --mount=type=bind,from=build,source=/wheels,target=/wheels \
     python3 -m venv /opt/vgpu \
-    && /opt/vgpu/bin/pip install --no-cache-dir --disable-pip-version-check /wheels/*.whl
+    && /opt/vgpu/bin/pip install --no-cache-dir --disable-pip-version-check \
+        --require-hashes --only-binary=:all: -r /tmp/requirements.lock \
+    && /opt/vgpu/bin/pip install --no-cache-dir --disable-pip-version-check --no-deps \
+        /wheels/*.whl \
+    && /opt/vgpu/bin/pip check
 # The root filesystem is read-only in the DaemonSet: no byte-code is written at run time (pip
 # compiled it at install), and log lines are not held in a buffer.
 ENV PATH="/opt/vgpu/bin:${PATH}" \

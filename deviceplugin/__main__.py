@@ -19,6 +19,7 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from deviceplugin import __version__, logs
@@ -103,6 +104,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("VGPU_METRICS_ADDRESS", DEFAULT_METRICS_ADDRESS),
         help="where /metrics, /status and /healthz are served; an empty host means every "
         f"address (default: {DEFAULT_METRICS_ADDRESS}; env VGPU_METRICS_ADDRESS)",
+    )
+    serve.add_argument(
+        "--metrics-tls-cert",
+        metavar="PATH",
+        default=_env("VGPU_METRICS_TLS_CERT", ""),
+        help="serve the metrics endpoint over HTTPS with this PEM certificate (chain); needs "
+        "--metrics-tls-key (default: plain HTTP; env VGPU_METRICS_TLS_CERT)",
+    )
+    serve.add_argument(
+        "--metrics-tls-key",
+        metavar="PATH",
+        default=_env("VGPU_METRICS_TLS_KEY", ""),
+        help="the PEM private key of --metrics-tls-cert (default: none; env VGPU_METRICS_TLS_KEY)",
+    )
+    serve.add_argument(
+        "--metrics-client-ca",
+        metavar="PATH",
+        default=_env("VGPU_METRICS_CLIENT_CA", ""),
+        help="answer /metrics and /status only to clients whose certificate this PEM CA signed "
+        "(/healthz answers every client); needs --metrics-tls-cert (default: any client; "
+        "env VGPU_METRICS_CLIENT_CA)",
     )
     serve.add_argument(
         "--state-dir",
@@ -222,8 +244,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             log.error("config error source=--metrics-address problem=%s", e)
             return EXIT_USAGE
+    tls_problem = _tls_problem(args)
+    if tls_problem:
+        log.error("config error source=--metrics-tls-cert problem=%s", tls_problem)
+        return EXIT_USAGE
+    if args.metrics_tls_cert:
+        from deviceplugin.httpserver import TlsFiles  # noqa: PLC0415
+
+        settings = replace(
+            settings,
+            metrics_tls=TlsFiles(
+                Path(args.metrics_tls_cert),
+                Path(args.metrics_tls_key),
+                Path(args.metrics_client_ca) if args.metrics_client_ca else None,
+            ),
+        )
     hangup = asyncio.Event()
     return run_until_signalled(lambda stop: serve(settings, stop, hangup), on_hangup=hangup.set)
+
+
+def _tls_problem(args: argparse.Namespace) -> str:
+    """What is wrong with the TLS flags taken together, or ""."""
+    if bool(args.metrics_tls_cert) != bool(args.metrics_tls_key):
+        return "--metrics-tls-cert and --metrics-tls-key go together: give both or neither"
+    if args.metrics_client_ca and not args.metrics_tls_cert:
+        return "--metrics-client-ca needs --metrics-tls-cert and --metrics-tls-key (HTTPS)"
+    return ""
 
 
 def run_until_signalled(

@@ -32,7 +32,7 @@ from deviceplugin.config import Config
 from deviceplugin.enforcer import Enforcer, RecordingControl
 from deviceplugin.errors import BackendError, StartupError
 from deviceplugin.gpu.backend import GpuBackend
-from deviceplugin.httpserver import HttpServer
+from deviceplugin.httpserver import HttpServer, TlsFiles
 from deviceplugin.metrics import DaemonMetrics, healthz
 from deviceplugin.model import (
     AllocationRecord,
@@ -42,6 +42,7 @@ from deviceplugin.model import (
     allocation_id,
 )
 from deviceplugin.mps import MpsControlDaemon
+from deviceplugin.nodelabels import NodeLabelFile
 from deviceplugin.plugin.lifecycle import PluginLifecycle
 from deviceplugin.plugin.server import DevicePluginService
 from deviceplugin.podresources import list_container_devices
@@ -78,6 +79,8 @@ class DaemonSettings:
     device_plugin_dir: Path = Path(DEFAULT_DEVICE_PLUGIN_DIR)
     pod_resources_socket: Path = Path(DEFAULT_POD_RESOURCES_SOCKET)
     metrics_address: str = ":9410"
+    # HTTPS for the metrics endpoint; None: plain HTTP.
+    metrics_tls: TlsFiles | None = None
     state_dir: Path = Path("/var/lib/vgpu")
     node_name: str = ""
     # The file `config` was read from, watched for changes and read again on SIGHUP; None for
@@ -516,6 +519,10 @@ class Daemon:
         )
         # Set by the plugin's runner; setting it ends the running life cycle (see replace_plugin).
         self._plugin_stop = asyncio.Event()
+        # Node labels through node feature discovery's feature file, when the config asks.
+        self.node_labels: NodeLabelFile | None = None
+        if cfg.node_labels.path:
+            self.node_labels = NodeLabelFile(Path(cfg.node_labels.path))
         self.http: HttpServer | None = None
         if settings.metrics_address:
             self.http = HttpServer(
@@ -523,6 +530,7 @@ class Daemon:
                 self.metrics,
                 lambda: self.poller.snapshot,
                 self.healthz,
+                tls=settings.metrics_tls,
             )
 
     async def apply_config(self, config: Config) -> None:
@@ -663,6 +671,10 @@ class Daemon:
                     mps, inventory = self.mps, self.inventory
                     tasks.create_task(
                         mps.run(stop, lambda: mps_defaults(inventory.value.plans)), name="mps"
+                    )
+                if self.node_labels is not None:
+                    tasks.create_task(
+                        self.node_labels.run(self.inventory, stop), name="node-labels"
                     )
         finally:
             try:

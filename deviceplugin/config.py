@@ -124,6 +124,18 @@ class MpsConfig:
     control_command: str = DEFAULT_MPS_CONTROL_COMMAND
 
 
+# Where node feature discovery's local source reads feature files; the DaemonSet's config sets it.
+NFD_FEATURE_FILE = "/etc/kubernetes/node-feature-discovery/features.d/vgpu"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLabelsConfig:
+    """`nodeLabels.path`: the feature file the daemon keeps for node feature discovery, which
+    turns its lines into node labels; "" keeps none."""
+
+    path: str = ""
+
+
 # Xids that an application causes (its own bad kernel, page fault, or a context it lost), not the
 # GPU: they leave the GPU in service. NVIDIA k8s-device-plugin ignores the same ones.
 DEFAULT_IGNORED_XIDS: tuple[int, ...] = (13, 31, 43, 45, 68, 109)
@@ -190,6 +202,7 @@ class Config:
     enforcement: EnforcementConfig = field(default_factory=EnforcementConfig)
     mps: MpsConfig = field(default_factory=MpsConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    node_labels: NodeLabelsConfig = field(default_factory=NodeLabelsConfig)
     # Non-fatal findings, e.g. NVIDIA keys that parse but that vgpu does not act on.
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
@@ -265,7 +278,17 @@ MIN_HANG_TIMEOUT_S = 0.1
 
 _T = TypeVar("_T")
 
-_TOP_KEYS = ("version", "resourceName", "slicing", "allocation", "enforcement", "mps", "health")
+_TOP_KEYS = (
+    "version",
+    "resourceName",
+    "slicing",
+    "allocation",
+    "enforcement",
+    "mps",
+    "health",
+    "nodeLabels",
+)
+_NODE_LABELS_KEYS = ("path",)
 _SLICING_KEYS = ("replicas", "memoryPerSlice", "overrides")
 _OVERRIDE_KEYS = ("match", "replicas", "memoryPerSlice")
 _MATCH_KEYS = ("model", "index", "uuid")
@@ -773,6 +796,19 @@ def _mps(r: _Reader, value: object) -> MpsConfig:
     return MpsConfig(enabled=enabled, root=root, control_command=command)
 
 
+def _node_labels(r: _Reader, value: object) -> NodeLabelsConfig:
+    section = r.section(value, "nodeLabels", _NODE_LABELS_KEYS)
+    if section.get("path", "") == "":
+        return NodeLabelsConfig()
+    path = r.string(section["path"], "nodeLabels.path")
+    if path and not path.startswith("/"):
+        r.error(
+            "nodeLabels.path", f"{_show(path)} is not an absolute path; use e.g. {NFD_FEATURE_FILE}"
+        )
+        return NodeLabelsConfig()
+    return NodeLabelsConfig(path=path or "")
+
+
 def _health(r: _Reader, value: object) -> HealthConfig:
     path = "health"
     section = r.section(value, path, _HEALTH_KEYS)
@@ -848,6 +884,7 @@ def _parse_vgpu(r: _Reader, data: object) -> Config:
         enforcement=_enforcement(r, top.get("enforcement")),
         mps=_mps(r, top.get("mps")),
         health=_health(r, top.get("health")),
+        node_labels=_node_labels(r, top.get("nodeLabels")),
     )
 
 
@@ -1324,9 +1361,10 @@ def config_from_bytes(content: bytes, source: str) -> Config:
     return parse_config(data, source)
 
 
-def default_config_yaml() -> str:
+def default_config_yaml(*, node_labels_path: str = "") -> str:
     """The full default config as commented YAML, for the DaemonSet's ConfigMap and the docs.
-    It parses back to Config()."""
+    It parses back to Config(), but for `nodeLabels.path` when given (the DaemonSet's config sets
+    it to NFD_FEATURE_FILE)."""
     d = Config()
     e = d.enforcement
     replicas = d.slicing.default.replicas
@@ -1419,4 +1457,10 @@ health:
   recovery: {h.recovery.value}
   recoveryDelay: {format_duration(h.recovery_delay_s)}
   hangTimeout: {format_duration(h.hang_timeout_s)}
+
+nodeLabels:
+  # Keep a node feature discovery feature file here (NFD v0.15 or newer turns its lines into node
+  # labels nvidia.com/vgpu.count, .replicas, .memory-per-slice-mib, .product, .mig-strategy);
+  # "" (the built-in default) keeps none; the DaemonSet's config names NFD's features.d directory.
+  path: {json.dumps(node_labels_path)}
 """

@@ -8,15 +8,23 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gzip
 import json
 import logging
 import socket
+import ssl
+import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
+from prometheus_client.exposition import gzip_accepted
+
+from deviceplugin.errors import StartupError
 from deviceplugin.metrics import DaemonMetrics
 from deviceplugin.model import NodeSnapshot
 from deviceplugin.statusview import snapshot_to_json
@@ -45,10 +53,57 @@ def parse_address(address: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """HTTPS for the endpoint: the server's certificate chain and key (PEM), and optionally the
+    CA that client certificates must chain to. With a client CA, /metrics and /status answer
+    only a client that presents a certificate it signed; /healthz answers every client, since
+    the kubelet's probes present none."""
+
+    cert: Path
+    key: Path
+    client_ca: Path | None = None
+
+
+def tls_context(tls: TlsFiles) -> ssl.SSLContext:
+    """A server context for `tls`; StartupError naming the file at fault."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(tls.cert, tls.key)
+    except (OSError, ssl.SSLError) as e:
+        raise StartupError(
+            f"cannot load the metrics TLS certificate {tls.cert} with the key {tls.key}: {e}; "
+            "set --metrics-tls-cert and --metrics-tls-key to a PEM certificate and its key"
+        ) from e
+    if tls.client_ca is not None:
+        try:
+            context.load_verify_locations(cafile=tls.client_ca)
+        except (OSError, ssl.SSLError) as e:
+            raise StartupError(
+                f"cannot load the metrics client CA {tls.client_ca}: {e}; "
+                "set --metrics-client-ca to a PEM file of CA certificates"
+            ) from e
+        # Optional at the handshake, required by the routes that need it (see TlsFiles).
+        context.verify_mode = ssl.CERT_OPTIONAL
+    return context
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     # Rebinding right after a restart of the daemon must not wait for TIME_WAIT.
     allow_reuse_address = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that fails its TLS handshake (plain HTTP, an unknown certificate) or goes
+        away is a line in the log, not a traceback on stderr."""
+        error = sys.exc_info()[1]
+        if isinstance(error, ssl.SSLError):
+            log.info("http tls handshake failed client=%s error=%s", client_address[0], error)
+        elif isinstance(error, OSError):
+            log.debug("http connection failed client=%s error=%s", client_address[0], error)
+        else:
+            super().handle_error(request, client_address)
 
 
 class _Server6(_Server):
@@ -73,8 +128,11 @@ class HttpServer:
         metrics: DaemonMetrics,
         get_snapshot: Callable[[], NodeSnapshot | None],
         healthz: Callable[[], tuple[bool, str]],
+        *,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.address = address
+        self.tls = tls
         self._host, self._port = parse_address(address)
         self._metrics = metrics
         self._get_snapshot = get_snapshot
@@ -94,10 +152,17 @@ class HttpServer:
         if self._server is not None:
             raise RuntimeError("HttpServer already started")
         handler = _make_handler(self)
+        context = tls_context(self.tls) if self.tls is not None else None
         try:
             server = self._bind(handler)
         except OSError as e:
             raise OSError(e.errno, f"cannot listen on {self.address!r}: {e.strerror}") from e
+        if context is not None:
+            # The handshake happens on the request's thread, at its first read: a slow client
+            # holds its own thread, never the accepting one.
+            server.socket = context.wrap_socket(
+                server.socket, server_side=True, do_handshake_on_connect=False
+            )
         self._server = server
         self._thread = threading.Thread(
             target=server.serve_forever,
@@ -108,7 +173,13 @@ class HttpServer:
             daemon=True,
         )
         self._thread.start()
-        log.info("http listening address=%s port=%d", self.address, self.port)
+        log.info(
+            "http listening address=%s port=%d tls=%s client_ca=%s",
+            self.address,
+            self.port,
+            "on" if self.tls else "off",
+            self.tls.client_ca if self.tls and self.tls.client_ca else "none",
+        )
 
     def _bind(self, handler: type[BaseHTTPRequestHandler]) -> _Server:
         if ":" in self._host:
@@ -141,11 +212,11 @@ class HttpServer:
 
     # --- routes, called on the request's thread --------------------------------------------
 
-    def route(self, path: str) -> tuple[int, str, bytes]:
-        """(status, content type, body) for a GET of `path`."""
+    def route(self, path: str, accept: str = "") -> tuple[int, str, bytes]:
+        """(status, content type, body) for a GET of `path` with this Accept header."""
         path = path.split("?", 1)[0]
         if path == "/metrics":
-            payload, content_type = self._metrics.render()
+            payload, content_type = self._metrics.render(accept)
             return HTTPStatus.OK, content_type, payload
         if path == "/healthz":
             ok, reason = self._healthz()
@@ -170,8 +241,18 @@ def _make_handler(owner: HttpServer) -> type[BaseHTTPRequestHandler]:
         protocol_version = "HTTP/1.1"
 
         def do_GET(self) -> None:  # the name http.server dispatches to
+            status: int
             try:
-                status, content_type, body = owner.route(self.path)
+                if not self._client_allowed():
+                    status, content_type, body = (
+                        HTTPStatus.FORBIDDEN,
+                        TEXT_TYPE,
+                        b"a client certificate signed by the metrics client CA is required\n",
+                    )
+                else:
+                    status, content_type, body = owner.route(
+                        self.path, self.headers.get("Accept", "")
+                    )
             except Exception:  # a broken route answers 500; serving goes on
                 log.exception("http request failed path=%s", self.path)
                 status, content_type, body = (
@@ -181,9 +262,22 @@ def _make_handler(owner: HttpServer) -> type[BaseHTTPRequestHandler]:
                 )
             self.send_response(status)
             self.send_header("Content-Type", content_type)
+            if gzip_accepted(self.headers.get("Accept-Encoding", "")):
+                body = gzip.compress(body)
+                self.send_header("Content-Encoding", "gzip")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+
+        def _client_allowed(self) -> bool:
+            """Without a client CA, every client; with one, /healthz for every client and the
+            rest for those whose certificate the handshake verified against it."""
+            if owner.tls is None or owner.tls.client_ca is None:
+                return True
+            if self.path.split("?", 1)[0] == "/healthz":
+                return True
+            connection = self.connection
+            return isinstance(connection, ssl.SSLSocket) and bool(connection.getpeercert())
 
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("http %s %s", self.address_string(), format % args)

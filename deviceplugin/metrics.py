@@ -14,14 +14,15 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.exposition import generate_latest
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from deviceplugin.model import ContainerUsage, EnforcementCount, NodeSnapshot, ProcessSample
 
-# The classic text format that generate_latest writes (what Prometheus asks for by default).
+# The classic text format, what a client that asks for nothing in particular gets.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OPENMETRICS_TYPE = "application/openmetrics-text"
 
 # Allocate and a poll take milliseconds; the top buckets catch a stalled driver call.
 DURATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -36,6 +37,14 @@ CONTAINER_LABELS = ("node", "namespace", "pod", "container", "gpu_uuid", "alloca
 ENFORCEMENT_LABELS = (*CONTAINER_LABELS, "kind", "action")
 NODE_LABELS = ("node",)
 BUILD_LABELS = ("node", "version")
+# Every (kind, action) the enforcer can count: each container's series exist at 0 from its first
+# scrape, so that rate() and a dashboard panel see the first action as an increase.
+ENFORCEMENT_ACTIONS = (
+    ("memory", "kill"),
+    ("memory", "monitor"),
+    ("compute", "throttle"),
+    ("compute", "monitor"),
+)
 
 
 def _ratio(value: float) -> float:
@@ -117,8 +126,8 @@ class SnapshotCollector(Collector):
             "Memory in use on the GPU, in bytes, as the driver reports it.",
             GPU_LABELS,
         )
-        gpu_sm = _gauge(
-            "vgpu_gpu_sm_utilization_ratio",
+        gpu_util = _gauge(
+            "vgpu_gpu_utilization_ratio",
             "Utilisation of the GPU, 0..1: the share of time a kernel was running on it (NVML's "
             "GPU utilisation), averaged over the compute window.",
             GPU_LABELS,
@@ -255,7 +264,7 @@ class SnapshotCollector(Collector):
                 if gpu.reading.memory_used_bytes is not None:
                     gpu_mem_used.add_metric(g, float(gpu.reading.memory_used_bytes))
                 if gpu.sm_utilization_ratio is not None:
-                    gpu_sm.add_metric(g, _ratio(gpu.sm_utilization_ratio))
+                    gpu_util.add_metric(g, _ratio(gpu.sm_utilization_ratio))
                 slices.add_metric([*g, "allocated"], float(gpu.slices_allocated))
                 slices.add_metric([*g, "free"], float(max(gpu.slices_free, 0)))
                 slices.add_metric([*g, "unhealthy"], float(gpu.slices_unhealthy))
@@ -271,6 +280,13 @@ class SnapshotCollector(Collector):
                 c_share.add_metric(labels, _ratio(c.compute_share_ratio))
                 c_throttled.add_metric(labels, c.throttled_seconds_total)
 
+            counted = {
+                (e.allocation_id, e.gpu_uuid, e.kind, e.action) for e in snapshot.enforcement
+            }
+            for c in snapshot.containers:
+                for kind, action in ENFORCEMENT_ACTIONS:
+                    if (c.allocation_id, c.gpu_uuid, kind, action) not in counted:
+                        enforcement.add_metric([*_container_labels(node, c), kind, action], 0.0)
             for e in snapshot.enforcement:
                 enforcement.add_metric([*_container_labels(node, e), e.kind, e.action], e.count)
 
@@ -294,7 +310,7 @@ class SnapshotCollector(Collector):
             xid_errors,
             gpu_mem_total,
             gpu_mem_used,
-            gpu_sm,
+            gpu_util,
             slices,
             unattributed,
             misattributed,
@@ -359,9 +375,36 @@ class DaemonMetrics:
     def observe_poll(self, seconds: float) -> None:
         self._poll.observe(seconds)
 
-    def render(self) -> tuple[bytes, str]:
-        """The exposition for GET /metrics: (payload, content type)."""
-        return generate_latest(self.registry), CONTENT_TYPE
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """The exposition for GET /metrics with this Accept header: (payload, content type).
+
+        prometheus-client's own encoders, chosen by its own negotiation: OpenMetrics when the
+        scraper asks for it (Prometheus does by default), else the classic text format. Only
+        OpenMetrics carries the histograms' creation times, as the `_created` line that its
+        format defines; the text format would turn them into series of their own, so they are
+        left out of it."""
+        encoder, content_type = choose_encoder(accept)
+        if content_type.startswith(OPENMETRICS_TYPE):
+            return encoder(self.registry), content_type
+        return encoder(_WithoutCreated(self.registry)), content_type
+
+
+class _WithoutCreated(Collector):
+    """A registry's families less their `_created` samples (prometheus-client adds them to
+    counters and histograms unless told otherwise process-wide)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self._registry.collect():
+            samples = [s for s in family.samples if not s.name.endswith("_created")]
+            if len(samples) == len(family.samples):
+                yield family
+                continue
+            trimmed = Metric(family.name, family.documentation, family.type, family.unit)
+            trimmed.samples = samples
+            yield trimmed
 
 
 def healthz(

@@ -3,11 +3,11 @@
     python tools/gen_daemonset_config.py          # write daemonset/base/config.yaml
     python tools/gen_daemonset_config.py --check  # exit 1 if it or the README's copy is stale
 
-daemonset/components/mps/config.yaml is the same with mps.enabled: true, for the MPS component.
 daemonset/base/config.yaml becomes the ConfigMap the DaemonSet mounts (configMapGenerator), so
-a fresh install runs with exactly the defaults, each key commented. It is
-`deviceplugin.config.default_config_yaml()`, byte for byte, and daemonset/README.md quotes it
-between two markers; tests/deploy checks both.
+a fresh install runs with exactly the defaults, each key commented, but for `nodeLabels.path`,
+set to NFD's directory: it is `deviceplugin.config.default_config_yaml()` with that path, byte
+for byte, and daemonset/README.md quotes it between two markers; tests/deploy checks both.
+daemonset/components/mps/config.yaml is the same with mps.enabled: true, for the MPS component.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from deviceplugin.config import default_config_yaml
+from deviceplugin.config import NFD_FEATURE_FILE, default_config_yaml
 
 DEPLOY = Path(__file__).resolve().parent.parent / "daemonset"
 CONFIG = DEPLOY / "base" / "config.yaml"
@@ -36,8 +36,8 @@ def readme_with(readme: str, config: str) -> str:
 
 
 def mps_config_yaml() -> str:
-    """The MPS component's config: the defaults with MPS on."""
-    config = default_config_yaml()
+    """The MPS component's config: the DaemonSet's (node labels included) with MPS on."""
+    config = default_config_yaml(node_labels_path=NFD_FEATURE_FILE)
     off = "mps:\n"
     head, found, tail = config.partition(off)
     enabled = "  enabled: false\n"
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="write or check daemonset/base/config.yaml")
     parser.add_argument("--check", action="store_true", help="exit 1 if a file is stale")
     args = parser.parse_args(argv)
-    config = default_config_yaml()
+    config = default_config_yaml(node_labels_path=NFD_FEATURE_FILE)
     readme = README.read_text()
     wanted = {
         CONFIG: config,

@@ -12,7 +12,8 @@
 #    `pip config`; file:// indexes are left out, the build cannot see them).
 # 3. Runs `serve` on the fake backend in the container with the DaemonSet's settings: host PID
 #    namespace, the device-plugin and pod-resources directories and the state directory
-#    bind-mounted, daemonset/base/config.yaml as the config, a read-only root filesystem, every
+#    bind-mounted (and NFD's features.d, for the node-label file), daemonset/base/config.yaml as
+#    the config, a read-only root filesystem, every
 #    capability dropped but the DaemonSet's, no privilege escalation. On the host side,
 #    tools/image_test_driver.py serves the kubelet simulator in those directories and checks the
 #    registration, Allocate for two pods, the capabilities at work, /healthz and /metrics (set
@@ -183,7 +184,7 @@ step "image holds no compiler, cache or build files: $(tail -1 "$WORK/inspect.lo
 
 # --- run it as the DaemonSet does -----------------------------------------------------------------
 NODE=$WORK/node
-mkdir -p "$NODE/device-plugins" "$NODE/pod-resources" "$NODE/state" "$NODE/fake"
+mkdir -p "$NODE/device-plugins" "$NODE/pod-resources" "$NODE/state" "$NODE/fake" "$NODE/features.d"
 start_cmd=(
     "${PODMAN[@]}" run --detach --name "$CONTAINER" "${ULIMITS[@]}"
     --pid host --network none --user 0:0 --read-only --tmpfs /tmp
@@ -191,6 +192,7 @@ start_cmd=(
     --volume "$NODE/device-plugins:/var/lib/kubelet/device-plugins"
     --volume "$NODE/pod-resources:/var/lib/kubelet/pod-resources:ro"
     --volume "$NODE/state:/var/lib/vgpu"
+    --volume "$NODE/features.d:/etc/kubernetes/node-feature-discovery/features.d"
     --volume "$NODE/fake:/etc/vgpu/fake:ro"
     --volume "$REPO/daemonset/base/config.yaml:/etc/vgpu/config.yaml:ro"
     --env VGPU_CONFIG=/etc/vgpu/config.yaml
@@ -218,3 +220,7 @@ for line in "registered with the kubelet" "stopped"; do
     }
 done
 step "the container stopped on SIGTERM with exit 0; its log has the registration and the stop"
+# The config's nodeLabels.path: the feature file NFD reads, written through the hostPath.
+grep -q '^nvidia.com/vgpu.count=' "$NODE/features.d/vgpu" 2>/dev/null ||
+    fail "no node feature file with nvidia.com/vgpu.count at $NODE/features.d/vgpu"
+step "the node feature file: $(tr '\n' ' ' <"$NODE/features.d/vgpu")"

@@ -30,7 +30,7 @@ CONTRACT_METRICS = {
     "vgpu_gpu_healthy",
     "vgpu_gpu_memory_total_bytes",
     "vgpu_gpu_memory_used_bytes",
-    "vgpu_gpu_sm_utilization_ratio",
+    "vgpu_gpu_utilization_ratio",
     "vgpu_slices",
     "vgpu_container_gpu_memory_used_bytes",
     "vgpu_container_gpu_memory_limit_bytes",

@@ -15,6 +15,8 @@ EXAMPLES = DEPLOY / "examples"
 MPS_COMPONENT = DEPLOY / "components" / "mps"
 # vgpu config files that kustomize turns into the ConfigMap: not Kubernetes manifests.
 CONFIG_FILES = (BASE / "config.yaml", MPS_COMPONENT / "config.yaml")
+# The Helm chart: templates, not manifests (tests/deploy/test_chart.py renders and checks them).
+CHART = DEPLOY / "chart"
 NAMESPACE = "vgpu-system"
 KUSTOMIZATION = "kustomization.yaml"
 
@@ -29,9 +31,11 @@ def load_documents(path: Path) -> list[Manifest]:
 
 def manifest_files() -> list[Path]:
     """Every Kubernetes manifest under daemonset/: YAML files that are not kustomize's own
-    files and not the config file that becomes a ConfigMap."""
+    files, not the config file that becomes a ConfigMap, and not the Helm chart's."""
     return sorted(
-        p for p in DEPLOY.rglob("*.yaml") if p.name != KUSTOMIZATION and p not in CONFIG_FILES
+        p
+        for p in DEPLOY.rglob("*.yaml")
+        if p.name != KUSTOMIZATION and p not in CONFIG_FILES and not p.is_relative_to(CHART)
     )
 
 

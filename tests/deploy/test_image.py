@@ -12,6 +12,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 import deviceplugin
 from tests.deploy.support import ROOT
@@ -52,9 +54,11 @@ def test_hadolint_passes() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_two_stages_from_one_base_image() -> None:
+def test_two_stages_from_one_base_image_taken_by_digest() -> None:
     steps = instructions()
-    assert steps[0] == ("ARG", "BASE_IMAGE=python:3.11-slim-bookworm")
+    keyword, base = steps[0]
+    assert keyword == "ARG"
+    assert re.fullmatch(r"BASE_IMAGE=python:3\.11-slim-bookworm@sha256:[0-9a-f]{64}", base), base
     froms = [rest for keyword, rest in steps if keyword == "FROM"]
     assert froms == ["${BASE_IMAGE} AS build", "${BASE_IMAGE}"]
     stages = [i for i, (keyword, _) in enumerate(steps) if keyword == "FROM"]
@@ -116,3 +120,57 @@ def test_the_image_test_runs_the_daemonset_security_context() -> None:
     for flag in ("--cap-drop ALL", "--pid host", "--read-only", "no-new-privileges"):
         assert flag in script
     assert json.dumps("daemonset/base/config.yaml")[1:-1] in script
+
+
+# --- the locked dependencies --------------------------------------------------------------------
+
+LOCK = ROOT / "requirements.lock"
+
+
+def locked() -> dict[str, tuple[str, list[str]]]:
+    """requirements.lock as {normalized name: (version, hashes)}."""
+    text = re.sub(r"\\\n", " ", LOCK.read_text())
+    result: dict[str, tuple[str, list[str]]] = {}
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        requirement, *options = line.split()
+        name, _, version = requirement.partition("==")
+        hashes = [o.removeprefix("--hash=") for o in options if o.startswith("--hash=sha256:")]
+        result[canonicalize_name(name)] = (version, hashes)
+    return result
+
+
+def test_every_runtime_dependency_is_locked_within_its_range_with_hashes() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = locked()
+    for spec in project["dependencies"]:
+        requirement = Requirement(spec)
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{name} is not in requirements.lock: run tools/lock_requirements.sh"
+        version, _ = pins[name]
+        assert requirement.specifier.contains(version), (
+            f"requirements.lock pins {name}=={version}, outside {spec!r}: "
+            "run tools/lock_requirements.sh"
+        )
+    for pinned, (version, hashes) in pins.items():
+        assert version, f"{pinned} is not pinned to one version"
+        assert hashes, f"{pinned}=={version} has no --hash"
+    assert "tools/lock_requirements.sh" in LOCK.read_text()
+
+
+def test_the_image_installs_the_lock_with_hashes_and_the_wheel_without_dependencies() -> None:
+    final = " ".join(rest for keyword, rest in instructions() if keyword == "RUN")
+    assert "--require-hashes" in final
+    assert "-r /tmp/requirements.lock" in final
+    assert "source=requirements.lock" in final
+    assert re.search(r"--no-deps\s+/wheels/\*\.whl", final)
+    assert "!requirements.lock" in (ROOT / ".dockerignore").read_text().splitlines()
+
+
+def test_the_lock_tool_is_valid_bash_and_ci_checks_the_lock() -> None:
+    subprocess.run(["bash", "-n", str(ROOT / "tools" / "lock_requirements.sh")], check=True)
+    assert "tools/lock_requirements.sh --check" in (ROOT / ".ci" / "run").read_text()
+    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(d.startswith("pip-tools") for d in dev["dev"])

@@ -14,7 +14,13 @@ import yaml
 
 import deviceplugin
 from deviceplugin.__main__ import build_parser
-from deviceplugin.config import Config, default_config_yaml, load_config
+from deviceplugin.config import (
+    NFD_FEATURE_FILE,
+    Config,
+    NodeLabelsConfig,
+    default_config_yaml,
+    load_config,
+)
 from tests.deploy.support import (
     BASE,
     DEPLOY,
@@ -88,7 +94,7 @@ def test_kustomize_output_matches_the_kubernetes_schema(overlay: str) -> None:
     kinds = sorted(d["kind"] for d in docs)
     expected = ["ConfigMap", "DaemonSet", "Namespace", "Service", "ServiceAccount"]
     if overlay:
-        expected += ["ConfigMap", "PrometheusRule", "ServiceMonitor"]
+        expected += ["ConfigMap", "NetworkPolicy", "PrometheusRule", "ServiceMonitor"]
     assert kinds == sorted(expected)
     for doc in docs:
         if doc["kind"] != "Namespace":
@@ -102,7 +108,9 @@ def test_kustomize_wires_the_generated_config_map_and_the_image() -> None:
     config_map = next(d for (kind, _), d in docs.items() if kind == "ConfigMap")
     # A stable name: a new config is reloaded live by the running daemons, no pod restarts.
     assert config_map["metadata"]["name"] == "vgpu-config"
-    assert config_map["data"] == {"config.yaml": default_config_yaml()}
+    assert config_map["data"] == {
+        "config.yaml": default_config_yaml(node_labels_path=NFD_FEATURE_FILE)
+    }
     spec = docs[("DaemonSet", "vgpu")]["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["config"]["configMap"]["name"] == config_map["metadata"]["name"]
@@ -159,14 +167,24 @@ def test_the_image_tag_is_the_package_version() -> None:
 # --- the config ---------------------------------------------------------------------------------
 
 
-def test_the_config_file_is_the_built_in_default() -> None:
+def test_the_config_file_is_the_built_in_default_with_node_labels() -> None:
     path = BASE / "config.yaml"
-    assert path.read_text() == default_config_yaml(), (
+    assert path.read_text() == default_config_yaml(node_labels_path=NFD_FEATURE_FILE), (
         "daemonset/base/config.yaml is stale: run python tools/gen_daemonset_config.py"
     )
     config = load_config(path)  # what check-config validates
-    assert config == Config()
+    assert config == Config(node_labels=NodeLabelsConfig(path=NFD_FEATURE_FILE))
     assert not config.warnings
+
+
+def test_the_node_feature_file_is_on_a_host_directory_that_nfd_reads() -> None:
+    spec = daemonset()["spec"]["template"]["spec"]
+    feature_dir = str(Path(NFD_FEATURE_FILE).parent)
+    mounts = {m["name"]: m for m in container()["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mount = next(m for m in mounts.values() if m["mountPath"] == feature_dir)
+    assert not mount.get("readOnly")
+    assert volumes[mount["name"]]["hostPath"] == {"path": feature_dir, "type": "DirectoryOrCreate"}
 
 
 # --- the DaemonSet and the CLI ------------------------------------------------------------------
@@ -246,12 +264,14 @@ def test_mounts_serve_the_paths_the_daemon_uses() -> None:
     assert Path(env["VGPU_CONFIG"]).name == "config.yaml"
 
     assert "emptyDir" in volumes[mounts["/tmp"]["name"]]
-    # Every other hostPath is /dev/null for the NVIDIA runtime's volume-mounts mode.
+    # Every other hostPath is /dev/null for the NVIDIA runtime's volume-mounts mode, or NFD's
+    # feature directory for the node labels.
+    feature_dir = str(Path(NFD_FEATURE_FILE).parent)
     others = {
         v["hostPath"]["path"]
         for v in spec["volumes"]
         if "hostPath" in v
-        and v["hostPath"]["path"] not in {plugin_dir, pod_resources_dir, state_dir}
+        and v["hostPath"]["path"] not in {plugin_dir, pod_resources_dir, state_dir, feature_dir}
     }
     assert others == {"/dev/null"}
     assert "/var/run/nvidia-container-devices/all" in mounts

@@ -31,7 +31,7 @@ CONTRACT = {
     "vgpu_gpu_healthy",
     "vgpu_gpu_memory_total_bytes",
     "vgpu_gpu_memory_used_bytes",
-    "vgpu_gpu_sm_utilization_ratio",
+    "vgpu_gpu_utilization_ratio",
     "vgpu_slices",
     "vgpu_container_gpu_memory_used_bytes",
     "vgpu_container_gpu_memory_limit_bytes",
@@ -55,6 +55,12 @@ REQUIRED_ALERTS = {
     "VgpuDaemonNotPolling",
     "VgpuNotRegistered",
     "VgpuSlicesExhausted",
+    "VgpuDaemonAbsent",
+}
+# dcgm-exporter's series that the recording rules join, with the labels it gives them.
+DCGM_SERIES = {
+    "DCGM_FI_PROF_SM_ACTIVE": {"gpu", "UUID", "device", "modelName", "Hostname"},
+    "DCGM_FI_DEV_FB_USED": {"gpu", "UUID", "device", "modelName", "Hostname"},
 }
 SEVERITIES = {"critical", "warning", "info"}
 # Series Prometheus itself records about each scrape target.
@@ -112,9 +118,18 @@ def metric_names(expr: str) -> set[str]:
     return {s.name for s in selectors(expr) if s.name is not None}
 
 
-def rules() -> list[dict[str, Any]]:
+def all_rules() -> list[dict[str, Any]]:
     rule = one(MONITORING / "prometheusrule.yaml")
     return [r for group in rule["spec"]["groups"] for r in group["rules"]]
+
+
+def rules() -> list[dict[str, Any]]:
+    """The alerting rules."""
+    return [r for r in all_rules() if "alert" in r]
+
+
+def recording_rules() -> list[dict[str, Any]]:
+    return [r for r in all_rules() if "record" in r]
 
 
 def dashboard() -> dict[str, Any]:
@@ -190,6 +205,35 @@ def test_alert_annotations_name_labels_the_alert_has(rule: dict[str, Any]) -> No
     text = " ".join(rule["annotations"].values())
     missing = set(LABEL_REF.findall(text)) - available
     assert not missing, f"{rule['alert']} names labels its series lack: {sorted(missing)}"
+
+
+def test_the_absent_alert_fires_when_no_daemon_is_scraped_at_all() -> None:
+    (absent,) = [r for r in rules() if r["alert"] == "VgpuDaemonAbsent"]
+    assert absent["expr"] == 'absent(up{job="vgpu-device-plugin"})'
+    # The job is the Service's name, which the ServiceMonitor's targets carry.
+    assert one(BASE / "service.yaml")["metadata"]["name"] == "vgpu-device-plugin"
+
+
+# --- recording rules: vgpu joined with dcgm-exporter ---------------------------------------------
+
+
+def test_recording_rules_are_named_by_convention_and_join_on_gpu_uuid() -> None:
+    recorded = recording_rules()
+    assert {r["record"] for r in recorded} >= {"vgpu:dcgm_sm_active:ratio"}
+    for r in recorded:
+        assert set(r) == {"record", "expr"}, r["record"]
+        # level:metric:operations, the Prometheus naming convention for recorded series
+        assert re.fullmatch(r"vgpu:[a-z_]+:[a-z_]+", r["record"]), r["record"]
+        expr = r["expr"]
+        names = metric_names(expr)
+        dcgm = names & DCGM_SERIES.keys()
+        assert dcgm, f"{r['record']} reads no dcgm-exporter series"
+        assert names - DCGM_SERIES.keys() <= exposed().keys(), r["record"]
+        # dcgm-exporter's UUID becomes vgpu's gpu_uuid, and the join is on it alone.
+        assert "label_replace(" in expr, r["record"]
+        assert '"gpu_uuid", "$1", "UUID"' in expr, r["record"]
+        assert "on (gpu_uuid) group_left (node, gpu_index, model)" in expr, r["record"]
+        assert {"node", "gpu_uuid", "gpu_index", "model"} <= exposed()["vgpu_gpu_info"]
 
 
 # --- ServiceMonitor -----------------------------------------------------------------------------
@@ -272,7 +316,7 @@ def test_dashboard_queries_follow_the_node_variable() -> None:
 
 def test_every_query_parses_and_selects_by_name() -> None:
     """Syntax, and no selector without a metric name (which would match every series)."""
-    for expr in dashboard_exprs() + [r["expr"] for r in rules()]:
+    for expr in dashboard_exprs() + [r["expr"] for r in all_rules()]:
         for selector in selectors(expr):
             assert selector.name, f"a selector without a metric name in {expr!r}"
 

@@ -11,11 +11,22 @@ from typing import Any
 import yaml
 
 from deviceplugin.allocation import mps_pipe_directory, mps_shm_directory
-from deviceplugin.config import Config, MpsConfig, default_config_yaml, load_config, parse_config
+from deviceplugin.config import (
+    NFD_FEATURE_FILE,
+    Config,
+    MpsConfig,
+    NodeLabelsConfig,
+    default_config_yaml,
+    load_config,
+    parse_config,
+)
 from tests.deploy.support import DEPLOY, MPS_COMPONENT, NAMESPACE, ROOT, Manifest
 from tests.deploy.test_manifests import CAPABILITIES, KUBERNETES_VERSIONS, kustomize, validate
 
 OVERLAY = DEPLOY / "overlays" / "mps"
+
+# The DaemonSet keeps its node-label feature file with MPS on as well.
+NODE_LABELS = NodeLabelsConfig(path=NFD_FEATURE_FILE)
 
 
 def rendered(path: Path) -> dict[str, Manifest]:
@@ -43,22 +54,22 @@ def test_the_component_turns_mps_on_and_changes_nothing_else_in_the_config() -> 
     config_map = docs["ConfigMap"]
     text = config_map["data"]["config.yaml"]
     config = parse_config(yaml.safe_load(text))
-    assert config == Config(mps=MpsConfig(enabled=True))
+    assert config == Config(mps=MpsConfig(enabled=True), node_labels=NODE_LABELS)
     assert not config.warnings
-    # The DaemonSet mounts the replaced ConfigMap, under its new hashed name.
+    # The DaemonSet mounts the replaced ConfigMap under its stable name: the daemons reload it live.
     volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
     assert volumes["config"]["configMap"]["name"] == config_map["metadata"]["name"]
-    assert config_map["metadata"]["name"] != rendered(DEPLOY)["ConfigMap"]["metadata"]["name"]
+    assert config_map["metadata"]["name"] == rendered(DEPLOY)["ConfigMap"]["metadata"]["name"]
 
 
 def test_the_component_config_is_the_default_with_mps_on_and_current() -> None:
     path = MPS_COMPONENT / "config.yaml"
     lines = path.read_text().splitlines()
-    defaults = default_config_yaml().splitlines()
+    defaults = default_config_yaml(node_labels_path=NFD_FEATURE_FILE).splitlines()
     changed = [i for i, (a, b) in enumerate(zip(lines, defaults, strict=True)) if a != b]
     assert [(defaults[i], lines[i]) for i in changed] == [("  enabled: false", "  enabled: true")]
     assert lines[: changed[0]][::-1].index("mps:") < 5  # the one under mps:
-    assert load_config(path) == Config(mps=MpsConfig(enabled=True))
+    assert load_config(path) == Config(mps=MpsConfig(enabled=True), node_labels=NODE_LABELS)
     check = subprocess.run(
         [sys.executable, "tools/gen_daemonset_config.py", "--check"],
         cwd=ROOT,

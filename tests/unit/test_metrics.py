@@ -193,7 +193,7 @@ EXPECTED_LABELS: dict[str, set[str]] = {
     "vgpu_gpu_healthy": GPU,
     "vgpu_gpu_memory_total_bytes": GPU,
     "vgpu_gpu_memory_used_bytes": GPU,
-    "vgpu_gpu_sm_utilization_ratio": GPU,
+    "vgpu_gpu_utilization_ratio": GPU,
     "vgpu_slices": GPU | {"state"},
     "vgpu_container_gpu_memory_used_bytes": CONTAINER,
     "vgpu_container_gpu_memory_limit_bytes": CONTAINER,
@@ -330,10 +330,10 @@ def test_gpu_series() -> None:
     assert r.get_sample_value("vgpu_gpu_healthy", g1) == 0
     assert r.get_sample_value("vgpu_gpu_memory_total_bytes", g1) == 80 * GiB
     assert r.get_sample_value("vgpu_gpu_memory_used_bytes", g0) == 37 * GiB
-    assert r.get_sample_value("vgpu_gpu_sm_utilization_ratio", g0) == pytest.approx(0.8)
+    assert r.get_sample_value("vgpu_gpu_utilization_ratio", g0) == pytest.approx(0.8)
     # Unknown on the lost GPU: no sample rather than a made-up zero.
     assert r.get_sample_value("vgpu_gpu_memory_used_bytes", g1) is None
-    assert r.get_sample_value("vgpu_gpu_sm_utilization_ratio", g1) is None
+    assert r.get_sample_value("vgpu_gpu_utilization_ratio", g1) is None
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,145 @@
+"""Node labels without Kubernetes API credentials: a node feature discovery (NFD) feature file.
+
+NFD's worker reads every file in `/etc/kubernetes/node-feature-discovery/features.d/` on the node
+(its `local` source) and turns each `name=value` line into a node label; GPU feature discovery
+publishes NVIDIA's `nvidia.com/gpu.*` labels the same way. The daemon keeps one such file
+(`nodeLabels.path`) in step with its slice inventory, so that autoscalers and schedulers can
+select nodes by their slices while the daemon itself holds no API token.
+
+The file is rewritten only when its content changes, and atomically: the new content goes to a
+hidden file beside it (NFD skips names that start with a dot, since v0.15), which then replaces
+the old one by a rename. A reader sees the old file or the new one, never half of either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+from pathlib import Path
+
+from deviceplugin.model import Inventory
+from deviceplugin.state import Published
+
+log = logging.getLogger(__name__)
+
+PREFIX = "nvidia.com/vgpu."
+# A label value: at most 63 characters of [A-Za-z0-9-_.], starting and ending alphanumeric.
+_NOT_LABEL_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
+_MAX_LABEL_VALUE = 63
+MIB = 1024 * 1024
+# A write that failed (a full disk, a directory not mounted yet) is tried again this often.
+RETRY_S = 60.0
+
+
+def label_value(text: str) -> str:
+    """`text` as a valid label value: other characters become "-", cut to 63 characters
+    ("NVIDIA A100-SXM4-80GB" -> "NVIDIA-A100-SXM4-80GB", as GPU feature discovery writes it)."""
+    value = _NOT_LABEL_CHARS.sub("-", text)[:_MAX_LABEL_VALUE]
+    return value.strip("-_.")
+
+
+def node_labels(inventory: Inventory, *, mig_strategy: str = "none") -> dict[str, str]:
+    """The labels for this inventory, in the order they are written.
+
+    - `count`: the slices the node advertises as healthy;
+    - `replicas`: slices per GPU, when every sliced GPU has the same number (else absent);
+    - `memory-per-slice-mib`: the smallest slice's memory, in MiB;
+    - `product`: the model of the first sliced GPU;
+    - `mig-strategy`: how MIG devices are offered.
+    Without a sliced GPU, only `count=0` and `mig-strategy`."""
+    plans = [p for p in inventory.plans if p.sliced]
+    labels = {f"{PREFIX}count": str(sum(1 for s in inventory.slices if s.healthy))}
+    replicas = {p.replicas for p in plans}
+    if len(replicas) == 1:
+        labels[f"{PREFIX}replicas"] = str(replicas.pop())
+    if plans:
+        smallest = min(p.memory_per_slice_bytes for p in plans)
+        labels[f"{PREFIX}memory-per-slice-mib"] = str(smallest // MIB)
+        product = label_value(plans[0].gpu.name)
+        if product:
+            labels[f"{PREFIX}product"] = product
+    labels[f"{PREFIX}mig-strategy"] = mig_strategy
+    return labels
+
+
+def feature_file(labels: dict[str, str]) -> str:
+    """The feature file's content: one `name=value` line per label."""
+    return "".join(f"{name}={value}\n" for name, value in labels.items())
+
+
+def write_atomically(path: Path, content: str) -> None:
+    """Replace `path` with `content` by a rename from a hidden file in the same directory.
+
+    Mode 0644: NFD's worker may run as another user, and node labels are public anyway."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(temporary, 0o644)  # the daemon's umask would leave it owner-only
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+class NodeLabelFile:
+    """Keeps the feature file at `path` in step with the published inventory."""
+
+    def __init__(self, path: Path, *, mig_strategy: str = "none") -> None:
+        self.path = path
+        self._mig_strategy = mig_strategy
+        self._written: str | None = None
+        self._failing = False
+
+    def update(self, inventory: Inventory) -> bool:
+        """Write the file when its content would change; whether it was written. A failure is
+        logged (once until it succeeds again) and retried at the next change."""
+        content = feature_file(node_labels(inventory, mig_strategy=self._mig_strategy))
+        if content == self._written:
+            return False
+        try:
+            write_atomically(self.path, content)
+        except OSError as e:
+            if not self._failing:
+                log.warning(
+                    "cannot write the node feature file; node labels are not updated "
+                    "path=%s error=%s",
+                    self.path,
+                    e.strerror or e,
+                )
+            self._failing = True
+            return False
+        if self._failing:
+            log.info("node feature file written again path=%s", self.path)
+        self._failing = False
+        self._written = content
+        log.info(
+            "node labels updated path=%s labels=%s",
+            self.path,
+            ",".join(content.splitlines()),
+        )
+        return True
+
+    async def run(self, inventory: Published[Inventory], stop: asyncio.Event) -> None:
+        """Write for the current inventory, then after each change (and every RETRY_S while
+        writing fails), until `stop`."""
+        while not stop.is_set():
+            version = inventory.version
+            await asyncio.to_thread(self.update, inventory.value)
+            changed = asyncio.ensure_future(inventory.wait_change(version))
+            stopped = asyncio.ensure_future(stop.wait())
+            try:
+                await asyncio.wait(
+                    {changed, stopped},
+                    timeout=RETRY_S if self._failing else None,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                changed.cancel()
+                stopped.cancel()

@@ -1,0 +1,134 @@
+"""Node labels through node feature discovery's feature file: what the daemon writes, and that
+each change replaces the file whole (by a rename), never rewrites it in place."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from deviceplugin.config import (
+    Config,
+    GpuMatch,
+    NodeLabelsConfig,
+    SliceOverride,
+    SliceRule,
+    SlicingConfig,
+)
+from deviceplugin.nodelabels import label_value
+from tests.blackbox.daemon_harness import (
+    FAST,
+    Node,
+    eventually,
+    gpu,
+    registered,
+    running_daemon,
+)
+
+
+def labels_config(path: Path, slicing: SlicingConfig | None = None) -> Config:
+    return Config(
+        enforcement=FAST,
+        slicing=slicing or SlicingConfig(),
+        node_labels=NodeLabelsConfig(path=str(path)),
+    )
+
+
+def read_labels(path: Path) -> dict[str, str]:
+    """The file as NFD's local source reads it: one name=value per line."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    return dict(line.split("=", 1) for line in lines)
+
+
+def file_reads(path: Path, want: dict[str, str]) -> bool:
+    try:
+        return read_labels(path) == want
+    except FileNotFoundError:
+        return False
+
+
+async def test_the_feature_file_names_the_slices_and_follows_gpu_health(node: Node) -> None:
+    features = node.root / "features.d" / "vgpu"  # the directory is made when missing
+    # Both GPUs the same model here, so that replicas is uniform: 4 slices of 80 GiB each.
+    node.write_gpus((gpu(0), gpu(1)))
+    healthy = {
+        "nvidia.com/vgpu.count": "8",
+        "nvidia.com/vgpu.replicas": "4",
+        "nvidia.com/vgpu.memory-per-slice-mib": str(20 * 1024),
+        "nvidia.com/vgpu.product": "NVIDIA-A100-SXM4-80GB",
+        "nvidia.com/vgpu.mig-strategy": "none",
+    }
+    async with running_daemon(node, labels_config(features)) as daemon:
+        await registered(node, 8)
+        await eventually(lambda: file_reads(features, healthy), what="the feature file")
+        mode = stat.S_IMODE(features.stat().st_mode)
+        assert mode == 0o644, oct(mode)  # NFD's worker may run as another user
+        first_inode = features.stat().st_ino
+        # Polls that change nothing leave the file alone (NFD is woken by every write).
+        polls = daemon.poller.last_success_wall_s
+        await eventually(lambda: daemon.poller.last_success_wall_s > polls + 0.2, what="polls")
+        assert features.stat().st_ino == first_inode
+
+        # GPU 1 falls ill: its four slices leave the count; the file is replaced, not edited.
+        node.write_gpus((gpu(0), gpu(1, healthy=False)))
+        sick = {**healthy, "nvidia.com/vgpu.count": "4"}
+        await eventually(lambda: file_reads(features, sick), what="the count without GPU 1")
+        assert features.stat().st_ino != first_inode
+        # Nothing but the file itself is left in the directory (no temporary file).
+        assert os.listdir(features.parent) == ["vgpu"]
+
+        node.write_gpus((gpu(0), gpu(1)))
+        await eventually(lambda: file_reads(features, healthy), what="the count restored")
+
+
+async def test_mixed_gpus_leave_replicas_out_and_give_the_smallest_slice(node: Node) -> None:
+    features = node.root / "vgpu.features"
+    # TWO_GPUS: an A100 80 GiB and an L4 24 GiB; the L4 split in 3 (8 GiB slices).
+    slicing = SlicingConfig(
+        overrides=(SliceOverride(GpuMatch(model="*L4*"), SliceRule(replicas=3)),)
+    )
+    async with running_daemon(node, labels_config(features, slicing)):
+        await registered(node, 7)
+        want = {
+            "nvidia.com/vgpu.count": "7",
+            "nvidia.com/vgpu.memory-per-slice-mib": str(8 * 1024),
+            "nvidia.com/vgpu.product": "NVIDIA-A100-SXM4-80GB",
+            "nvidia.com/vgpu.mig-strategy": "none",
+        }
+        await eventually(lambda: file_reads(features, want), what="labels for mixed GPUs")
+
+
+async def test_no_path_writes_no_file(node: Node) -> None:
+    async with running_daemon(node, Config(enforcement=FAST)) as daemon:
+        await registered(node, 8)
+        assert daemon.node_labels is None
+    assert sorted(p.name for p in node.root.iterdir()) == ["dp", "gpus.json", "pr", "state"]
+
+
+async def test_an_unwritable_directory_is_logged_and_the_daemon_serves_on(
+    node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = node.root / "not-a-dir"
+    blocker.write_text("")
+    features = blocker / "vgpu"  # its "directory" is a file: every write fails
+    async with running_daemon(node, labels_config(features)):
+        await registered(node, 8)
+        await eventually(
+            lambda: "cannot write the node feature file" in caplog.text, what="the warning"
+        )
+        assert str(features) in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("NVIDIA A100-SXM4-80GB", "NVIDIA-A100-SXM4-80GB"),
+        ("Tesla T4", "Tesla-T4"),
+        ("NVIDIA H100 80GB HBM3 (PCIe)", "NVIDIA-H100-80GB-HBM3-PCIe"),
+        ("x" * 80, "x" * 63),
+    ],
+)
+def test_a_model_name_becomes_a_valid_label_value(name: str, value: str) -> None:
+    assert label_value(name) == value
