@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -41,11 +41,12 @@ from deviceplugin.model import (
     allocation_id,
 )
 from deviceplugin.plugin.lifecycle import PluginLifecycle
+from deviceplugin.plugin.resources import ResourceEndpoint, ResourcePlugins
 from deviceplugin.plugin.server import DevicePluginService
 from deviceplugin.podresources import list_container_devices
 from deviceplugin.procs import AllocationResolver, pid_namespace_warning
 from deviceplugin.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
-from deviceplugin.slicing import build_inventory, format_bytes
+from deviceplugin.slicing import build_inventory, format_bytes, keep_held
 from deviceplugin.state import AllocationBook, Published
 from deviceplugin.usage import AttributionEvidence, SnapshotBuilder, mark_stale
 
@@ -189,6 +190,7 @@ class Poller:
         enforce: Callable[[NodeSnapshot], NodeSnapshot] = lambda snapshot: snapshot,
         on_poll_duration: Callable[[float], None] = lambda seconds: None,
         timeout_s: float | None = None,
+        on_inventory: Callable[[Inventory], None] = lambda inventory: None,
     ) -> None:
         self._backend = backend
         self._config = config
@@ -201,6 +203,7 @@ class Poller:
         self._checkpoint_reason: str | None = None
         self._enforce = enforce
         self._on_poll_duration = on_poll_duration
+        self._on_inventory = on_inventory
         self._interval_s = config.enforcement.poll_interval_s
         self.timeout_s = timeout_s if timeout_s is not None else max(5.0, 4 * self._interval_s)
         self._worker = DaemonWorker("vgpu-poll")
@@ -218,7 +221,13 @@ class Poller:
         started = time.perf_counter()
         reading = self._backend.poll()
         now_s = time.monotonic()
-        inventory = build_inventory(reading, self._config.slicing)
+        cfg = self._config
+        inventory = build_inventory(
+            reading, cfg.slicing, mig=cfg.mig, resource_name=cfg.resource_name
+        )
+        # Slices that vanished (a MIG layout change, a GPU gone) stay, Unhealthy, while held.
+        held = {slice_id for record in allocations for slice_id in record.slice_ids}
+        inventory = keep_held(self._inventory.value, inventory, held)
         pids = {p.pid for gpu in reading.gpus for p in gpu.processes}
         pid_allocation = self._resolver.resolve(pids)
         snapshot, unknown = self._builder.build(
@@ -270,6 +279,7 @@ class Poller:
         if self._inventory.set(tick.inventory):
             for line in describe_inventory_change(old, tick.inventory):
                 (log.warning if "unhealthy" in line or "removed" in line else log.info)(line)
+        self._on_inventory(tick.inventory)
         self.last_success_wall_s = tick.snapshot.taken_at_s
         self.failures = 0
         self.snapshot = replace(tick.snapshot, health=self._health())
@@ -333,7 +343,7 @@ class AllocationTracker:
         self,
         book: AllocationBook,
         socket: Path,
-        resource_name: str,
+        resource_name: str | Callable[[], Collection[str]],
         *,
         interval_s: float = POD_RESOURCES_INTERVAL_S,
         min_gap_s: float = 0.25,
@@ -341,7 +351,10 @@ class AllocationTracker:
     ) -> None:
         self._book = book
         self._socket = socket
-        self._resource = resource_name
+        # The resources whose allocations are ours: one name, or the names currently served.
+        self._resources: Callable[[], Collection[str]] = (
+            (lambda: (resource_name,)) if isinstance(resource_name, str) else resource_name
+        )
         self._interval_s = interval_s
         self._min_gap_s = min_gap_s
         self._grace_s = grace_s
@@ -352,6 +365,7 @@ class AllocationTracker:
         """Ask pod-resources once; raises grpc.aio.AioRpcError when it does not answer."""
         containers = await list_container_devices(self._socket)
         now = time.time()
+        resources = self._resources()
         live = [
             AllocationRecord(
                 allocation_id(c.device_ids),
@@ -362,7 +376,7 @@ class AllocationTracker:
                 container=c.container,
             )
             for c in containers
-            if c.resource_name == self._resource
+            if c.resource_name in resources
         ]
         added, dropped = self._book.sync(live, now_s=now, grace_s=self._grace_s)
         self.refreshes += 1
@@ -435,33 +449,23 @@ class Daemon:
             node_name=settings.node_name,
             health=self.health,
             checkpoint=CheckpointReader(
-                settings.device_plugin_dir / CHECKPOINT_FILE, cfg.resource_name
+                settings.device_plugin_dir / CHECKPOINT_FILE,
+                lambda: self.resources.names,
             ),
             enforce=self._enforce,
             on_poll_duration=self.metrics.observe_poll,
+            on_inventory=lambda inventory: self.reconcile_resources(),
         )
-        # The service and the life cycle refer to each other; the lambdas resolve the life cycle
-        # when they are called, after it exists.
-        self.service = DevicePluginService(
-            cfg,
-            self.inventory,
-            self.book,
-            generation=lambda: self.lifecycle.generation(),  # noqa: PLW0108
-            on_stream_end=lambda generation: self.lifecycle.stream_ended(generation),  # noqa: PLW0108
-            on_allocate_duration=self.metrics.observe_allocate,
-            # The kubelet lists an allocation in pod-resources right after Allocate: ask soon,
-            # so that the container's series and any action on it carry its pod's name.
-            on_allocated=self.poller.names_wanted.set,
-        )
-        self.lifecycle = PluginLifecycle(
-            self.service,
-            plugin_dir=settings.device_plugin_dir,
-            resource_name=cfg.resource_name,
-        )
+        # One plugin endpoint per resource; the primary one (resourceName) always exists, and
+        # `service` and `lifecycle` are its own.
+        primary = self._make_endpoint(cfg.resource_name, Published(Inventory()))
+        self.service = primary.service
+        self.lifecycle = primary.lifecycle
+        self.resources = ResourcePlugins(primary, self._make_endpoint)
         self.tracker = AllocationTracker(
             self.book,
             settings.pod_resources_socket,
-            cfg.resource_name,
+            lambda: self.resources.names,
             interval_s=pod_resources_interval_s,
         )
         self.http: HttpServer | None = None
@@ -472,6 +476,39 @@ class Daemon:
                 lambda: self.poller.snapshot,
                 self.healthz,
             )
+
+    def _make_endpoint(
+        self, resource_name: str, inventory: Published[Inventory]
+    ) -> ResourceEndpoint:
+        # The service and the life cycle refer to each other; the lambdas resolve the life cycle
+        # when they are called, after it exists.
+        lifecycle: list[PluginLifecycle] = []
+        service = DevicePluginService(
+            self.settings.config,
+            inventory,
+            self.book,
+            generation=lambda: lifecycle[0].generation(),  # noqa: PLW0108
+            on_stream_end=lambda generation: lifecycle[0].stream_ended(generation),  # noqa: PLW0108
+            on_allocate_duration=self.metrics.observe_allocate,
+            # The kubelet lists an allocation in pod-resources right after Allocate: ask soon,
+            # so that the container's series and any action on it carry its pod's name.
+            on_allocated=self.poller.names_wanted.set,
+        )
+        lifecycle.append(
+            PluginLifecycle(
+                service,
+                plugin_dir=self.settings.device_plugin_dir,
+                resource_name=resource_name,
+            )
+        )
+        return ResourceEndpoint(resource_name, inventory, service, lifecycle[0])
+
+    def reconcile_resources(self) -> None:
+        """Bring the plugin endpoints in line with the current inventory: every resource it
+        names is served and registered, with its slices; a resource with no slice left (none
+        even held by an allocation) is stopped. Called after every poll; whatever changes the
+        inventory (a MIG layout change, a new config) ends here."""
+        self.resources.reconcile(self.inventory.value)
 
     def _enforce(self, snapshot: NodeSnapshot) -> NodeSnapshot:
         return snapshot if self.enforcer is None else self.enforcer.on_snapshot(snapshot)
@@ -492,12 +529,14 @@ class Daemon:
         return enforcer
 
     def health(self) -> DaemonHealth:
-        stats = self.lifecycle.stats
+        # Registered only when every resource is; unregistered since the earliest of those not.
+        lifecycles = [endpoint.lifecycle for endpoint in self.resources]
+        unregistered = [lc.unregistered_since_s for lc in lifecycles if not lc.registered]
         return DaemonHealth(
-            registered=self.lifecycle.registered,
-            unregistered_since_s=self.lifecycle.unregistered_since_s,
-            registrations_total=stats.registrations,
-            registration_failures_total=stats.registration_failures,
+            registered=not unregistered,
+            unregistered_since_s=min(unregistered, default=0.0),
+            registrations_total=sum(lc.stats.registrations for lc in lifecycles),
+            registration_failures_total=sum(lc.stats.registration_failures for lc in lifecycles),
             last_poll_success_s=self.poller.last_success_wall_s,
             poll_failures_consecutive=self.poller.failures,
             pod_resources_ok=self.tracker.ok,
@@ -547,7 +586,7 @@ class Daemon:
                 log.info("serving metrics and status address=%s", self.settings.metrics_address)
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self.poller.run(stop), name="poll")
-                tasks.create_task(self.lifecycle.run(stop), name="plugin")
+                tasks.create_task(self.resources.run(stop), name="plugins")
                 tasks.create_task(
                     self.tracker.run(stop, self.poller.names_wanted), name="pod-resources"
                 )

@@ -87,7 +87,7 @@ def test_format_bytes(n: int, text: str) -> None:
 
 def test_default_config_gives_four_replicas() -> None:
     (plan,) = plan_gpus([gpu(0)], SlicingConfig())
-    assert plan == GpuPlan(gpu(0), 4, 20 * GI, 0.25)
+    assert plan == GpuPlan(gpu(0), 4, 20 * GI, 0.25, resource_name="nvidia.com/vgpu")
     assert plan.sliced
 
 
