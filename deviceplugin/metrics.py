@@ -26,7 +26,10 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DURATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 GPU_LABELS = ("node", "gpu_uuid", "gpu_index")
-GPU_INFO_LABELS = (*GPU_LABELS, "model", "minor", "numa_node", "pci_bus_id")
+# A MIG device is a GPU of its own (gpu_uuid is its MIG UUID); its info names its parent GPU,
+# profile and instance IDs, all "" for a full GPU.
+MIG_LABELS = ("parent_gpu_uuid", "mig_profile", "gpu_instance_id", "compute_instance_id")
+GPU_INFO_LABELS = (*GPU_LABELS, "model", "minor", "numa_node", "pci_bus_id", *MIG_LABELS)
 SLICE_LABELS = (*GPU_LABELS, "state")
 XID_LABELS = (*GPU_LABELS, "xid")
 # namespace/pod/container are "" until pod-resources has named the container; allocation_id
@@ -233,6 +236,10 @@ class SnapshotCollector(Collector):
                         str(info.minor),
                         "" if info.numa_node is None else str(info.numa_node),
                         info.pci_bus_id or "",
+                        info.parent_uuid,
+                        info.mig_profile,
+                        "" if info.gpu_instance_id is None else str(info.gpu_instance_id),
+                        "" if info.compute_instance_id is None else str(info.compute_instance_id),
                     ],
                     1.0,
                 )
@@ -252,11 +259,14 @@ class SnapshotCollector(Collector):
                 misattributed.add_metric(g, float(len(gpu.misattributed)))
                 unattributed_mem.add_metric(g, float(_memory_of(gpu.unattributed)))
 
+            # NVML has no utilisation per MIG device: no series rather than a made-up 0.
+            mig_devices = {g.info.uuid for g in snapshot.gpus if g.info.is_mig_device}
             for c in snapshot.containers:
                 labels = _container_labels(node, c)
                 c_mem_used.add_metric(labels, float(c.memory_used_bytes))
                 c_mem_limit.add_metric(labels, float(c.memory_limit_bytes))
-                c_sm.add_metric(labels, _ratio(c.sm_utilization_ratio))
+                if c.gpu_uuid not in mig_devices:
+                    c_sm.add_metric(labels, _ratio(c.sm_utilization_ratio))
                 c_share.add_metric(labels, _ratio(c.compute_share_ratio))
                 c_throttled.add_metric(labels, c.throttled_seconds_total)
 

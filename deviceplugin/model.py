@@ -39,6 +39,18 @@ def allocation_id(slice_ids: Iterable[str]) -> str:
     return hashlib.sha256(joined.encode()).hexdigest()[:16]
 
 
+def mig_profile_name(gpu_slices: int, compute_slices: int, memory_mib: int) -> str:
+    """A MIG device's profile name as NVIDIA's tools write it (nvidia-smi, k8s-device-plugin,
+    mig-parted): `<g>g.<m>gb`, g the GPU instance's slice count and m its memory in GB rounded up
+    from MiB (an A100-80GB's 9728 MiB instance is "1g.10gb"); `<c>c.<g>g.<m>gb` when the compute
+    instance holds fewer slices than its GPU instance. From nvmlDeviceGetAttributes:
+    gpuInstanceSliceCount, computeInstanceSliceCount, memorySizeMB."""
+    memory_gb = (memory_mib + 1024 - 1) // 1024
+    if compute_slices and compute_slices != gpu_slices:
+        return f"{compute_slices}c.{gpu_slices}g.{memory_gb}gb"
+    return f"{gpu_slices}g.{memory_gb}gb"
+
+
 @dataclass(frozen=True, slots=True)
 class GpuInfo:
     """What the driver says about one physical GPU. Static while the GPU is present."""

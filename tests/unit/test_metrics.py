@@ -187,7 +187,9 @@ NODE_ONLY = {"node"}
 # Every series the exporter writes, by exposed sample name, with exactly its label names.
 EXPECTED_LABELS: dict[str, set[str]] = {
     # DESIGN 5
-    "vgpu_gpu_info": GPU | {"model", "minor", "numa_node", "pci_bus_id"},
+    "vgpu_gpu_info": GPU
+    | {"model", "minor", "numa_node", "pci_bus_id"}
+    | {"parent_gpu_uuid", "mig_profile", "gpu_instance_id", "compute_instance_id"},
     "vgpu_gpu_healthy": GPU,
     "vgpu_gpu_memory_total_bytes": GPU,
     "vgpu_gpu_memory_used_bytes": GPU,
@@ -315,13 +317,24 @@ def test_gpu_series() -> None:
     metrics, _ = make(sample_snapshot())
     r = metrics.registry
     g0, g1 = gpu_labels(UUID0, 0), gpu_labels(UUID1, 1)
-    info0 = g0 | {
-        "model": "NVIDIA A100-SXM4-80GB",
-        "minor": "0",
-        "numa_node": "0",
-        "pci_bus_id": "00000000:07:00.0",
-    }
-    info1 = g1 | {"model": "NVIDIA A100-SXM4-80GB", "minor": "1", "numa_node": "", "pci_bus_id": ""}
+    no_mig = dict.fromkeys(
+        ("parent_gpu_uuid", "mig_profile", "gpu_instance_id", "compute_instance_id"), ""
+    )
+    info0 = (
+        g0
+        | {
+            "model": "NVIDIA A100-SXM4-80GB",
+            "minor": "0",
+            "numa_node": "0",
+            "pci_bus_id": "00000000:07:00.0",
+        }
+        | no_mig
+    )
+    info1 = (
+        g1
+        | {"model": "NVIDIA A100-SXM4-80GB", "minor": "1", "numa_node": "", "pci_bus_id": ""}
+        | no_mig
+    )
     assert r.get_sample_value("vgpu_gpu_info", info0) == 1
     assert r.get_sample_value("vgpu_gpu_info", info1) == 1
     assert r.get_sample_value("vgpu_gpu_healthy", g0) == 1
@@ -585,3 +598,45 @@ def test_health_counters_per_gpu_and_xid() -> None:
     assert value("vgpu_gpu_xid_errors_total", {**gpu1, "xid": "79"}) == 1
     assert value("vgpu_gpu_xid_errors_total", {**gpu1, "xid": "13"}) == 4
     assert value("vgpu_gpu_xid_errors_total", {**gpu0, "xid": "13"}) is None
+
+
+def test_a_mig_device_is_a_gpu_series_naming_its_parent_and_has_no_utilisation() -> None:
+    base = sample_snapshot()
+    parent = base.gpus[0].info
+    mig_info = dataclasses.replace(
+        parent,
+        uuid="MIG-00000000-0000-4000-8000-000000000009",
+        name="NVIDIA A100-SXM4-80GB MIG 3g.40gb",
+        memory_total_bytes=40 * GiB,
+        parent_uuid=parent.uuid,
+        mig_profile="3g.40gb",
+        gpu_instance_id=2,
+        compute_instance_id=0,
+    )
+    mig_gpu = dataclasses.replace(
+        base.gpus[0],
+        reading=dataclasses.replace(base.gpus[0].reading, info=mig_info, sm_util_percent=None),
+        sm_utilization_ratio=None,
+    )
+    on_mig = dataclasses.replace(CONTAINERS[0], gpu_uuid=mig_info.uuid)
+    snapshot = dataclasses.replace(
+        base, gpus=(*base.gpus, mig_gpu), containers=(*base.containers, on_mig)
+    )
+    r = make(snapshot)[0].registry
+    g = gpu_labels(mig_info.uuid, parent.index)
+    info = g | {
+        "model": "NVIDIA A100-SXM4-80GB MIG 3g.40gb",
+        "minor": str(parent.minor),
+        "numa_node": "" if parent.numa_node is None else str(parent.numa_node),
+        "pci_bus_id": parent.pci_bus_id or "",
+        "parent_gpu_uuid": parent.uuid,
+        "mig_profile": "3g.40gb",
+        "gpu_instance_id": "2",
+        "compute_instance_id": "0",
+    }
+    assert r.get_sample_value("vgpu_gpu_info", info) == 1
+    assert r.get_sample_value("vgpu_gpu_memory_total_bytes", g) == 40 * GiB
+    assert r.get_sample_value("vgpu_gpu_sm_utilization_ratio", g) is None
+    labels = container_labels(on_mig)
+    assert r.get_sample_value("vgpu_container_gpu_memory_used_bytes", labels) is not None
+    assert r.get_sample_value("vgpu_container_sm_utilization_ratio", labels) is None
