@@ -387,8 +387,10 @@ def render_status(doc: Mapping[str, Any], *, width: int = 80) -> list[str]:
         lines.append("")
         lines.extend(_gpu_lines(g, by_gpu.get(str(g.get("uuid", "")), []), width))
         for device in children.get(str(g.get("uuid", "")), []) if g in top else []:
-            device_lines = _gpu_lines(device, by_gpu.get(str(device.get("uuid", "")), []), width)
-            lines.extend(_clip("  " + line, width) for line in device_lines)
+            device_lines = _gpu_lines(
+                device, by_gpu.get(str(device.get("uuid", "")), []), width - 2
+            )
+            lines.extend("  " + line for line in device_lines)
     orphans = [c for c in containers if str(c.get("gpu_uuid", "")) not in known]
     if orphans:
         lines.append("")

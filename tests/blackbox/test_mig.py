@@ -36,6 +36,8 @@ from tests.blackbox.daemon_harness import (
     registered,
     running_daemon,
 )
+from tests.blackbox.test_cli import run_cli
+from tests.blackbox.test_enforcement_daemon import Serve
 
 MIG_1G = "nvidia.com/mig-1g.10gb"
 MIG_3G = "nvidia.com/mig-3g.40gb"
@@ -254,3 +256,65 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
     except FileNotFoundError:
         return False
+
+
+# --- NVIDIA's config file with MIG resources: check-config and serve ---------------------------
+
+NVIDIA_MIXED = """\
+version: v1
+flags:
+  migStrategy: mixed
+sharing:
+  timeSlicing:
+    resources:
+      - name: nvidia.com/gpu
+        replicas: 2
+      - name: nvidia.com/mig-1g.10gb
+        replicas: 3
+"""
+
+
+def test_check_config_plans_mig_resources_of_an_nvidia_file(mig_node: Node) -> None:
+    config = mig_node.root / "nvidia.yaml"
+    config.write_text(NVIDIA_MIXED)
+    result = run_cli("check-config", str(config), "--backend", f"fake:{mig_node.state_file}")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "MIG strategy mixed" in out
+    assert "total: 2 slices of nvidia.com/gpu on 1 of 2 GPUs" in out
+    assert "total: 6 slices of nvidia.com/mig-1g.10gb on 2 MIG devices" in out
+    assert "total: 1 slices of nvidia.com/mig-3g.40gb on 1 MIG devices" in out
+    small = [line for line in out.splitlines() if "MIG 1g.10gb" in line]
+    assert len(small) == 2
+    assert all(line.split()[-4:] == ["3", "3.3Gi", "not", "enforced"] for line in small)
+    assert "compute is not measurable per MIG device" in out
+
+
+async def test_serve_with_an_nvidia_file_registers_each_mig_profile(mig_node: Node) -> None:
+    serve = Serve(mig_node, NVIDIA_MIXED)
+    try:
+        await serve.start()
+        await registered(mig_node, 2, "nvidia.com/gpu")
+        await registered(mig_node, 6, MIG_1G)
+        await registered(mig_node, 1, MIG_3G)
+        pod = await mig_node.sim.admit_pod("p", [("c", 2)], resource_name=MIG_1G)
+        # Two slices of one 1g.10gb device (the preferred allocation packs them).
+        (grant,) = pod.containers
+        assert len({d.split("::")[0] for d in grant.device_ids}) == 1
+        assert grant.envs["VGPU_MEMORY_LIMIT_MIB_0"] == str(2 * (10 * 1024 // 3))
+        code, err = await serve.stop()
+        assert code == 0, err
+    finally:
+        await serve.kill_if_running()
+
+
+def test_demo_shows_a_gpu_in_mig_mode_in_the_slice_map() -> None:
+    result = run_cli("demo", "--duration", "0.5")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "not sliced: MIG mode is enabled; its MIG devices are sliced instead" in out
+    assert "  MIG 1g.10gb  GI 9" in out
+    assert "nvidia.com/mig-1g.10gb: 2 slices x 5Gi memory, compute not enforced" in out
+    assert "plugin registered and 4 nvidia.com/mig-1g.10gb slices" in out
+    assert "embeddings/encoder" in out
+    assert "all 3 resources re-registered" in out
