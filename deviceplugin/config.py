@@ -1435,4 +1435,13 @@ health:
   recovery: {h.recovery.value}
   recoveryDelay: {format_duration(h.recovery_delay_s)}
   hangTimeout: {format_duration(h.hang_timeout_s)}
+
+mig:
+  # GPUs in MIG mode. none: left out. single: every MIG device is sliced like a GPU and advertised
+  # under resourceName (all MIG devices of the node must share one profile). mixed: each profile
+  # is its own resource, nvidia.com/mig-<profile> (e.g. nvidia.com/mig-1g.10gb), as with NVIDIA's
+  # plugin. A MIG device is one slice unless a slicing override matches its profile, e.g.
+  # {{match: {{profile: "1g.10gb"}}, replicas: 2}}. Memory limits are enforced per MIG device; NVML
+  # measures no utilisation per MIG device, so compute shares are not enforced on them.
+  strategy: {d.mig.strategy.value}
 """

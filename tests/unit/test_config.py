@@ -1016,6 +1016,7 @@ def test_default_config_yaml_shows_every_setting() -> None:
         "health.recovery",
         "health.recoveryDelay",
         "health.hangTimeout",
+        "mig.strategy",
     }
 
 
