@@ -179,6 +179,7 @@ async def test_a_kubelet_restart_re_registers_every_resource(mig_node: Node) -> 
         await registered(mig_node, 4)
         await registered(mig_node, 2, MIG_1G)
         await registered(mig_node, 1, MIG_3G)
+        pod = await mig_node.sim.admit_pod("p", [("c", {RESOURCE: 1, MIG_1G: 1})])
         before = len(mig_node.sim.registrations)
         await mig_node.sim.restart()
         await registered(mig_node, 4)
@@ -186,6 +187,10 @@ async def test_a_kubelet_restart_re_registers_every_resource(mig_node: Node) -> 
         await registered(mig_node, 1, MIG_3G)
         again = {e.resource_name for e in mig_node.sim.registrations[before:] if e.accepted}
         assert again == {RESOURCE, MIG_1G, MIG_3G}
+        # The kubelet's checkpoint kept the pod's grants of both resources.
+        assert mig_node.sim.get_pod("default", "p") == pod
+        (mig_grant,) = [g for g in pod.containers if g.resource_name == MIG_1G]
+        assert mig_node.sim.allocated_ids(MIG_1G) == set(mig_grant.device_ids)
 
 
 async def test_a_layout_change_follows_and_held_slices_turn_unhealthy_then_go(
