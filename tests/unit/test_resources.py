@@ -1,0 +1,96 @@
+"""The set of plugin endpoints, one per resource, reconciled with the inventory: resources come
+and go with the slices, the primary one always stays, and an endpoint re-created for a resource
+starts only once the old one has gone (it removes the socket both would use)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import cast
+
+from deviceplugin.model import GpuInfo, GpuPlan, Inventory, Slice, SliceId
+from deviceplugin.plugin.lifecycle import PluginLifecycle
+from deviceplugin.plugin.resources import ResourceEndpoint, ResourcePlugins
+from deviceplugin.plugin.server import DevicePluginService
+from deviceplugin.state import Published
+
+PRIMARY = "nvidia.com/vgpu"
+SMALL = "nvidia.com/mig-1g.10gb"
+
+
+class StubLifecycle:
+    """Stands in for a PluginLifecycle: records when it runs and stops."""
+
+    def __init__(self, name: str, events: list[str], hold_s: float = 0.0) -> None:
+        self.name = name
+        self.events = events
+        self.hold_s = hold_s
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.events.append(f"start {self.name}")
+        await stop.wait()
+        await asyncio.sleep(self.hold_s)  # removing the socket, closing the server
+        self.events.append(f"stop {self.name}")
+
+
+def inventory(*resources: str) -> Inventory:
+    plans, slices = [], []
+    for i, resource in enumerate(resources):
+        gpu = GpuInfo(f"MIG-{i}", 0, "x", 1 << 30, 0)
+        plans.append(GpuPlan(gpu, 1, 1 << 30, 1.0, resource_name=resource))
+        slices.append(Slice(SliceId(gpu.uuid, 0), 0, None, 1 << 30, 1.0, True, resource))
+    return Inventory.of(plans, slices)
+
+
+def plugins(events: list[str], hold_s: float = 0.0) -> ResourcePlugins:
+    def make(name: str, published: Published[Inventory]) -> ResourceEndpoint:
+        lifecycle = cast(PluginLifecycle, StubLifecycle(name, events, hold_s))
+        return ResourceEndpoint(name, published, cast(DevicePluginService, None), lifecycle)
+
+    return ResourcePlugins(make(PRIMARY, Published(Inventory())), make)
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def test_resources_follow_the_inventory_and_the_primary_always_stays() -> None:
+    events: list[str] = []
+    resources = plugins(events)
+    stop = asyncio.Event()
+    task = asyncio.create_task(resources.run(stop))
+
+    resources.reconcile(inventory(SMALL))
+    await settle()
+    assert resources.names == {PRIMARY, SMALL}
+    small = resources.get(SMALL)
+    assert small is not None
+    assert [s.device_id for s in small.inventory.value.slices] == ["MIG-0::0"]
+    assert set(events) == {f"start {PRIMARY}", f"start {SMALL}"}
+
+    resources.reconcile(inventory())
+    await settle()
+    assert resources.names == {PRIMARY}
+    assert events[-1] == f"stop {SMALL}"
+
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert events[-1] == f"stop {PRIMARY}"
+
+
+async def test_a_resource_back_at_once_starts_after_the_old_endpoint_has_gone() -> None:
+    events: list[str] = []
+    resources = plugins(events, hold_s=0.05)
+    stop = asyncio.Event()
+    task = asyncio.create_task(resources.run(stop))
+    resources.reconcile(inventory(SMALL))
+    await settle()
+
+    resources.reconcile(inventory())
+    resources.reconcile(inventory(SMALL))
+    await asyncio.sleep(0.2)
+
+    small = [e for e in events if e.endswith(SMALL)]
+    assert small == [f"start {SMALL}", f"stop {SMALL}", f"start {SMALL}"]
+    stop.set()
+    await asyncio.wait_for(task, 5)
