@@ -111,7 +111,7 @@ def describe_inventory_change(old: Inventory, new: Inventory) -> list[str]:
         else:
             lines.append(
                 f"gpu sliced index={plan.gpu.index} uuid={plan.gpu.uuid} "
-                f"model={plan.gpu.name!r} slices={plan.replicas} "
+                f"model={plan.gpu.name!r} resource={plan.resource_name} slices={plan.replicas} "
                 f"memory_per_slice={format_bytes(plan.memory_per_slice_bytes)} "
                 f"compute_share={plan.compute_share_ratio:.3f}"
             )

@@ -277,3 +277,16 @@ def test_fake_state_mig_block_problems(mig: object, problem: str) -> None:
     with pytest.raises(StateFileError) as e:
         parse_state(state(mig))
     assert problem in str(e.value)
+
+
+def test_nvidia_rename_by_default_names_mig_resources_shared() -> None:
+    config = parse_config(
+        yaml.safe_load(
+            "flags: {migStrategy: mixed}\n"
+            "sharing: {timeSlicing: {renameByDefault: true, resources: ["
+            "{name: nvidia.com/gpu, replicas: 2}, {name: nvidia.com/mig-1g.10gb, replicas: 2}]}}"
+        )
+    )
+    assert config.resource_name == "nvidia.com/gpu.shared"
+    assert config.mig.resource_for("1g.10gb") == "nvidia.com/mig-1g.10gb.shared"
+    assert config.mig.resource_for("3g.40gb") == "nvidia.com/mig-3g.40gb"
