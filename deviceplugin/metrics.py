@@ -25,11 +25,11 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Allocate and a poll take milliseconds; the top buckets catch a stalled driver call.
 DURATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
-GPU_LABELS = ("node", "gpu_uuid", "gpu_index")
-# A MIG device is a GPU of its own (gpu_uuid is its MIG UUID); its info names its parent GPU,
-# profile and instance IDs, all "" for a full GPU.
+# A MIG device is a GPU of its own (gpu_uuid is its MIG UUID, gpu_index its GPU's index); its
+# series also name its parent GPU, profile and instance IDs, all "" on a full GPU's series.
 MIG_LABELS = ("parent_gpu_uuid", "mig_profile", "gpu_instance_id", "compute_instance_id")
-GPU_INFO_LABELS = (*GPU_LABELS, "model", "minor", "numa_node", "pci_bus_id", *MIG_LABELS)
+GPU_LABELS = ("node", "gpu_uuid", "gpu_index", *MIG_LABELS)
+GPU_INFO_LABELS = (*GPU_LABELS, "model", "minor", "numa_node", "pci_bus_id")
 SLICE_LABELS = (*GPU_LABELS, "state")
 XID_LABELS = (*GPU_LABELS, "xid")
 # namespace/pod/container are "" until pod-resources has named the container; allocation_id
@@ -228,7 +228,15 @@ class SnapshotCollector(Collector):
         if snapshot is not None:
             for gpu in snapshot.gpus:
                 info = gpu.info
-                g = [node, info.uuid, str(info.index)]
+                g = [
+                    node,
+                    info.uuid,
+                    str(info.index),
+                    info.parent_uuid,
+                    info.mig_profile,
+                    "" if info.gpu_instance_id is None else str(info.gpu_instance_id),
+                    "" if info.compute_instance_id is None else str(info.compute_instance_id),
+                ]
                 gpu_info.add_metric(
                     [
                         *g,
@@ -236,10 +244,6 @@ class SnapshotCollector(Collector):
                         str(info.minor),
                         "" if info.numa_node is None else str(info.numa_node),
                         info.pci_bus_id or "",
-                        info.parent_uuid,
-                        info.mig_profile,
-                        "" if info.gpu_instance_id is None else str(info.gpu_instance_id),
-                        "" if info.compute_instance_id is None else str(info.compute_instance_id),
                     ],
                     1.0,
                 )

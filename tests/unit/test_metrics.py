@@ -180,16 +180,25 @@ def make(snapshot: NodeSnapshot | None) -> tuple[DaemonMetrics, Holder]:
     return DaemonMetrics(NODE, holder.get, version="1.2.3", clock=lambda: T0 + 0.75), holder
 
 
-GPU = {"node", "gpu_uuid", "gpu_index"}
+GPU = {
+    "node",
+    "gpu_uuid",
+    "gpu_index",
+    "parent_gpu_uuid",
+    "mig_profile",
+    "gpu_instance_id",
+    "compute_instance_id",
+}
+NO_MIG = dict.fromkeys(
+    ("parent_gpu_uuid", "mig_profile", "gpu_instance_id", "compute_instance_id"), ""
+)
 CONTAINER = {"node", "namespace", "pod", "container", "gpu_uuid", "allocation_id"}
 NODE_ONLY = {"node"}
 
 # Every series the exporter writes, by exposed sample name, with exactly its label names.
 EXPECTED_LABELS: dict[str, set[str]] = {
     # DESIGN 5
-    "vgpu_gpu_info": GPU
-    | {"model", "minor", "numa_node", "pci_bus_id"}
-    | {"parent_gpu_uuid", "mig_profile", "gpu_instance_id", "compute_instance_id"},
+    "vgpu_gpu_info": GPU | {"model", "minor", "numa_node", "pci_bus_id"},
     "vgpu_gpu_healthy": GPU,
     "vgpu_gpu_memory_total_bytes": GPU,
     "vgpu_gpu_memory_used_bytes": GPU,
@@ -259,7 +268,7 @@ def container_labels(c: ContainerUsage) -> dict[str, str]:
 
 
 def gpu_labels(uuid: str, index: int) -> dict[str, str]:
-    return {"node": NODE, "gpu_uuid": uuid, "gpu_index": str(index)}
+    return {"node": NODE, "gpu_uuid": uuid, "gpu_index": str(index)} | NO_MIG
 
 
 # --- names and labels ------------------------------------------------------------------------
@@ -317,24 +326,13 @@ def test_gpu_series() -> None:
     metrics, _ = make(sample_snapshot())
     r = metrics.registry
     g0, g1 = gpu_labels(UUID0, 0), gpu_labels(UUID1, 1)
-    no_mig = dict.fromkeys(
-        ("parent_gpu_uuid", "mig_profile", "gpu_instance_id", "compute_instance_id"), ""
-    )
-    info0 = (
-        g0
-        | {
-            "model": "NVIDIA A100-SXM4-80GB",
-            "minor": "0",
-            "numa_node": "0",
-            "pci_bus_id": "00000000:07:00.0",
-        }
-        | no_mig
-    )
-    info1 = (
-        g1
-        | {"model": "NVIDIA A100-SXM4-80GB", "minor": "1", "numa_node": "", "pci_bus_id": ""}
-        | no_mig
-    )
+    info0 = g0 | {
+        "model": "NVIDIA A100-SXM4-80GB",
+        "minor": "0",
+        "numa_node": "0",
+        "pci_bus_id": "00000000:07:00.0",
+    }
+    info1 = g1 | {"model": "NVIDIA A100-SXM4-80GB", "minor": "1", "numa_node": "", "pci_bus_id": ""}
     assert r.get_sample_value("vgpu_gpu_info", info0) == 1
     assert r.get_sample_value("vgpu_gpu_info", info1) == 1
     assert r.get_sample_value("vgpu_gpu_healthy", g0) == 1
@@ -591,8 +589,8 @@ def test_healthz(snapshot: NodeSnapshot | None, ok: bool, reason: str) -> None:
 def test_health_counters_per_gpu_and_xid() -> None:
     metrics = DaemonMetrics("node-a", sample_snapshot, version="test")
     value = metrics.registry.get_sample_value
-    gpu1 = {"node": "node-a", "gpu_uuid": UUID1, "gpu_index": "1"}
-    gpu0 = {"node": "node-a", "gpu_uuid": UUID0, "gpu_index": "0"}
+    gpu1 = {"node": "node-a", "gpu_uuid": UUID1, "gpu_index": "1"} | NO_MIG
+    gpu0 = {"node": "node-a", "gpu_uuid": UUID0, "gpu_index": "0"} | NO_MIG
     assert value("vgpu_gpu_unhealthy_transitions_total", gpu1) == 1
     assert value("vgpu_gpu_unhealthy_transitions_total", gpu0) == 0
     assert value("vgpu_gpu_xid_errors_total", {**gpu1, "xid": "79"}) == 1
@@ -623,17 +621,19 @@ def test_a_mig_device_is_a_gpu_series_naming_its_parent_and_has_no_utilisation()
         base, gpus=(*base.gpus, mig_gpu), containers=(*base.containers, on_mig)
     )
     r = make(snapshot)[0].registry
-    g = gpu_labels(mig_info.uuid, parent.index)
-    info = g | {
-        "model": "NVIDIA A100-SXM4-80GB MIG 3g.40gb",
-        "minor": str(parent.minor),
-        "numa_node": "" if parent.numa_node is None else str(parent.numa_node),
-        "pci_bus_id": parent.pci_bus_id or "",
+    g = gpu_labels(mig_info.uuid, parent.index) | {
         "parent_gpu_uuid": parent.uuid,
         "mig_profile": "3g.40gb",
         "gpu_instance_id": "2",
         "compute_instance_id": "0",
     }
+    info = g | {
+        "model": "NVIDIA A100-SXM4-80GB MIG 3g.40gb",
+        "minor": str(parent.minor),
+        "numa_node": "" if parent.numa_node is None else str(parent.numa_node),
+        "pci_bus_id": parent.pci_bus_id or "",
+    }
+    assert r.get_sample_value("vgpu_slices", g | {"state": "free"}) is not None
     assert r.get_sample_value("vgpu_gpu_info", info) == 1
     assert r.get_sample_value("vgpu_gpu_memory_total_bytes", g) == 40 * GiB
     assert r.get_sample_value("vgpu_gpu_sm_utilization_ratio", g) is None
