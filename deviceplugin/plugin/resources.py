@@ -56,15 +56,17 @@ class ResourcePlugins:
         self.primary = primary.resource_name
         self._make = make
         self._endpoints: dict[str, ResourceEndpoint] = {primary.resource_name: primary}
-        # The served resources, replaced whole: read from the poll worker's thread too.
+        # The served resources and their endpoints, replaced whole: the poll worker's thread
+        # reads them too (health, the checkpoint's resources).
         self.names: frozenset[str] = frozenset(self._endpoints)
+        self._all: tuple[ResourceEndpoint, ...] = tuple(self._endpoints.values())
         # Endpoints being stopped, by resource: a new endpoint for the same resource waits for
         # the old one, which removes its socket on the way out.
         self._stopping: dict[str, asyncio.Task[None]] = {}
         self._changed = asyncio.Event()
 
     def __iter__(self) -> Iterator[ResourceEndpoint]:
-        return iter(list(self._endpoints.values()))
+        return iter(self._all)
 
     def __len__(self) -> int:
         return len(self._endpoints)
@@ -92,6 +94,7 @@ class ResourcePlugins:
             log.info("resource removed: it has no slice left resource=%s", name)
             self._changed.set()
         self.names = frozenset(self._endpoints)
+        self._all = tuple(self._endpoints.values())
 
     async def _run_endpoint(self, endpoint: ResourceEndpoint) -> None:
         previous = self._stopping.get(endpoint.resource_name)
