@@ -323,3 +323,24 @@ def test_demo_shows_a_gpu_in_mig_mode_in_the_slice_map() -> None:
     assert "plugin registered and 4 nvidia.com/mig-1g.10gb slices" in out
     assert "embeddings/encoder" in out
     assert "all 3 resources re-registered" in out
+
+
+async def test_one_resource_s_broken_stream_leaves_the_others_alone(mig_node: Node) -> None:
+    sim = mig_node.sim
+    async with running_daemon(mig_node, mixed()) as daemon:
+        await registered(mig_node, 4)
+        await registered(mig_node, 2, MIG_1G)
+        await registered(mig_node, 1, MIG_3G)
+        before = len(sim.registrations)
+
+        await sim.break_stream(MIG_1G)
+        await registered(mig_node, 2, MIG_1G)
+
+        again = [e.resource_name for e in sim.registrations[before:] if e.accepted]
+        assert again == [MIG_1G]
+        assert sim.is_registered(RESOURCE)
+        assert sim.is_registered(MIG_3G)
+        endpoint = daemon.resources.get(MIG_1G)
+        assert endpoint is not None
+        assert endpoint.lifecycle.stats.last_restart_reason == "ListAndWatch stream ended"
+        assert daemon.lifecycle.stats.registrations == 1
