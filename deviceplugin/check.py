@@ -39,6 +39,7 @@ def render_plan(plans: tuple[GpuPlan, ...], resource_name: str) -> list[str]:
     totals: dict[str, int] = {resource_name: 0}
     for plan in plans:
         gpu = plan.gpu
+        pad = "  " if gpu.is_mig_device else ""
         if gpu.is_mig_device:
             label = "   "
             name = f"└ MIG {gpu.mig_profile} (GI {gpu.gpu_instance_id})"
@@ -49,7 +50,7 @@ def render_plan(plans: tuple[GpuPlan, ...], resource_name: str) -> list[str]:
         memory = format_bytes(gpu.memory_total_bytes)
         if not plan.sliced:
             lines.append(f"{label}  {model:<26} {memory:>8} {0:>6}  not sliced:")
-            lines.append(f"     {plan.excluded_reason}")
+            lines.append(f"{pad}     {plan.excluded_reason}")
             continue
         totals[plan.resource_name] = totals.get(plan.resource_name, 0) + plan.replicas
         share = MIG_COMPUTE if gpu.is_mig_device else f"{plan.compute_share_ratio * 100:.4g}%"
@@ -58,7 +59,7 @@ def render_plan(plans: tuple[GpuPlan, ...], resource_name: str) -> list[str]:
             f"{format_bytes(plan.memory_per_slice_bytes):>9} {share:>13}"
         )
         if plan.resource_name != resource_name:
-            lines.append(f"     as {plan.resource_name}")
+            lines.append(f"{pad}     as {plan.resource_name}")
     full = [p for p in plans if not p.gpu.is_mig_device]
     sliced = sum(1 for p in full if p.sliced)
     mig_sliced = sum(1 for p in plans if p.gpu.is_mig_device and p.sliced)
@@ -73,10 +74,8 @@ def render_plan(plans: tuple[GpuPlan, ...], resource_name: str) -> list[str]:
         devices = sum(1 for p in plans if p.sliced and p.resource_name == name)
         lines.append(f"total: {count} slices of {name} on {devices} MIG devices")
     if mig_sliced:
-        lines.append(
-            "MIG slices: memory limits are enforced; compute is not measurable per MIG device"
-            " through NVML, so their compute share is not enforced (no throttling)"
-        )
+        lines.append("MIG slices: memory limits are enforced; compute is not measurable per MIG")
+        lines.append("device through NVML, so their compute share is not enforced (no throttling)")
     return lines
 
 

@@ -292,7 +292,7 @@ def test_check_config_plans_mig_resources_of_an_nvidia_file(mig_node: Node) -> N
     small = [line for line in out.splitlines() if "MIG 1g.10gb" in line]
     assert len(small) == 2
     assert all(line.split()[-4:] == ["3", "3.3Gi", "not", "enforced"] for line in small)
-    assert "compute is not measurable per MIG device" in out
+    assert "MIG slices: memory limits are enforced; compute is not measurable per MIG" in out
 
 
 async def test_serve_with_an_nvidia_file_registers_each_mig_profile(mig_node: Node) -> None:
