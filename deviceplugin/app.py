@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,7 +28,7 @@ import grpc
 from deviceplugin import __version__
 from deviceplugin.allocation import mps_defaults
 from deviceplugin.checkpoint import CHECKPOINT_FILE, CheckpointReader
-from deviceplugin.config import Config
+from deviceplugin.config import Config, MpsConfig
 from deviceplugin.enforcer import Enforcer, RecordingControl
 from deviceplugin.errors import BackendError, StartupError
 from deviceplugin.gpu.backend import GpuBackend
@@ -44,6 +44,7 @@ from deviceplugin.model import (
 from deviceplugin.mps import MpsControlDaemon
 from deviceplugin.nodelabels import NodeLabelFile
 from deviceplugin.plugin.lifecycle import PluginLifecycle
+from deviceplugin.plugin.resources import ResourceEndpoint, ResourcePlugins
 from deviceplugin.plugin.server import DevicePluginService
 from deviceplugin.podresources import list_container_devices
 from deviceplugin.procs import AllocationResolver, pid_namespace_warning
@@ -54,7 +55,7 @@ from deviceplugin.reload import (
     apply_config,
     report_hangups_without_a_config,
 )
-from deviceplugin.slicing import build_inventory, format_bytes, keep_held_slices
+from deviceplugin.slicing import build_inventory, format_bytes, keep_held
 from deviceplugin.state import AllocationBook, Published
 from deviceplugin.usage import AttributionEvidence, SnapshotBuilder, mark_stale
 
@@ -125,7 +126,7 @@ def describe_inventory_change(old: Inventory, new: Inventory) -> list[str]:
         else:
             lines.append(
                 f"gpu sliced index={plan.gpu.index} uuid={plan.gpu.uuid} "
-                f"model={plan.gpu.name!r} slices={plan.replicas} "
+                f"model={plan.gpu.name!r} resource={plan.resource_name} slices={plan.replicas} "
                 f"memory_per_slice={format_bytes(plan.memory_per_slice_bytes)} "
                 f"compute_share={plan.compute_share_ratio:.3f}"
             )
@@ -204,6 +205,7 @@ class Poller:
         enforce: Callable[[NodeSnapshot], NodeSnapshot] = lambda snapshot: snapshot,
         on_poll_duration: Callable[[float], None] = lambda seconds: None,
         timeout_s: float | None = None,
+        on_inventory: Callable[[Inventory], None] = lambda inventory: None,
     ) -> None:
         self._backend = backend
         self._config = config
@@ -217,6 +219,7 @@ class Poller:
         self._checkpoint_reason: str | None = None
         self._enforce = enforce
         self._on_poll_duration = on_poll_duration
+        self._on_inventory = on_inventory
         self._interval_s = config.enforcement.poll_interval_s
         self.timeout_s = timeout_s if timeout_s is not None else max(5.0, 4 * self._interval_s)
         self._worker = DaemonWorker("vgpu-poll")
@@ -236,9 +239,11 @@ class Poller:
         started = time.perf_counter()
         reading = self._backend.poll()
         now_s = time.monotonic()
-        inventory = keep_held_slices(
-            build_inventory(reading, self._config.slicing),
+        cfg = self._config
+        # Held slices that a new plan or a MIG layout change dropped stay, Unhealthy, until freed.
+        inventory = keep_held(
             self._inventory.value,
+            build_inventory(reading, cfg.slicing, mig=cfg.mig, resource_name=cfg.resource_name),
             (slice_id for record in allocations for slice_id in record.slice_ids),
         )
         pids = {p.pid for gpu in reading.gpus for p in gpu.processes}
@@ -265,8 +270,6 @@ class Poller:
         self.timeout_s = max(5.0, 4 * self._interval_s)
         if config.enforcement.compute.window_s != old.enforcement.compute.window_s:
             self._builder = SnapshotBuilder(self._builder_node, config.enforcement.compute.window_s)
-        if config.resource_name != old.resource_name and self._checkpoint is not None:
-            self._checkpoint = CheckpointReader(self._checkpoint.path, config.resource_name)
         self.wake.set()
 
     def _evidence(self) -> AttributionEvidence | None:
@@ -307,6 +310,7 @@ class Poller:
         if self._inventory.set(tick.inventory):
             for line in describe_inventory_change(old, tick.inventory):
                 (log.warning if "unhealthy" in line or "removed" in line else log.info)(line)
+        self._on_inventory(tick.inventory)
         self.last_success_wall_s = tick.snapshot.taken_at_s
         self.failures = 0
         self.snapshot = replace(tick.snapshot, health=self._health())
@@ -380,7 +384,7 @@ class AllocationTracker:
         self,
         book: AllocationBook,
         socket: Path,
-        resource_name: str,
+        resource_name: str | Callable[[], Collection[str]],
         *,
         interval_s: float = POD_RESOURCES_INTERVAL_S,
         min_gap_s: float = 0.25,
@@ -388,7 +392,10 @@ class AllocationTracker:
     ) -> None:
         self._book = book
         self._socket = socket
-        self.resource_name = resource_name
+        # The resources whose allocations are ours: one name, or the names currently served.
+        self._resources: Callable[[], Collection[str]] = (
+            (lambda: (resource_name,)) if isinstance(resource_name, str) else resource_name
+        )
         self._interval_s = interval_s
         self._min_gap_s = min_gap_s
         self._grace_s = grace_s
@@ -399,6 +406,7 @@ class AllocationTracker:
         """Ask pod-resources once; raises grpc.aio.AioRpcError when it does not answer."""
         containers = await list_container_devices(self._socket)
         now = time.time()
+        resources = self._resources()
         live = [
             AllocationRecord(
                 allocation_id(c.device_ids),
@@ -409,7 +417,7 @@ class AllocationTracker:
                 container=c.container,
             )
             for c in containers
-            if c.resource_name == self.resource_name
+            if c.resource_name in resources
         ]
         added, dropped = self._book.sync(live, now_s=now, grace_s=self._grace_s)
         self.refreshes += 1
@@ -482,33 +490,21 @@ class Daemon:
             node_name=settings.node_name,
             health=self.health,
             checkpoint=CheckpointReader(
-                settings.device_plugin_dir / CHECKPOINT_FILE, cfg.resource_name
+                settings.device_plugin_dir / CHECKPOINT_FILE,
+                lambda: self.resources.names,
             ),
             enforce=self._enforce,
             on_poll_duration=self.metrics.observe_poll,
+            on_inventory=lambda inventory: self.reconcile_resources(),
         )
-        # The service and the life cycle refer to each other; the lambdas resolve the life cycle
-        # when they are called, after it exists.
-        self.service = DevicePluginService(
-            cfg,
-            self.inventory,
-            self.book,
-            generation=lambda: self.lifecycle.generation(),  # noqa: PLW0108
-            on_stream_end=lambda generation: self.lifecycle.stream_ended(generation),  # noqa: PLW0108
-            on_allocate_duration=self.metrics.observe_allocate,
-            # The kubelet lists an allocation in pod-resources right after Allocate: ask soon,
-            # so that the container's series and any action on it carry its pod's name.
-            on_allocated=self.poller.names_wanted.set,
-        )
-        self.lifecycle = PluginLifecycle(
-            self.service,
-            plugin_dir=settings.device_plugin_dir,
-            resource_name=cfg.resource_name,
-        )
+        # One plugin endpoint per resource; the primary one (resourceName) always exists, and
+        # `service` and `lifecycle` are its own.
+        primary = self._make_endpoint(cfg.resource_name, Published(Inventory()))
+        self.resources = ResourcePlugins(primary, self._make_endpoint)
         self.tracker = AllocationTracker(
             self.book,
             settings.pod_resources_socket,
-            cfg.resource_name,
+            lambda: self.resources.names,
             interval_s=pod_resources_interval_s,
         )
         # The node's MPS control daemon, when MPS is on: started after the first poll (its
@@ -517,12 +513,13 @@ class Daemon:
         self.reload_metrics = ReloadMetrics(
             self.metrics.registry, settings.node_name, settings.config_hash
         )
-        # Set by the plugin's runner; setting it ends the running life cycle (see replace_plugin).
-        self._plugin_stop = asyncio.Event()
         # Node labels through node feature discovery's feature file, when the config asks.
-        self.node_labels: NodeLabelFile | None = None
-        if cfg.node_labels.path:
-            self.node_labels = NodeLabelFile(Path(cfg.node_labels.path))
+        self.node_labels = self._make_node_labels(cfg)
+        # While running: the task group, the daemon's stop, and the optional components' tasks
+        # (MPS supervision, node labels), which a reload stops and starts again.
+        self._tasks: asyncio.TaskGroup | None = None
+        self._stop: asyncio.Event | None = None
+        self._components: dict[str, tuple[asyncio.Event, asyncio.Task[Any]]] = {}
         self.http: HttpServer | None = None
         if settings.metrics_address:
             self.http = HttpServer(
@@ -532,6 +529,21 @@ class Daemon:
                 self.healthz,
                 tls=settings.metrics_tls,
             )
+
+    @property
+    def service(self) -> DevicePluginService:
+        """The primary resource's (`resourceName`) plugin service."""
+        return self.resources.primary_endpoint.service
+
+    @property
+    def lifecycle(self) -> PluginLifecycle:
+        """The primary resource's plugin life cycle."""
+        return self.resources.primary_endpoint.lifecycle
+
+    @lifecycle.setter
+    def lifecycle(self, lifecycle: PluginLifecycle) -> None:
+        # Before run(): a life cycle made otherwise (a test's watch settings) for the primary.
+        self.resources.primary_endpoint.lifecycle = lifecycle
 
     async def apply_config(self, config: Config) -> None:
         """Apply a new config without a restart: the one entry point of a live reload."""
@@ -550,26 +562,105 @@ class Daemon:
 
         await asyncio.wrap_future(self.poller.submit(swap))
 
-    async def replace_plugin(self, resource_name: str) -> None:
-        """Serve and register the plugin under `resource_name` instead: the running life cycle
-        ends (closing its server, removing its socket) and the runner starts the new one."""
-        old = self.lifecycle
-        self.lifecycle = PluginLifecycle(
-            self.service, plugin_dir=self.settings.device_plugin_dir, resource_name=resource_name
+    def _make_endpoint(
+        self, resource_name: str, inventory: Published[Inventory]
+    ) -> ResourceEndpoint:
+        # The service and the endpoint refer to each other; the lambdas resolve the endpoint's
+        # life cycle when they are called, after it exists (and after it is replaced).
+        endpoint: list[ResourceEndpoint] = []
+        service = DevicePluginService(
+            self.settings.config,
+            inventory,
+            self.book,
+            generation=lambda: endpoint[0].lifecycle.generation(),  # noqa: PLW0108
+            on_stream_end=lambda generation: endpoint[0].lifecycle.stream_ended(generation),  # noqa: PLW0108
+            on_allocate_duration=self.metrics.observe_allocate,
+            # The kubelet lists an allocation in pod-resources right after Allocate: ask soon,
+            # so that the container's series and any action on it carry its pod's name.
+            on_allocated=self.poller.names_wanted.set,
         )
-        self.lifecycle.stats = old.stats
-        self._plugin_stop.set()
+        lifecycle = PluginLifecycle(
+            service,
+            plugin_dir=self.settings.device_plugin_dir,
+            resource_name=resource_name,
+        )
+        endpoint.append(ResourceEndpoint(resource_name, inventory, service, lifecycle))
+        return endpoint[0]
 
-    async def _serve_plugin(self, stop: asyncio.Event) -> None:
-        """Run the plugin's life cycle until `stop`; a new one after replace_plugin."""
-        while not stop.is_set():
-            self._plugin_stop = plugin_stop = asyncio.Event()
-            relay = asyncio.ensure_future(stop.wait())
-            relay.add_done_callback(functools.partial(_set_on_done, plugin_stop))
-            try:
-                await self.lifecycle.run(plugin_stop)
-            finally:
-                relay.cancel()
+    def reconcile_resources(self) -> None:
+        """Bring the plugin endpoints in line with the current inventory: every resource it
+        names is served and registered, with its slices; a resource with no slice left (none
+        even held by an allocation) is stopped. Called after every poll; whatever changes the
+        inventory (a MIG layout change, a new config) ends here."""
+        self.resources.reconcile(self.inventory.value)
+
+    # --- optional components: the MPS control daemon and the node feature file ---------------
+
+    def _start_component(self, name: str, run: Callable[[asyncio.Event], Any]) -> None:
+        """Run `run(stop)` as a task of the running daemon, stopped by `stop_component(name)` or
+        when the daemon stops."""
+        if self._tasks is None or self._stop is None:
+            return
+        stop = asyncio.Event()
+        relay = asyncio.ensure_future(self._stop.wait())
+        relay.add_done_callback(functools.partial(_set_on_done, stop))
+        task = self._tasks.create_task(run(stop), name=name)
+        task.add_done_callback(lambda _: relay.cancel())
+        self._components[name] = (stop, task)
+
+    async def _stop_component(self, name: str) -> None:
+        component = self._components.pop(name, None)
+        if component is not None:
+            stop, task = component
+            stop.set()
+            await asyncio.wait({task})
+
+    def _supervise_mps(self, mps: MpsControlDaemon) -> None:
+        inventory = self.inventory
+        self._start_component(
+            "mps", lambda stop: mps.run(stop, lambda: mps_defaults(inventory.value.plans))
+        )
+
+    def _make_node_labels(self, cfg: Config) -> NodeLabelFile | None:
+        if not cfg.node_labels.path:
+            return None
+        return NodeLabelFile(
+            Path(cfg.node_labels.path),
+            mig_strategy=cfg.mig.strategy.value,
+            resource_name=cfg.resource_name,
+        )
+
+    async def reconfigure_mps(self, config: MpsConfig) -> None:
+        """A reload changed `mps`: the running control daemon (if any) is sent quit, and one
+        with the new settings is started and supervised (if enabled). A start that fails is
+        logged and retried by the supervisor; the daemon keeps serving."""
+        if self.mps is not None:
+            await self._stop_component("mps")
+            await asyncio.to_thread(self.mps.stop)
+            self.mps = None
+            log.info("config reload: MPS control daemon stopped")
+        if not config.enabled:
+            return
+        self.mps = mps = MpsControlDaemon(config)
+        try:
+            await asyncio.to_thread(mps.start, mps_defaults(self.inventory.value.plans))
+        except StartupError as e:
+            log.error("config reload: %s; retrying", e)
+        self._supervise_mps(mps)
+
+    async def reconfigure_node_labels(self, config: Config) -> None:
+        """A reload changed what the node feature file says or where it is: a file at an old
+        path is removed (its labels would stay otherwise), and the new one written."""
+        old = self.node_labels
+        await self._stop_component("node-labels")
+        self.node_labels = self._make_node_labels(config)
+        if old is not None and (self.node_labels is None or self.node_labels.path != old.path):
+            await asyncio.to_thread(old.remove)
+        if self.node_labels is not None:
+            self._start_component("node-labels", functools.partial(self._label, self.node_labels))
+
+    async def _label(self, labels: NodeLabelFile, stop: asyncio.Event) -> None:
+        await labels.run(self.inventory, stop)
 
     def _enforce(self, snapshot: NodeSnapshot) -> NodeSnapshot:
         return snapshot if self.enforcer is None else self.enforcer.on_snapshot(snapshot)
@@ -590,12 +681,14 @@ class Daemon:
         return enforcer
 
     def health(self) -> DaemonHealth:
-        stats = self.lifecycle.stats
+        # Registered only when every resource is; unregistered since the earliest of those not.
+        lifecycles = [endpoint.lifecycle for endpoint in self.resources]
+        unregistered = [lc.unregistered_since_s for lc in lifecycles if not lc.registered]
         return DaemonHealth(
-            registered=self.lifecycle.registered,
-            unregistered_since_s=self.lifecycle.unregistered_since_s,
-            registrations_total=stats.registrations,
-            registration_failures_total=stats.registration_failures,
+            registered=not unregistered,
+            unregistered_since_s=min(unregistered, default=0.0),
+            registrations_total=sum(lc.stats.registrations for lc in lifecycles),
+            registration_failures_total=sum(lc.stats.registration_failures for lc in lifecycles),
             last_poll_success_s=self.poller.last_success_wall_s,
             poll_failures_consecutive=self.poller.failures,
             pod_resources_ok=self.tracker.ok,
@@ -649,7 +742,8 @@ class Daemon:
                 log.info("serving metrics and status address=%s", self.settings.metrics_address)
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self.poller.run(stop), name="poll")
-                tasks.create_task(self._serve_plugin(stop), name="plugin")
+                self._tasks, self._stop = tasks, stop
+                tasks.create_task(self.resources.run(stop), name="plugins")
                 if self.settings.config_path is not None:
                     reloader = ConfigReloader(
                         self,
@@ -668,15 +762,14 @@ class Daemon:
                     self.tracker.run(stop, self.poller.names_wanted), name="pod-resources"
                 )
                 if self.mps is not None:
-                    mps, inventory = self.mps, self.inventory
-                    tasks.create_task(
-                        mps.run(stop, lambda: mps_defaults(inventory.value.plans)), name="mps"
-                    )
+                    self._supervise_mps(self.mps)
                 if self.node_labels is not None:
-                    tasks.create_task(
-                        self.node_labels.run(self.inventory, stop), name="node-labels"
+                    self._start_component(
+                        "node-labels", functools.partial(self._label, self.node_labels)
                     )
         finally:
+            self._tasks = self._stop = None
+            self._components.clear()
             try:
                 # Every process it holds stopped runs again, whatever ended the daemon: first.
                 self.enforcer.close()

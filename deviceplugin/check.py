@@ -34,29 +34,58 @@ def _gpus_of(backend_spec: str) -> list[GpuInfo]:
         backend.close()
 
 
+# Shown for a MIG device's slices: NVML has no utilisation per MIG device, so their compute
+# share is not measured and never throttled (their memory limit is enforced).
+MIG_COMPUTE = "not enforced"
+
+
 def render_plan(plans: tuple[GpuPlan, ...], resource_name: str) -> list[str]:
-    """The plan as a table that fits 80 columns."""
+    """The plan as a table that fits 80 columns. A GPU's MIG devices follow it, indented, with
+    their profile and resource name."""
     lines = [
         f"{'GPU':>3}  {'MODEL':<26} {'MEMORY':>8} {'SLICES':>6} "
         f"{'MEM/SLICE':>9} {'COMPUTE/SLICE':>13}"
     ]
-    total = 0
+    totals: dict[str, int] = {resource_name: 0}
     for plan in plans:
         gpu = plan.gpu
-        model = gpu.name if len(gpu.name) <= 26 else gpu.name[:25] + "…"
+        pad = "  " if gpu.is_mig_device else ""
+        if gpu.is_mig_device:
+            label = "   "
+            name = f"└ MIG {gpu.mig_profile} (GI {gpu.gpu_instance_id})"
+        else:
+            label = f"{gpu.index:>3}"
+            name = gpu.name
+        model = name if len(name) <= 26 else name[:25] + "…"
         memory = format_bytes(gpu.memory_total_bytes)
         if not plan.sliced:
-            lines.append(f"{gpu.index:>3}  {model:<26} {memory:>8} {0:>6}  not sliced:")
-            lines.append(f"     {plan.excluded_reason}")
+            lines.append(f"{label}  {model:<26} {memory:>8} {0:>6}  not sliced:")
+            lines.append(f"{pad}     {plan.excluded_reason}")
             continue
-        total += plan.replicas
-        share = f"{plan.compute_share_ratio * 100:.4g}%"
+        totals[plan.resource_name] = totals.get(plan.resource_name, 0) + plan.replicas
+        share = MIG_COMPUTE if gpu.is_mig_device else f"{plan.compute_share_ratio * 100:.4g}%"
         lines.append(
-            f"{gpu.index:>3}  {model:<26} {memory:>8} {plan.replicas:>6} "
+            f"{label}  {model:<26} {memory:>8} {plan.replicas:>6} "
             f"{format_bytes(plan.memory_per_slice_bytes):>9} {share:>13}"
         )
-    sliced = sum(1 for p in plans if p.sliced)
-    lines.append(f"total: {total} slices of {resource_name} on {sliced} of {len(plans)} GPUs")
+        if plan.resource_name != resource_name:
+            lines.append(f"{pad}     as {plan.resource_name}")
+    full = [p for p in plans if not p.gpu.is_mig_device]
+    sliced = sum(1 for p in full if p.sliced)
+    mig_sliced = sum(1 for p in plans if p.gpu.is_mig_device and p.sliced)
+    mig_primary = sum(
+        1 for p in plans if p.gpu.is_mig_device and p.sliced and p.resource_name == resource_name
+    )
+    where = f"{sliced} of {len(full)} GPUs"
+    if mig_primary:
+        where += f" and {mig_primary} MIG devices"
+    lines.append(f"total: {totals.pop(resource_name)} slices of {resource_name} on {where}")
+    for name, count in sorted(totals.items()):
+        devices = sum(1 for p in plans if p.sliced and p.resource_name == name)
+        lines.append(f"total: {count} slices of {name} on {devices} MIG devices")
+    if mig_sliced:
+        lines.append("MIG slices: memory limits are enforced; compute is not measurable per MIG")
+        lines.append("device through NVML, so their compute share is not enforced (no throttling)")
     return lines
 
 
@@ -72,6 +101,7 @@ def describe(config: Config) -> str:
             if hints.framework_hints
             else "off"
         )
+        + f", MIG strategy {config.mig.strategy.value}"
     )
 
 
@@ -141,7 +171,7 @@ def check_config(path: Path, backend_spec: str, out: TextIO, err: TextIO) -> int
             "(pass --backend nvml on a GPU node to plan for its own GPUs):",
             file=out,
         )
-    plans = plan_gpus(gpus, config.slicing)
+    plans = plan_gpus(gpus, config.slicing, mig=config.mig, resource_name=config.resource_name)
     for line in render_plan(plans, config.resource_name):
         print(line, file=out)
     for line in render_limits(plans, config):

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -139,7 +139,7 @@ def _text(entry: Mapping[str, object], key: str, where: str) -> str:
     return value
 
 
-def _entries(document: object, resource_name: str) -> tuple[CheckpointEntry, ...]:
+def _entries(document: object, resource_names: Collection[str]) -> tuple[CheckpointEntry, ...]:
     if not isinstance(document, dict):
         raise CheckpointError("not a JSON object")
     data = document.get("Data")
@@ -161,7 +161,7 @@ def _entries(document: object, resource_name: str) -> tuple[CheckpointEntry, ...
         device_ids = _device_ids(entry.get("DeviceIDs"), where)
         if not pod_uid:
             raise CheckpointError(f"{where}.PodUID is empty")
-        if resource != resource_name or not device_ids:
+        if resource not in resource_names or not device_ids:
             continue
         distinct = tuple(sorted(set(device_ids)))
         gpus: set[str] = set()
@@ -176,15 +176,17 @@ def _entries(document: object, resource_name: str) -> tuple[CheckpointEntry, ...
     return tuple(entries)
 
 
-def parse_checkpoint(blob: bytes, resource_name: str) -> DeviceCheckpoint:
-    """The entries of `resource_name` in a checkpoint file's content. Never raises: a document
-    that is not the kubelet's gives an empty checkpoint with the reason."""
+def parse_checkpoint(blob: bytes, resource_name: str | Collection[str]) -> DeviceCheckpoint:
+    """The entries of `resource_name` (one name, or several: a node serving MIG profiles has a
+    resource per profile) in a checkpoint file's content. Never raises: a document that is not
+    the kubelet's gives an empty checkpoint with the reason."""
+    names = (resource_name,) if isinstance(resource_name, str) else resource_name
     try:
         document = json.loads(blob)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         return DeviceCheckpoint.unreadable(f"not JSON: {e}")
     try:
-        return DeviceCheckpoint.of(_entries(document, resource_name))
+        return DeviceCheckpoint.of(_entries(document, names))
     except CheckpointError as e:
         return DeviceCheckpoint.unreadable(f"malformed: {e}")
 
@@ -196,12 +198,21 @@ class CheckpointReader:
     parsed. Never raises."""
 
     def __init__(
-        self, path: Path, resource_name: str, *, max_bytes: int = MAX_CHECKPOINT_BYTES
+        self,
+        path: Path,
+        resource_name: str | Callable[[], Collection[str]],
+        *,
+        max_bytes: int = MAX_CHECKPOINT_BYTES,
     ) -> None:
         self.path = path
-        self._resource = resource_name
+        # One resource name, or the names currently served (they change with the MIG layout).
+        self._resources: Callable[[], Collection[str]] = (
+            (lambda: frozenset((resource_name,)))
+            if isinstance(resource_name, str)
+            else resource_name
+        )
         self._max_bytes = max_bytes
-        self._key: tuple[int, int, int, int] | None = None
+        self._key: tuple[object, ...] | None = None
         self._latest = DeviceCheckpoint.unreadable("not read yet")
         self.parses = 0
 
@@ -212,7 +223,8 @@ class CheckpointReader:
             return self._keep(None, DeviceCheckpoint.unreadable(f"no checkpoint at {self.path}"))
         except OSError as e:
             return self._keep(None, DeviceCheckpoint.unreadable(f"cannot stat {self.path}: {e}"))
-        key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        resources = frozenset(self._resources())
+        key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, resources)
         if key == self._key:
             return self._latest
         if st.st_size > self._max_bytes:
@@ -224,10 +236,10 @@ class CheckpointReader:
             # Not remembered: a file that could not be read is tried again on the next call.
             return self._keep(None, DeviceCheckpoint.unreadable(f"cannot read {self.path}: {e}"))
         self.parses += 1
-        return self._keep(key, parse_checkpoint(blob, self._resource))
+        return self._keep(key, parse_checkpoint(blob, resources))
 
     def _keep(
-        self, key: tuple[int, int, int, int] | None, checkpoint: DeviceCheckpoint
+        self, key: tuple[object, ...] | None, checkpoint: DeviceCheckpoint
     ) -> DeviceCheckpoint:
         self._key = key
         self._latest = checkpoint

@@ -52,11 +52,15 @@ class ComputeAction(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class GpuMatch:
-    """Selects GPUs for an override. Every field given must match; `model` is a glob on the name."""
+    """Selects GPUs for an override. Every field given must match; `model` is a glob on the name.
+
+    `profile` (a glob on the MIG profile, e.g. "1g.10gb") selects MIG devices: an override with a
+    profile applies to MIG devices only, and one without applies to full GPUs only."""
 
     model: str | None = None
     index: int | None = None
     uuid: str | None = None
+    profile: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,38 @@ class SlicingConfig:
     default: SliceRule = field(default_factory=lambda: SliceRule(replicas=DEFAULT_REPLICAS))
     # The first override that matches a GPU wins.
     overrides: tuple[SliceOverride, ...] = ()
+
+
+class MigStrategy(StrEnum):
+    """How GPUs in MIG mode are advertised (NVIDIA's migStrategy, with the same meaning).
+
+    - `none`: they are left out, with a log line.
+    - `single`: every MIG device is sliced like a GPU under the one resource name; all MIG devices
+      of the node must share one profile, else the MIG GPUs are left out.
+    - `mixed`: one resource per MIG profile, `nvidia.com/mig-<profile>`; full GPUs keep the
+      resource name."""
+
+    NONE = "none"
+    SINGLE = "single"
+    MIXED = "mixed"
+
+
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
+
+
+@dataclass(frozen=True, slots=True)
+class MigConfig:
+    strategy: MigStrategy = MigStrategy.NONE
+    # mixed: (profile, resource name) for profiles not advertised as nvidia.com/mig-<profile>
+    # (NVIDIA's rename and renameByDefault).
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def resource_for(self, profile: str) -> str:
+        """The resource name of a MIG profile under the mixed strategy."""
+        for renamed_profile, name in self.renames:
+            if renamed_profile == profile:
+                return name
+        return MIG_RESOURCE_PREFIX + profile
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +239,7 @@ class Config:
     mps: MpsConfig = field(default_factory=MpsConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     node_labels: NodeLabelsConfig = field(default_factory=NodeLabelsConfig)
+    mig: MigConfig = field(default_factory=MigConfig)
     # Non-fatal findings, e.g. NVIDIA keys that parse but that vgpu does not act on.
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
@@ -287,11 +324,13 @@ _TOP_KEYS = (
     "mps",
     "health",
     "nodeLabels",
+    "mig",
 )
 _NODE_LABELS_KEYS = ("path",)
 _SLICING_KEYS = ("replicas", "memoryPerSlice", "overrides")
 _OVERRIDE_KEYS = ("match", "replicas", "memoryPerSlice")
-_MATCH_KEYS = ("model", "index", "uuid")
+_MATCH_KEYS = ("model", "index", "uuid", "profile")
+_MIG_KEYS = ("strategy",)
 _ALLOCATION_KEYS = ("policy", "deviceListStrategy", "frameworkHints", "contextReserve")
 _ENFORCEMENT_KEYS = ("pollInterval", "dryRun", "memory", "compute")
 _MEMORY_KEYS = ("action", "gracePeriod")
@@ -633,7 +672,8 @@ def _gpu_match(r: _Reader, value: object, path: str) -> GpuMatch | None:
     model = r.string(section["model"], _join(path, "model")) if "model" in section else None
     index = r.integer(section["index"], _join(path, "index"), 0) if "index" in section else None
     uuid = r.string(section["uuid"], _join(path, "uuid")) if "uuid" in section else None
-    return GpuMatch(model=model, index=index, uuid=uuid)
+    profile = r.string(section["profile"], _join(path, "profile")) if "profile" in section else None
+    return GpuMatch(model=model, index=index, uuid=uuid, profile=profile)
 
 
 def _slicing(r: _Reader, value: object) -> SlicingConfig:
@@ -867,6 +907,18 @@ def _health(r: _Reader, value: object) -> HealthConfig:
     )
 
 
+_MIG_STRATEGIES = {s.value: s for s in MigStrategy}
+
+
+def _mig(r: _Reader, value: object) -> MigConfig:
+    section = r.section(value, "mig", _MIG_KEYS)
+    if "strategy" not in section:
+        return MigConfig()
+    shown = ", ".join(_MIG_STRATEGIES)
+    strategy = r.choice(section["strategy"], "mig.strategy", _MIG_STRATEGIES, shown)
+    return MigConfig(strategy=strategy or MigStrategy.NONE)
+
+
 def _parse_vgpu(r: _Reader, data: object) -> Config:
     top = r.section(data, "", _TOP_KEYS)
     defaults = Config()
@@ -885,6 +937,7 @@ def _parse_vgpu(r: _Reader, data: object) -> Config:
         mps=_mps(r, top.get("mps")),
         health=_health(r, top.get("health")),
         node_labels=_node_labels(r, top.get("nodeLabels")),
+        mig=_mig(r, top.get("mig")),
     )
 
 
@@ -946,12 +999,6 @@ class _IgnoredSetting:
 
 _DRIVER_INSTEAD = "vgpu uses the NVIDIA driver and device nodes visible in its own container"
 _NV_IGNORED_FLAGS = (
-    _IgnoredSetting(
-        "migStrategy",
-        "none",
-        "vgpu leaves GPUs in MIG mode out of slicing and does not advertise MIG devices",
-        ("none", "single", "mixed"),
-    ),
     _IgnoredSetting(
         "failOnInitError",
         True,
@@ -1075,12 +1122,14 @@ def _nvidia_devices(r: _Reader, value: object, path: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class _NvidiaSharing:
-    resource_name: str | None
+    resource_name: str | None  # as advertised: after rename or renameByDefault
     replicas: int | None
+    base_name: str | None  # as named, e.g. nvidia.com/gpu or nvidia.com/mig-1g.10gb
+    path: str
 
 
-def _nvidia_replicated(r: _Reader, value: object, path: str) -> _NvidiaSharing | None:
-    """sharing.timeSlicing or sharing.mps; None when it lists no resource."""
+def _nvidia_replicated(r: _Reader, value: object, path: str) -> list[_NvidiaSharing]:
+    """sharing.timeSlicing or sharing.mps: its resources, in the file's order."""
     section = r.section(value, path, _NV_REPLICATED_KEYS)
     rename_by_default = False
     if "renameByDefault" in section:
@@ -1097,26 +1146,22 @@ def _nvidia_replicated(r: _Reader, value: object, path: str) -> _NvidiaSharing |
             )
     resources_path = _join(path, "resources")
     resources = r.items(section.get("resources"), resources_path)
-    if len(resources) > 1:
-        r.error(
-            resources_path,
-            f"lists {len(resources)} resources; vgpu advertises a single resource, so keep one",
-        )
-    chosen: _NvidiaSharing | None = None
+    chosen: list[_NvidiaSharing] = []
     for i, item in enumerate(resources):
         item_path = f"{resources_path}[{i}]"
         resource = r.section(item, item_path, _NV_RESOURCE_KEYS)
         if not isinstance(item, dict):
             continue
         name: str | None = None
+        base: str | None = None
         if "rename" in resource:
             name = _nvidia_resource_name(r, resource["rename"], _join(item_path, "rename"))
         if "name" not in resource:
             r.error(item_path, "needs a name, e.g. name: nvidia.com/gpu")
         else:
             suffix = _NVIDIA_SHARED_SUFFIX if rename_by_default else ""
-            base = _nvidia_resource_name(r, resource["name"], _join(item_path, "name"), suffix)
-            name = name or base
+            base = _nvidia_resource_name(r, resource["name"], _join(item_path, "name"))
+            name = name or (base + suffix if base is not None else None)
         replicas: int | None = None
         if "replicas" not in resource:
             r.error(item_path, "needs replicas, e.g. replicas: 4")
@@ -1124,8 +1169,7 @@ def _nvidia_replicated(r: _Reader, value: object, path: str) -> _NvidiaSharing |
             replicas = r.integer(resource["replicas"], _join(item_path, "replicas"), 1)
         if "devices" in resource:
             _nvidia_devices(r, resource["devices"], _join(item_path, "devices"))
-        if chosen is None:
-            chosen = _NvidiaSharing(resource_name=name, replicas=replicas)
+        chosen.append(_NvidiaSharing(name, replicas, base, item_path))
     return chosen
 
 
@@ -1238,10 +1282,11 @@ def _parse_nvidia(r: _Reader, data: Mapping[str, object]) -> Config:
         r.warn("imex is ignored: vgpu does not pass IMEX channels.")
     health = _nvidia_health(r, top.get("health"))
 
+    mig_strategy = _nvidia_mig_strategy(r, top.get("flags"))
     sharing = r.section(top.get("sharing"), "sharing", _NV_SHARING_KEYS)
     time_slicing = _nvidia_replicated(r, sharing.get("timeSlicing"), "sharing.timeSlicing")
     mps = _nvidia_replicated(r, sharing.get("mps"), "sharing.mps")
-    if time_slicing is not None and mps is not None:
+    if time_slicing and mps:
         r.error(
             "sharing",
             "timeSlicing and mps both list resources; vgpu shares GPUs one way, so keep one",
@@ -1249,7 +1294,7 @@ def _parse_nvidia(r: _Reader, data: Mapping[str, object]) -> Config:
     chosen = mps or time_slicing
     flags = top.get("flags")
     mps_root = _nvidia_mps_root(r, flags) if isinstance(flags, dict) else None
-    if mps is not None:
+    if mps:
         r.warn(
             "sharing.mps: vgpu runs one MPS control daemon for the node, with its pipe directory"
             " at <mps root>/pipe (not NVIDIA's <mps root>/<resource>/pipe), and does not set"
@@ -1263,15 +1308,14 @@ def _parse_nvidia(r: _Reader, data: Mapping[str, object]) -> Config:
         )
     resource_name = defaults.resource_name
     slicing = defaults.slicing
-    if chosen is None:
+    mig = MigConfig(strategy=mig_strategy)
+    if not chosen:
         r.warn(
             "sharing: no timeSlicing or mps resource is listed, so vgpu uses its defaults:"
             f" {defaults.resource_name} with {DEFAULT_REPLICAS} slices per GPU.",
         )
     else:
-        resource_name = chosen.resource_name or resource_name
-        if chosen.replicas is not None:
-            slicing = SlicingConfig(default=SliceRule(replicas=chosen.replicas))
+        resource_name, slicing, mig = _nvidia_resources(r, chosen, mig_strategy)
 
     return Config(
         resource_name=resource_name,
@@ -1280,10 +1324,77 @@ def _parse_nvidia(r: _Reader, data: Mapping[str, object]) -> Config:
             policy=policy or defaults.allocation.policy, device_list_strategy=device_list
         ),
         mps=MpsConfig(
-            enabled=mps is not None,
-            root=(mps_root if mps is not None and mps_root else DEFAULT_MPS_ROOT),
+            enabled=bool(mps),
+            root=(mps_root if mps and mps_root else DEFAULT_MPS_ROOT),
         ),
         health=health,
+        mig=mig,
+    )
+
+
+def _nvidia_mig_strategy(r: _Reader, value: object) -> MigStrategy:
+    """flags.migStrategy (NVIDIA's default: none)."""
+    flags = value if isinstance(value, dict) else {}
+    if flags.get("migStrategy") is None:
+        return MigStrategy.NONE
+    shown = ", ".join(_MIG_STRATEGIES)
+    strategy = r.choice(flags["migStrategy"], "flags.migStrategy", _MIG_STRATEGIES, shown)
+    return strategy or MigStrategy.NONE
+
+
+def _nvidia_resources(
+    r: _Reader, resources: Sequence[_NvidiaSharing], strategy: MigStrategy
+) -> tuple[str, SlicingConfig, MigConfig]:
+    """The shared resources of NVIDIA's file: one name for full GPUs (`nvidia.com/gpu` or any
+    name that is not a MIG profile's), and with the mixed strategy one `mig-<profile>` name per
+    MIG profile, each with its replicas. With the single strategy the full GPUs' replicas apply to
+    MIG devices too, as in NVIDIA's plugin, where MIG devices are then `nvidia.com/gpu`."""
+    resource_name = DEFAULT_RESOURCE_NAME
+    default = SlicingConfig().default
+    gpu_names: list[str] = []
+    overrides: list[SliceOverride] = []
+    renames: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for resource in resources:
+        if resource.base_name is None or resource.resource_name is None:
+            continue
+        if resource.base_name in seen:
+            r.error(resource.path, f"{resource.base_name} is listed twice; keep one entry")
+            continue
+        seen.add(resource.base_name)
+        if resource.base_name.startswith(MIG_RESOURCE_PREFIX):
+            profile = resource.base_name.removeprefix(MIG_RESOURCE_PREFIX)
+            if strategy is not MigStrategy.MIXED:
+                r.error(
+                    _join(resource.path, "name"),
+                    f"{resource.base_name} names a MIG profile, which is advertised on its own"
+                    f" only with flags.migStrategy: mixed (it is {strategy.value})",
+                )
+                continue
+            if resource.replicas is not None:
+                overrides.append(
+                    SliceOverride(GpuMatch(profile=profile), SliceRule(replicas=resource.replicas))
+                )
+            if resource.resource_name != resource.base_name:
+                renames.append((profile, resource.resource_name))
+            continue
+        gpu_names.append(resource.resource_name)
+        resource_name = resource.resource_name
+        if resource.replicas is not None:
+            default = SliceRule(replicas=resource.replicas)
+    if len(gpu_names) > 1:
+        r.error(
+            resources[0].path.rpartition("[")[0],
+            f"lists {len(gpu_names)} resources for full GPUs ({', '.join(gpu_names)}); vgpu"
+            " advertises full GPUs under one name, so keep one (MIG profiles may each have"
+            " their own nvidia.com/mig-<profile> entry with flags.migStrategy: mixed)",
+        )
+    if strategy is MigStrategy.SINGLE and gpu_names:
+        overrides.append(SliceOverride(GpuMatch(profile="*"), default))
+    return (
+        resource_name,
+        SlicingConfig(default=default, overrides=tuple(overrides)),
+        MigConfig(strategy=strategy, renames=tuple(renames)),
     )
 
 
@@ -1460,7 +1571,17 @@ health:
 
 nodeLabels:
   # Keep a node feature discovery feature file here (NFD v0.15 or newer turns its lines into node
-  # labels nvidia.com/vgpu.count, .replicas, .memory-per-slice-mib, .product, .mig-strategy);
-  # "" (the built-in default) keeps none; the DaemonSet's config names NFD's features.d directory.
+  # labels nvidia.com/vgpu.count, .replicas, .memory-per-slice-mib, .product, .mig-strategy; all
+  # but the last describe resourceName's slices); "" (the built-in default) keeps none; the
+  # DaemonSet's config names NFD's features.d directory.
   path: {json.dumps(node_labels_path)}
+
+mig:
+  # GPUs in MIG mode. none: left out. single: every MIG device is sliced like a GPU and advertised
+  # under resourceName (all MIG devices of the node must share one profile). mixed: each profile
+  # is its own resource, nvidia.com/mig-<profile> (e.g. nvidia.com/mig-1g.10gb), as with NVIDIA's
+  # plugin. A MIG device is one slice unless a slicing override matches its profile, e.g.
+  # {{match: {{profile: "1g.10gb"}}, replicas: 2}}. Memory limits are enforced per MIG device; NVML
+  # measures no utilisation per MIG device, so compute shares are not enforced on them.
+  strategy: {d.mig.strategy.value}
 """

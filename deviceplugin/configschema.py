@@ -25,8 +25,10 @@ from deviceplugin.config import (
     Config,
     DeviceListStrategy,
     MemoryAction,
+    MigStrategy,
     RecoveryPolicy,
     format_duration,
+    format_size,
 )
 
 Schema = dict[str, Any]
@@ -38,6 +40,10 @@ _NVIDIA_TOP_KEYS = ("version", "flags", "resources", "sharing", "imex", "health"
 _DURATION_PATTERN = (
     r"^\s*(\+?((\d+(\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h))+|[+-]?(0+(\.0*)?|\.0+))\s*$"
 )
+# An absolute path kept as os.path.normpath writes it (no "//", "." or ".." part, no trailing
+# "/"), without commas or colons: the MPS root, which containers get at the same path.
+_MPS_ROOT_PATTERN = r"^/[^,:\n]*$"
+_NOT_NORMALISED_PATTERN = r"//|/\.\.?(/|$)|./$"
 _SIZE_PATTERN = r"^\s*(\d+(\.\d*)?|\.\d+)\s*(B|k|K|KB|M|MB|G|GB|T|TB|Ki|KiB|Mi|MiB|Gi|GiB|Ti|TiB)?$"
 # An extended resource name as the kubelet checks it: <DNS subdomain>/<qualified name>.
 _RESOURCE_NAME_PATTERN = (
@@ -119,6 +125,12 @@ def _vgpu_schema() -> Schema:
             "model": {"description": "A glob on the GPU's name.", "type": "string", "minLength": 1},
             "index": {"description": "The GPU's index.", "type": "integer", "minimum": 0},
             "uuid": {"description": "The GPU's UUID.", "type": "string", "minLength": 1},
+            "profile": {
+                "description": "A glob on a MIG device's profile, e.g. 1g.10gb; an override with a"
+                " profile applies to MIG devices only, one without to full GPUs only.",
+                "type": "string",
+                "minLength": 1,
+            },
         },
         minProperties=1,
     )
@@ -165,6 +177,20 @@ def _vgpu_schema() -> Schema:
                     },
                 ],
                 "default": [s.value for s in d.allocation.device_list_strategy],
+            },
+            "frameworkHints": _boolean(
+                "Tell frameworks their share: XLA_PYTHON_CLIENT_MEM_FRACTION,"
+                " TF_FORCE_GPU_ALLOW_GROWTH and VGPU_MEMORY_FRACTION_<i>.",
+                d.allocation.framework_hints,
+            ),
+            "contextReserve": {
+                "description": "Memory left out of the framework hints' fraction for the CUDA"
+                " context. A size: 512Mi, 1Gi, or a whole number of bytes; 0 keeps none.",
+                "anyOf": [
+                    {"type": "string", "pattern": _SIZE_PATTERN},
+                    {"type": "integer", "minimum": 0},
+                ],
+                "default": format_size(d.allocation.context_reserve_bytes),
             },
         },
     )
@@ -215,8 +241,50 @@ def _vgpu_schema() -> Schema:
         },
     )
     mps = _section(
-        "CUDA MPS limits in each container's environment.",
-        {"enabled": _boolean("Add the MPS limits.", d.mps.enabled)},
+        "CUDA MPS: one control daemon for the node, run and supervised by the daemon, and its"
+        " pipe directory and limits in each container.",
+        {
+            "enabled": _boolean("Run the MPS control daemon and hand it out.", d.mps.enabled),
+            "root": {
+                "description": "Where the pipe, log and shm directories are (<root>/pipe is"
+                " mounted into containers at the same path): an absolute, normalised path"
+                " without commas or colons.",
+                "type": "string",
+                "pattern": _MPS_ROOT_PATTERN,
+                "not": {"pattern": _NOT_NORMALISED_PATTERN},
+                "default": d.mps.root,
+            },
+            "controlCommand": {
+                "description": "The MPS control command, started with -d.",
+                "type": "string",
+                "minLength": 1,
+                "not": {"pattern": r"^\s*$"},
+                "default": d.mps.control_command,
+            },
+        },
+    )
+    node_labels = _section(
+        "Node labels through a node feature discovery feature file.",
+        {
+            "path": {
+                "description": "The feature file to keep (an absolute path, e.g. NFD's"
+                " /etc/kubernetes/node-feature-discovery/features.d/vgpu); empty keeps none.",
+                "type": "string",
+                "pattern": "^(/.*)?$",
+                "default": d.node_labels.path,
+            },
+        },
+    )
+    mig = _section(
+        "GPUs in MIG mode.",
+        {
+            "strategy": _choice(
+                "none: left out; single: every MIG device sliced under resourceName (one"
+                " profile on the node); mixed: one resource per profile, nvidia.com/mig-<profile>.",
+                tuple(m.value for m in MigStrategy),
+                d.mig.strategy.value,
+            ),
+        },
     )
     health = _section(
         "GPU health from NVML's Xid and ECC events (nvml backend).",
@@ -260,6 +328,8 @@ def _vgpu_schema() -> Schema:
             "enforcement": enforcement,
             "mps": mps,
             "health": health,
+            "nodeLabels": node_labels,
+            "mig": mig,
         },
     )
 

@@ -1,15 +1,17 @@
 """`vgpu-device-plugin demo`: the whole system on fake GPUs with the built-in kubelet simulator.
 
 It runs in a temporary directory on any machine: writes a fake GPU state file (two GPUs of
-different models), starts the kubelet simulator and the daemon, schedules example pods and shows
-what a user wants to see: the slices, which pod got which slice on which GPU, and the env each
-container got. Then it restarts the kubelet, as a node upgrade would, and shows the plugin
-re-registering with every allocation intact. Then the containers do GPU work (real processes
-carrying their Allocate env, listed in the state file), and it shows the live per-container
-usage, as `vgpu-device-plugin status` and the metrics endpoint do, while the enforcer throttles
-the noisy neighbour and kills a container's process that went over its memory limit, and a
-JAX-style container sizes its up-front memory reservation from the hint Allocate gave it. It runs
-until Ctrl-C or --duration, then stops everything it started and removes its directory.
+different models, and a third in MIG mode, partitioned into MIG devices that are advertised as
+their own resources, `nvidia.com/mig-<profile>`), starts the kubelet simulator and the daemon,
+schedules example pods and shows what a user wants to see: the slices, which pod got which slice
+on which GPU, and the env each container got. Then it restarts the kubelet, as a node upgrade
+would, and shows the plugin re-registering with every allocation intact. Then the containers do
+GPU work (real processes carrying their Allocate env, listed in the state file), and it shows the
+live per-container usage, as `vgpu-device-plugin status` and the metrics endpoint do, while the
+enforcer throttles the noisy neighbour and kills a container's process that went over its memory
+limit, and a JAX-style container sizes its up-front memory reservation from the hint Allocate
+gave it. It runs until Ctrl-C or --duration, then stops everything it started and removes its
+directory.
 
 The story is printed once. Then, on a terminal, the status view stays at the bottom and is
 redrawn in place while events (enforcement actions, exits) scroll above it; into a pipe or a file,
@@ -36,11 +38,20 @@ from deviceplugin.config import (
     Config,
     EnforcementConfig,
     GpuMatch,
+    MigConfig,
+    MigStrategy,
     SliceOverride,
     SliceRule,
     SlicingConfig,
 )
-from deviceplugin.gpu.fake import FakeBackend, FakeGpu, FakeProcess, FakeState, write_state_file
+from deviceplugin.gpu.fake import (
+    FakeBackend,
+    FakeGpu,
+    FakeMigDevice,
+    FakeProcess,
+    FakeState,
+    write_state_file,
+)
 from deviceplugin.kubelet_sim import KubeletSimulator, PodGrant
 from deviceplugin.model import GpuInfo, Inventory, NodeSnapshot
 from deviceplugin.slicing import format_bytes
@@ -66,18 +77,38 @@ DEMO_GPUS = (
         minor=1,
         numa_node=1,
     ),
+    # In MIG mode (as mig-parted leaves it): one 3g.40gb and two 1g.10gb instances.
+    FakeGpu(
+        uuid="GPU-c4d5e6f7-1a2b-4c3d-8e9f-b0c1d2e30003",
+        index=2,
+        name="NVIDIA H100 80GB HBM3",
+        memory_total_bytes=80 * GiB,
+        minor=2,
+        numa_node=1,
+        mig_enabled=True,
+        mig_block=True,
+        mig_devices=(
+            FakeMigDevice("MIG-5a6b7c8d-9e0f-5a1b-8c2d-3e4f5a6b0301", 2, 0, "3g.40gb", 40 * GiB),
+            FakeMigDevice("MIG-5a6b7c8d-9e0f-5a1b-8c2d-3e4f5a6b0302", 9, 0, "1g.10gb", 10 * GiB),
+            FakeMigDevice("MIG-5a6b7c8d-9e0f-5a1b-8c2d-3e4f5a6b0303", 10, 0, "1g.10gb", 10 * GiB),
+        ),
+    ),
 )
+MIG_SMALL = "nvidia.com/mig-1g.10gb"
 
 # Slices follow memory on the big GPU and count on the small one: per-GPU rules are one of the
-# things a single node-wide replica count cannot express.
+# things a single node-wide replica count cannot express. MIG devices are advertised per profile
+# (the mixed strategy); each 1g.10gb instance is time-sliced in two.
 DEMO_CONFIG = Config(
     slicing=SlicingConfig(
         default=SliceRule(replicas=4),
         overrides=(
             SliceOverride(GpuMatch(model="*A100*"), SliceRule(memory_per_slice_bytes=10 * GiB)),
+            SliceOverride(GpuMatch(profile="1g.10gb"), SliceRule(replicas=2)),
         ),
     ),
     enforcement=EnforcementConfig(poll_interval_s=0.2),
+    mig=MigConfig(strategy=MigStrategy.MIXED),
 )
 
 DEMO_PODS: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = (
@@ -85,6 +116,10 @@ DEMO_PODS: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = (
     ("inference", (("server", 2), ("metrics-sidecar", 1))),
     ("notebook", (("jupyter", 1),)),
     ("jax-train", (("jax", 1),)),
+)
+# Pods asking for a MIG slice, as they would with NVIDIA's plugin: nvidia.com/mig-1g.10gb: 1.
+DEMO_MIG_PODS: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = (
+    ("embeddings", (("encoder", 1),)),
 )
 
 # The GPU work each container does: (memory in use, SM demand in percent). The sidecar holds a
@@ -106,6 +141,13 @@ def jax_preallocation(envs: Mapping[str, str], gpu_memory_bytes: int) -> int:
     """What a JAX process reserves at start on a GPU of `gpu_memory_bytes`, given its env."""
     fraction = float(envs.get(ENV_XLA_MEM_FRACTION, JAX_DEFAULT_FRACTION))
     return int(fraction * gpu_memory_bytes)
+
+
+# Work on the MIG slice: its memory is measured and enforced, its utilisation is not (NVML has
+# none per MIG device).
+DEMO_MIG_WORKLOADS: dict[tuple[str, str], tuple[int, float]] = {
+    ("embeddings", "encoder"): (3 * GiB, 60.0),
+}
 
 
 # A second into the live view the notebook grows past its 10Gi: killed after the grace period.
@@ -187,7 +229,9 @@ class DemoWorkloads:
                     continue
                 uuid = c.device_ids[0].rsplit("::", 1)[0]
                 owner = f"{pod.namespace}/{pod.name}/{c.name}"
-                work = DEMO_WORKLOADS.get((pod.name, c.name))
+                work = DEMO_WORKLOADS.get((pod.name, c.name)) or DEMO_MIG_WORKLOADS.get(
+                    (pod.name, c.name)
+                )
                 demand = SIZED_BY_HINTS.get((pod.name, c.name))
                 if demand is not None:
                     gpu = next(g for g in DEMO_GPUS if g.uuid == uuid)
@@ -248,7 +292,15 @@ class DemoWorkloads:
         for _, uuid, work, _ in self._work.values():
             per_gpu.setdefault(uuid, []).append(work)
         gpus = tuple(
-            dataclasses.replace(g, processes=tuple(per_gpu.get(g.uuid, ()))) for g in DEMO_GPUS
+            dataclasses.replace(
+                g,
+                processes=tuple(per_gpu.get(g.uuid, ())),
+                mig_devices=tuple(
+                    dataclasses.replace(d, processes=tuple(per_gpu.get(d.uuid, ())))
+                    for d in g.mig_devices
+                ),
+            )
+            for g in DEMO_GPUS
         )
         write_state_file(self._state_file, FakeState(gpus=gpus))
 
@@ -298,10 +350,11 @@ def describe_actions(before: NodeSnapshot | None, after: NodeSnapshot | None) ->
 
 def example_gpus() -> list[GpuInfo]:
     """The demo's GPUs, also used by check-config when no backend is named."""
-    return [
-        GpuInfo(g.uuid, g.index, g.name, g.memory_total_bytes, g.minor, g.numa_node)
-        for g in DEMO_GPUS
-    ]
+    gpus: list[GpuInfo] = []
+    for g in DEMO_GPUS:
+        gpus.append(g.info)
+        gpus.extend(g.mig_info(d) for d in g.mig_devices)
+    return gpus
 
 
 def _short(uuid: str) -> str:
@@ -309,20 +362,34 @@ def _short(uuid: str) -> str:
 
 
 def render_slices(inventory: Inventory, held_by: dict[str, str]) -> list[str]:
+    """The slice map: per GPU its slices and who holds them; a GPU in MIG mode with its MIG
+    devices under it, each with its resource and slices."""
     lines = []
     for plan in inventory.plans:
         gpu = plan.gpu
-        head = (
-            f"GPU {gpu.index}  {gpu.name}  {format_bytes(gpu.memory_total_bytes)}  "
-            f"NUMA {gpu.numa_node}  {gpu.uuid}"
-        )
+        pad = "  " if gpu.is_mig_device else ""
+        if gpu.is_mig_device:
+            head = (
+                f"  MIG {gpu.mig_profile}  GI {gpu.gpu_instance_id}  "
+                f"{format_bytes(gpu.memory_total_bytes)}  {gpu.uuid}"
+            )
+        else:
+            head = (
+                f"GPU {gpu.index}  {gpu.name}  {format_bytes(gpu.memory_total_bytes)}  "
+                f"NUMA {gpu.numa_node}  {gpu.uuid}"
+            )
         lines.append(head)
         if not plan.sliced:
-            lines.append(f"  not sliced: {plan.excluded_reason}")
+            lines.append(f"{pad}  not sliced: {plan.excluded_reason}")
             continue
+        compute = (
+            "compute not enforced"
+            if gpu.is_mig_device
+            else f"{plan.compute_share_ratio * 100:.4g}% compute each"
+        )
         lines.append(
-            f"  {plan.replicas} slices x {format_bytes(plan.memory_per_slice_bytes)} memory, "
-            f"{plan.compute_share_ratio * 100:.4g}% compute each"
+            f"{pad}  {plan.resource_name}: {plan.replicas} slices x "
+            f"{format_bytes(plan.memory_per_slice_bytes)} memory, {compute}"
         )
         cells = []
         for s in inventory.slices:
@@ -330,8 +397,13 @@ def render_slices(inventory: Inventory, held_by: dict[str, str]) -> list[str]:
                 owner = held_by.get(s.device_id, "free")
                 cells.append(f"::{s.id.n} {owner}")
         for i in range(0, len(cells), 2):
-            lines.append("    " + "".join(f"{c:<36}" for c in cells[i : i + 2]).rstrip())
+            lines.append(f"{pad}    " + "".join(f"{c:<36}" for c in cells[i : i + 2]).rstrip())
     return lines
+
+
+def _on_mig(inventory: Inventory, uuid: str) -> bool:
+    plan = inventory.plan_for(uuid)
+    return plan is not None and plan.gpu.is_mig_device
 
 
 def render_pods(pods: Sequence[PodGrant], inventory: Inventory) -> list[str]:
@@ -344,6 +416,8 @@ def render_pods(pods: Sequence[PodGrant], inventory: Inventory) -> list[str]:
             gpus = sorted({s.gpu_index for s in slices})
             memory = sum(s.memory_limit_bytes for s in slices)
             compute = f"{sum(s.compute_share_ratio for s in slices) * 100:.4g}%"
+            if any(_on_mig(inventory, s.id.gpu_uuid) for s in slices):
+                compute = "MIG"  # not measured per MIG device, so not enforced
             lines.append(
                 f"{pod.namespace + '/' + pod.name + '/' + c.name:<38} {len(c.device_ids):>6}  "
                 f"{','.join(map(str, gpus)):<5} {format_bytes(memory):>8} {compute:>8}"
@@ -385,25 +459,35 @@ async def _demo(duration_s: float | None, out: TextIO, workdir: Path) -> int:
     workloads = DemoWorkloads(state_file)
     started = time.monotonic()
     run = asyncio.create_task(daemon.run(stop), name="daemon")
-    try:
-        await sim.wait_for(
-            lambda: (
-                sim.is_registered(resource)
-                and len(sim.healthy_ids(resource)) == len(daemon.inventory.value.slices) > 0
-            ),
-            timeout_s=10,
-        )
+
+    def all_registered() -> bool:
         inventory = daemon.inventory.value
+        names = inventory.resource_names
+        return bool(names) and all(
+            sim.is_registered(r)
+            and len(sim.healthy_ids(r)) == len(inventory.for_resource(r).slices) > 0
+            for r in names
+        )
+
+    try:
+        await sim.wait_for(all_registered, timeout_s=10)
+        inventory = daemon.inventory.value
+        gpus = sum(1 for p in inventory.plans if not p.gpu.is_mig_device)
         say(
-            f"vgpu demo: {len(inventory.plans)} fake GPUs and a built-in kubelet in {workdir}",
+            f"vgpu demo: {gpus} fake GPUs and a built-in kubelet in {workdir}",
             f"state file (edit it to change the GPUs while the demo runs): {state_file}",
             "",
-            f"kubelet: plugin registered and {len(sim.healthy_ids(resource))} {resource} slices "
-            f"advertised {(time.monotonic() - started) * 1000:.0f} ms after start",
+            *(
+                f"kubelet: plugin registered and {len(sim.healthy_ids(r))} {r} slices "
+                f"advertised {(time.monotonic() - started) * 1000:.0f} ms after start"
+                for r in inventory.resource_names
+            ),
             "",
         )
         for name, containers in DEMO_PODS:
             await sim.admit_pod(name, containers, resource_name=resource)
+        for name, containers in DEMO_MIG_PODS:
+            await sim.admit_pod(name, containers, resource_name=MIG_SMALL)
         pods = sim.pods()
         held_by = {
             d: f"{p.namespace}/{p.name}/{c.name}"
@@ -421,12 +505,14 @@ async def _demo(duration_s: float | None, out: TextIO, workdir: Path) -> int:
         before = len(sim.registrations)
         restarted = time.monotonic()
         await sim.restart()
-        await sim.wait_for(lambda: len(sim.registrations) > before and sim.is_registered(resource))
+        await sim.wait_for(lambda: len(sim.registrations) > before and all_registered())
         rereg_ms = (time.monotonic() - restarted) * 1000
         intact = sum(len(c.device_ids) for p in sim.pods() for c in p.containers)
+        names = daemon.inventory.value.resource_names
+        healthy = sum(len(sim.healthy_ids(r)) for r in names)
         say(
-            f"kubelet: plugin re-registered {rereg_ms:.0f} ms after the restart; "
-            f"{intact} allocated slices intact, {len(sim.healthy_ids(resource))} healthy",
+            f"kubelet: all {len(names)} resources re-registered {rereg_ms:.0f} ms after the "
+            f"restart; {intact} allocated slices intact, {healthy} healthy",
             "",
         )
         before_work = daemon.poller.snapshot

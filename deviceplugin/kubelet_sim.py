@@ -32,7 +32,7 @@ import sys
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -675,18 +675,29 @@ class KubeletSimulator:
     async def admit_pod(
         self,
         name: str,
-        containers: Sequence[tuple[str, int]],
+        containers: Sequence[tuple[str, int | Mapping[str, int]]],
         resource_name: str = "nvidia.com/vgpu",
         namespace: str = "default",
     ) -> PodGrant:
-        """Admit a pod whose containers each request `count` devices of `resource_name`, then
-        start them. All or nothing: on any failure nothing of the pod is kept."""
+        """Admit a pod whose containers each request `count` devices of `resource_name`, or
+        `{resource: count, ...}` of several resources, then start them. As the kubelet does, each
+        resource of a container is allocated by its own plugin, in resource name order, and the
+        pod gets one grant per container and resource. All or nothing: on any failure nothing of
+        the pod is kept."""
         if not self._running:
             raise RuntimeError("kubelet simulator is not running")
         names = [container for container, _ in containers]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate container names in pod {namespace}/{name}: {names}")
-        if any(count < 0 for _, count in containers):
+        requests: list[tuple[str, str, int]] = []
+        for container, request in containers:
+            if isinstance(request, int):
+                requests.append((container, resource_name, request))
+            elif not request:
+                requests.append((container, resource_name, 0))
+            else:
+                requests.extend((container, r, n) for r, n in sorted(request.items()))
+        if any(count < 0 for _, _, count in requests):
             raise ValueError(f"negative device request in pod {namespace}/{name}: {containers}")
         async with self._admission:
             if (namespace, name) in self._pods:
@@ -696,22 +707,22 @@ class KubeletSimulator:
             grants: list[ContainerGrant] = []
             numa_nodes: dict[str, tuple[int, ...]] = {}
             try:
-                for container, count in containers:
+                for container, resource, count in requests:
                     if count == 0:
                         grants.append(
-                            ContainerGrant(container, resource_name, (), {}, (), (), {}, (), ())
+                            ContainerGrant(container, resource, (), {}, (), (), {}, (), ())
                         )
                         continue
                     grant = await self._allocate_container(
                         namespace=namespace,
                         pod=name,
                         container=container,
-                        resource=resource_name,
+                        resource=resource,
                         count=count,
                         taken=taken,
                     )
                     grants.append(grant)
-                    known = self._devices.get(resource_name, {})
+                    known = self._devices.get(resource, {})
                     for device_id in grant.device_ids:
                         state = known.get(device_id)
                         numa_nodes[device_id] = state.numa_nodes if state is not None else ()
@@ -731,12 +742,11 @@ class KubeletSimulator:
             self._pods[(namespace, name)] = _PodRecord(pod, numa_nodes)
             self._write_checkpoint()
         logger.info(
-            "pod admitted namespace=%s pod=%s uid=%s resource=%s devices=%s",
+            "pod admitted namespace=%s pod=%s uid=%s devices=%s",
             namespace,
             name,
             uid,
-            resource_name,
-            {g.name: list(g.device_ids) for g in grants},
+            {f"{g.name}/{g.resource_name}": list(g.device_ids) for g in grants},
         )
         self._notify()
         return pod
@@ -968,8 +978,9 @@ def _checksum(data: Any) -> int:
 
 
 def _pods_from_checkpoint(data: dict[str, Any]) -> dict[tuple[str, str], _PodRecord]:
-    entries: dict[tuple[str, str], dict[str, Any]] = {
-        (str(e["PodUID"]), str(e["ContainerName"])): e for e in data["PodDeviceEntries"]
+    entries: dict[tuple[str, str, str], dict[str, Any]] = {
+        (str(e["PodUID"]), str(e["ContainerName"]), str(e["ResourceName"])): e
+        for e in data["PodDeviceEntries"]
     }
     records: dict[tuple[str, str], _PodRecord] = {}
     for pod in data["Pods"]:
@@ -980,7 +991,7 @@ def _pods_from_checkpoint(data: dict[str, Any]) -> dict[tuple[str, str], _PodRec
             name, resource = str(container["Name"]), str(container["ResourceName"])
             device_ids = [str(d) for d in container["DeviceIDs"]]
             preferred = [str(d) for d in container["Preferred"]]
-            entry = entries.get((uid, name))
+            entry = entries.get((uid, name, resource))
             if entry is None:
                 if device_ids:
                     raise ValueError(f"no device entry for pod {uid} container {name}")
@@ -1054,24 +1065,24 @@ class _PodResourcesServicer(podres_grpc.PodResourcesListerServicer):
 
     @staticmethod
     def _pod(record: _PodRecord) -> podres.PodResources:
+        """One entry per container, with the devices of every resource it holds."""
         pod = record.grant
+        by_container: dict[str, list[podres.ContainerDevices]] = {}
+        for container in pod.containers:
+            devices = by_container.setdefault(container.name, [])
+            devices.extend(
+                entry
+                for device_id in container.device_ids
+                for entry in _container_devices(
+                    container.resource_name, device_id, record.numa_nodes.get(device_id, ())
+                )
+            )
         return podres.PodResources(
             name=pod.name,
             namespace=pod.namespace,
             containers=[
-                podres.ContainerResources(
-                    name=container.name,
-                    devices=[
-                        entry
-                        for device_id in container.device_ids
-                        for entry in _container_devices(
-                            container.resource_name,
-                            device_id,
-                            record.numa_nodes.get(device_id, ()),
-                        )
-                    ],
-                )
-                for container in pod.containers
+                podres.ContainerResources(name=name, devices=devices)
+                for name, devices in by_container.items()
             ],
         )
 

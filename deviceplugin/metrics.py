@@ -27,7 +27,10 @@ OPENMETRICS_TYPE = "application/openmetrics-text"
 # Allocate and a poll take milliseconds; the top buckets catch a stalled driver call.
 DURATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
-GPU_LABELS = ("node", "gpu_uuid", "gpu_index")
+# A MIG device is a GPU of its own (gpu_uuid is its MIG UUID, gpu_index its GPU's index); its
+# series also name its parent GPU, profile and instance IDs, all "" on a full GPU's series.
+MIG_LABELS = ("parent_gpu_uuid", "mig_profile", "gpu_instance_id", "compute_instance_id")
+GPU_LABELS = ("node", "gpu_uuid", "gpu_index", *MIG_LABELS)
 GPU_INFO_LABELS = (*GPU_LABELS, "model", "minor", "numa_node", "pci_bus_id")
 SLICE_LABELS = (*GPU_LABELS, "state")
 XID_LABELS = (*GPU_LABELS, "xid")
@@ -245,7 +248,15 @@ class SnapshotCollector(Collector):
         if snapshot is not None:
             for gpu in snapshot.gpus:
                 info = gpu.info
-                g = [node, info.uuid, str(info.index)]
+                g = [
+                    node,
+                    info.uuid,
+                    str(info.index),
+                    info.parent_uuid,
+                    info.mig_profile,
+                    "" if info.gpu_instance_id is None else str(info.gpu_instance_id),
+                    "" if info.compute_instance_id is None else str(info.compute_instance_id),
+                ]
                 gpu_info.add_metric(
                     [
                         *g,
@@ -272,11 +283,14 @@ class SnapshotCollector(Collector):
                 misattributed.add_metric(g, float(len(gpu.misattributed)))
                 unattributed_mem.add_metric(g, float(_memory_of(gpu.unattributed)))
 
+            # NVML has no utilisation per MIG device: no series rather than a made-up 0.
+            mig_devices = {g.info.uuid for g in snapshot.gpus if g.info.is_mig_device}
             for c in snapshot.containers:
                 labels = _container_labels(node, c)
                 c_mem_used.add_metric(labels, float(c.memory_used_bytes))
                 c_mem_limit.add_metric(labels, float(c.memory_limit_bytes))
-                c_sm.add_metric(labels, _ratio(c.sm_utilization_ratio))
+                if c.gpu_uuid not in mig_devices:
+                    c_sm.add_metric(labels, _ratio(c.sm_utilization_ratio))
                 c_share.add_metric(labels, _ratio(c.compute_share_ratio))
                 c_throttled.add_metric(labels, c.throttled_seconds_total)
 

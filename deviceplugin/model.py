@@ -39,6 +39,18 @@ def allocation_id(slice_ids: Iterable[str]) -> str:
     return hashlib.sha256(joined.encode()).hexdigest()[:16]
 
 
+def mig_profile_name(gpu_slices: int, compute_slices: int, memory_mib: int) -> str:
+    """A MIG device's profile name as NVIDIA's tools write it (nvidia-smi, k8s-device-plugin,
+    mig-parted): `<g>g.<m>gb`, g the GPU instance's slice count and m its memory in GB rounded up
+    from MiB (an A100-80GB's 9728 MiB instance is "1g.10gb"); `<c>c.<g>g.<m>gb` when the compute
+    instance holds fewer slices than its GPU instance. From nvmlDeviceGetAttributes:
+    gpuInstanceSliceCount, computeInstanceSliceCount, memorySizeMB."""
+    memory_gb = (memory_mib + 1024 - 1) // 1024
+    if compute_slices and compute_slices != gpu_slices:
+        return f"{compute_slices}c.{gpu_slices}g.{memory_gb}gb"
+    return f"{gpu_slices}g.{memory_gb}gb"
+
+
 @dataclass(frozen=True, slots=True)
 class GpuInfo:
     """What the driver says about one physical GPU. Static while the GPU is present."""
@@ -51,6 +63,16 @@ class GpuInfo:
     numa_node: int | None = None
     pci_bus_id: str | None = None
     mig_enabled: bool = False
+    # A MIG device (one GPU instance with one compute instance) is reported like a GPU: its own
+    # UUID (MIG-...), memory and processes, the index of its parent GPU, and these fields set.
+    parent_uuid: str = ""
+    mig_profile: str = ""  # NVIDIA's profile name, e.g. "1g.10gb"
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+
+    @property
+    def is_mig_device(self) -> bool:
+        return bool(self.parent_uuid)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +120,8 @@ class GpuPlan:
     memory_per_slice_bytes: int
     compute_share_ratio: float
     excluded_reason: str = ""
+    # The extended resource its slices are advertised under; "" for an excluded GPU.
+    resource_name: str = ""
 
     @property
     def sliced(self) -> bool:
@@ -114,6 +138,7 @@ class Slice:
     memory_limit_bytes: int
     compute_share_ratio: float
     healthy: bool
+    resource_name: str = ""
     # `<GPU-UUID>::<n>`, made once: Allocate and GetPreferredAllocation read it for every slice
     # of the node on every call.
     device_id: str = field(init=False, repr=False, compare=False)
@@ -125,7 +150,12 @@ class Slice:
 @dataclass(frozen=True, slots=True)
 class Inventory:
     """The slices this node advertises, and the plan they come from. Immutable: a change is a new
-    Inventory. `slices` is ordered by GPU index, then slice number."""
+    Inventory. `slices` is ordered by GPU index, then device UUID (the MIG devices of one GPU
+    share its index), then slice number.
+
+    A node may advertise several resources (full GPUs under one name, MIG devices under one name
+    per profile): each plan and slice carries its resource name, and `for_resource` is the part
+    that one plugin endpoint serves."""
 
     plans: tuple[GpuPlan, ...] = ()
     slices: tuple[Slice, ...] = ()
@@ -133,8 +163,20 @@ class Inventory:
 
     @classmethod
     def of(cls, plans: Iterable[GpuPlan], slices: Iterable[Slice]) -> Inventory:
-        ordered = tuple(sorted(slices, key=lambda s: (s.gpu_index, s.id.n)))
+        ordered = tuple(sorted(slices, key=lambda s: (s.gpu_index, s.id.gpu_uuid, s.id.n)))
         return cls(tuple(plans), ordered, {s.device_id: s for s in ordered})
+
+    @property
+    def resource_names(self) -> tuple[str, ...]:
+        """The resources that have at least one slice (healthy or not), sorted."""
+        return tuple(sorted({s.resource_name for s in self.slices}))
+
+    def for_resource(self, resource_name: str) -> Inventory:
+        """The plans and slices of one resource."""
+        return Inventory.of(
+            (p for p in self.plans if p.resource_name == resource_name),
+            (s for s in self.slices if s.resource_name == resource_name),
+        )
 
     def plan_for(self, gpu_uuid: str) -> GpuPlan | None:
         for plan in self.plans:

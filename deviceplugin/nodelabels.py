@@ -40,8 +40,13 @@ def label_value(text: str) -> str:
     return value.strip("-_.")
 
 
-def node_labels(inventory: Inventory, *, mig_strategy: str = "none") -> dict[str, str]:
-    """The labels for this inventory, in the order they are written.
+def node_labels(
+    inventory: Inventory, *, mig_strategy: str = "none", resource_name: str | None = None
+) -> dict[str, str]:
+    """The labels for this inventory, in the order they are written. With `resource_name`, they
+    describe that resource's slices only (the daemon passes `resourceName`: full GPUs, and MIG
+    devices under the single strategy; the mixed strategy's per-profile resources are not
+    counted).
 
     - `count`: the slices the node advertises as healthy;
     - `replicas`: slices per GPU, when every sliced GPU has the same number (else absent);
@@ -49,6 +54,8 @@ def node_labels(inventory: Inventory, *, mig_strategy: str = "none") -> dict[str
     - `product`: the model of the first sliced GPU;
     - `mig-strategy`: how MIG devices are offered.
     Without a sliced GPU, only `count=0` and `mig-strategy`."""
+    if resource_name is not None:
+        inventory = inventory.for_resource(resource_name)
     plans = [p for p in inventory.plans if p.sliced]
     labels = {f"{PREFIX}count": str(sum(1 for s in inventory.slices if s.healthy))}
     replicas = {p.replicas for p in plans}
@@ -91,16 +98,23 @@ def write_atomically(path: Path, content: str) -> None:
 class NodeLabelFile:
     """Keeps the feature file at `path` in step with the published inventory."""
 
-    def __init__(self, path: Path, *, mig_strategy: str = "none") -> None:
+    def __init__(
+        self, path: Path, *, mig_strategy: str = "none", resource_name: str | None = None
+    ) -> None:
         self.path = path
         self._mig_strategy = mig_strategy
+        self._resource_name = resource_name
         self._written: str | None = None
         self._failing = False
 
     def update(self, inventory: Inventory) -> bool:
         """Write the file when its content would change; whether it was written. A failure is
         logged (once until it succeeds again) and retried at the next change."""
-        content = feature_file(node_labels(inventory, mig_strategy=self._mig_strategy))
+        content = feature_file(
+            node_labels(
+                inventory, mig_strategy=self._mig_strategy, resource_name=self._resource_name
+            )
+        )
         if content == self._written:
             return False
         try:
@@ -125,6 +139,21 @@ class NodeLabelFile:
             ",".join(content.splitlines()),
         )
         return True
+
+    def remove(self) -> None:
+        """Remove the file (a reload moved it or turned node labels off): NFD then drops its
+        labels. Never raises; a failure is logged."""
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning(
+                "cannot remove the old node feature file path=%s error=%s",
+                self.path,
+                e.strerror or e,
+            )
+            return
+        self._written = None
+        log.info("node feature file removed path=%s", self.path)
 
     async def run(self, inventory: Published[Inventory], stop: asyncio.Event) -> None:
         """Write for the current inventory, then after each change (and every RETRY_S while

@@ -13,10 +13,18 @@ parses is applied by `apply_config`, the one entry point (`Daemon.apply_config` 
 
 - slicing: the next poll builds the inventory from the new plan. A slice that the new plan drops
   and that an allocation holds stays advertised Unhealthy until the kubelet frees it.
-- allocation and MPS settings: the next Allocate uses them.
+- slicing and MIG strategy: the poll that follows reconciles the set of resources with the new
+  inventory: a resource it names (a MIG profile under the mixed strategy) is served and
+  registered; one it no longer names goes once no allocation holds its slices.
+- allocation settings: the next Allocate, on every resource, uses them.
+- MPS: the running control daemon is sent quit and, when MPS stays enabled, one with the new
+  settings is started and supervised; the next Allocate mounts the new pipe directory.
+- node labels: the feature file follows a new path (the old one is removed), MIG strategy or
+  resource name.
 - enforcement: a new enforcer with the new settings replaces the old, which first resumes every
   process it holds stopped; the poll interval and utilisation window follow.
-- resource name: the plugin serves and registers under the new name; the old name's socket goes.
+- resource name: the primary resource is served and registered under the new name at once; the
+  old name's endpoint and socket go at the next poll, when no slice is left under it.
 - health checks: they belong to the GPU backend, opened once; a change takes effect at the next
   restart, and the reload says so.
 """
@@ -110,28 +118,38 @@ async def apply_config(daemon: Daemon, new: Config) -> None:
     """Apply `new` to the running daemon (see the module's docstring)."""
     old = daemon.settings.config
     daemon.settings = dataclasses.replace(daemon.settings, config=new)
-    daemon.service.reconfigure(new)
+    # Every resource's endpoint answers Allocate with the new settings; endpoints made from now
+    # on take them from the daemon's settings.
+    for endpoint in daemon.resources:
+        endpoint.service.reconfigure(new)
     if new.enforcement != old.enforcement:
         await daemon.replace_enforcer()
-    daemon.poller.reconfigure(new)  # and polls at once: the new plan reaches the kubelet now
     if new.resource_name != old.resource_name:
-        await change_resources(daemon, old.resource_name, new.resource_name)
+        log.warning(
+            "config reload: resource renamed; registering again old=%s new=%s",
+            old.resource_name,
+            new.resource_name,
+        )
+        daemon.resources.set_primary(new.resource_name)
+        daemon.reconcile_resources()
+    # And polls at once: the new plan reaches the kubelet now. The poll reconciles the resource
+    # set with it: a new MIG strategy or slicing rule registers the resources it names, and
+    # those it drops go once no allocation holds their slices.
+    daemon.poller.reconfigure(new)
+    if new.mps != old.mps:
+        await daemon.reconfigure_mps(new.mps)
+    if (
+        new.node_labels != old.node_labels
+        or new.mig.strategy != old.mig.strategy
+        or new.resource_name != old.resource_name
+    ):
+        await daemon.reconfigure_node_labels(new)
     if new.health != old.health:
         log.warning(
             "config reload: the health settings take effect at the next restart of the daemon"
         )
     for warning in new.warnings:
         log.warning("config: %s", warning)
-
-
-async def change_resources(daemon: Daemon, old_name: str, new_name: str) -> None:
-    """The set of advertised resources changed: serve and register under `new_name`, stop
-    serving `old_name`. The one place that knows how the daemon's resources map to plugins."""
-    log.warning(
-        "config reload: resource renamed; registering again old=%s new=%s", old_name, new_name
-    )
-    daemon.tracker.resource_name = new_name
-    await daemon.replace_plugin(new_name)
 
 
 async def report_hangups_without_a_config(stop: asyncio.Event, hangup: asyncio.Event) -> None:

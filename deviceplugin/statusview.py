@@ -83,6 +83,13 @@ def _gpu(g: GpuUsage) -> dict[str, Any]:
         "numa_node": info.numa_node,
         "pci_bus_id": info.pci_bus_id,
         "mig_enabled": info.mig_enabled,
+        # A MIG device: its parent GPU, profile and instance IDs (null for a full GPU). NVML
+        # measures no utilisation per MIG device, so its compute share is not enforced.
+        "parent_gpu_uuid": info.parent_uuid or None,
+        "mig_profile": info.mig_profile or None,
+        "gpu_instance_id": info.gpu_instance_id,
+        "compute_instance_id": info.compute_instance_id,
+        "compute_enforced": not info.is_mig_device,
         "healthy": g.reading.healthy,
         "health_reason": g.reading.health_reason,
         "misattributed_processes": len(g.misattributed),
@@ -101,7 +108,8 @@ def _gpu(g: GpuUsage) -> dict[str, Any]:
     }
 
 
-def _container(c: ContainerUsage) -> dict[str, Any]:
+def _container(c: ContainerUsage, mig_devices: frozenset[str] = frozenset()) -> dict[str, Any]:
+    on_mig = c.gpu_uuid in mig_devices
     return {
         "allocation_id": c.allocation_id,
         "namespace": c.namespace,
@@ -112,9 +120,11 @@ def _container(c: ContainerUsage) -> dict[str, Any]:
         "slices": c.slices,
         "memory_used_bytes": c.memory_used_bytes,
         "memory_limit_bytes": c.memory_limit_bytes,
-        "sm_utilization_ratio": _num(c.sm_utilization_ratio),
+        # None on a MIG device: NVML has no utilisation there, and none is made up.
+        "sm_utilization_ratio": None if on_mig else _num(c.sm_utilization_ratio),
         "compute_share_ratio": _num(c.compute_share_ratio),
         "entitlement_ratio": _num(c.entitlement_ratio),
+        "compute_enforced": not on_mig,
         "throttled": c.duty_cycle_ratio is not None,
         "duty_cycle_ratio": _num(c.duty_cycle_ratio),
         "throttled_seconds_total": _num(c.throttled_seconds_total),
@@ -149,6 +159,7 @@ def _enforcement(e: EnforcementCount) -> dict[str, Any]:
 
 def snapshot_to_json(snapshot: NodeSnapshot) -> dict[str, Any]:
     """The /status document: plain JSON data with a fixed key order."""
+    mig_devices = frozenset(g.info.uuid for g in snapshot.gpus if g.info.is_mig_device)
     return {
         "node": snapshot.node_name,
         "taken_at": rfc3339(snapshot.taken_at_s),
@@ -156,7 +167,7 @@ def snapshot_to_json(snapshot: NodeSnapshot) -> dict[str, Any]:
         "stale": snapshot.stale,
         "health": _health(snapshot.health),
         "gpus": [_gpu(g) for g in snapshot.gpus],
-        "containers": [_container(c) for c in snapshot.containers],
+        "containers": [_container(c, mig_devices) for c in snapshot.containers],
         "allocations": [_allocation(a) for a in snapshot.allocations],
         "enforcement": [_enforcement(e) for e in snapshot.enforcement],
     }
@@ -295,7 +306,14 @@ def _gpu_lines(
         f"{health}  slices: {_int(slices.get('allocated'))} used, "
         f"{_int(slices.get('free'))} free, {_int(slices.get('unhealthy'))} unhealthy"
     )
-    name = f"GPU {g.get('index', '?')}  {g.get('model', '?')}"
+    mig = bool(g.get("parent_gpu_uuid"))
+    if mig:
+        name = (
+            f"MIG {g.get('mig_profile', '?')}  GI {g.get('gpu_instance_id', '?')} "
+            f"CI {g.get('compute_instance_id', '?')}"
+        )
+    else:
+        name = f"GPU {g.get('index', '?')}  {g.get('model', '?')}"
     lines = [_name_and_tail(0, name, tail, width)]
     if reason and not g.get("healthy"):
         lines.append(_clip(f"  reason: {reason}", width))
@@ -341,6 +359,8 @@ def _gpu_lines(
             )
         )
 
+    if mig:
+        lines.append(_clip("  compute: not measurable per MIG device (NVML), not enforced", width))
     stray = g.get("unattributed") or []
     stray_memory = sum(_int(p.get("used_memory_bytes")) for p in stray)
     lines.append(
@@ -375,9 +395,21 @@ def render_status(doc: Mapping[str, Any], *, width: int = 80) -> list[str]:
     for c in containers:
         by_gpu.setdefault(str(c.get("gpu_uuid", "")), []).append(c)
     known = {str(g.get("uuid", "")) for g in gpus}
+    # A GPU's MIG devices follow it, indented; MIG devices of a GPU not listed come last.
+    children: dict[str, list[Mapping[str, Any]]] = {}
     for g in gpus:
+        parent = str(g.get("parent_gpu_uuid") or "")
+        if parent:
+            children.setdefault(parent if parent in known else "", []).append(g)
+    top = [g for g in gpus if not g.get("parent_gpu_uuid")]
+    for g in [*top, *children.get("", [])]:
         lines.append("")
         lines.extend(_gpu_lines(g, by_gpu.get(str(g.get("uuid", "")), []), width))
+        for device in children.get(str(g.get("uuid", "")), []) if g in top else []:
+            device_lines = _gpu_lines(
+                device, by_gpu.get(str(device.get("uuid", "")), []), width - 2
+            )
+            lines.extend("  " + line for line in device_lines)
     orphans = [c for c in containers if str(c.get("gpu_uuid", "")) not in known]
     if orphans:
         lines.append("")

@@ -274,6 +274,7 @@ class EnforcementPolicy:
 
         excluded = self._excluded_pids(snapshot)
         healthy_gpus = {g.info.uuid for g in snapshot.gpus if g.reading.healthy}
+        mig_devices = {g.info.uuid for g in snapshot.gpus if g.info.is_mig_device}
         by_gpu: dict[str, list[ContainerUsage]] = {}
         seen: set[ContainerKey] = set()
         for c in snapshot.containers:
@@ -290,6 +291,9 @@ class EnforcementPolicy:
             for c in containers:
                 processes = tuple(p for p in c.processes if p.pid not in excluded)
                 decisions.extend(self._decide_memory(c, processes, now_s))
+            if gpu_uuid in mig_devices:
+                # NVML measures no utilisation per MIG device: no compute share to enforce.
+                continue
             decisions.extend(self._decide_compute(snapshot, gpu_uuid, containers, excluded))
 
         for key in [k for k in self._compute if k not in seen]:

@@ -56,8 +56,21 @@ class FakeProcess:
 
 
 @dataclass(frozen=True, slots=True)
+class FakeMigDevice:
+    """One MIG device (a GPU instance with one compute instance) of a fake GPU in MIG mode."""
+
+    uuid: str
+    gpu_instance_id: int
+    compute_instance_id: int
+    profile: str
+    memory_total_bytes: int
+    processes: tuple[FakeProcess, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class FakeGpu:
-    """One fake GPU. `health_reason` explains an unhealthy GPU (like an Xid would)."""
+    """One fake GPU. `health_reason` explains an unhealthy GPU (like an Xid would). A GPU in MIG
+    mode with a `mig` block reports its MIG devices, and its own `processes` are ignored."""
 
     uuid: str
     index: int
@@ -70,6 +83,25 @@ class FakeGpu:
     pci_bus_id: str | None = None
     mig_enabled: bool = False
     health_reason: str = ""
+    mig_devices: tuple[FakeMigDevice, ...] = ()
+    # Whether the file had a `mig` block (written back as one).
+    mig_block: bool = False
+
+    def mig_info(self, device: FakeMigDevice) -> GpuInfo:
+        """A MIG device as NVML reports it: its own UUID and memory, its parent's index."""
+        return GpuInfo(
+            uuid=device.uuid,
+            index=self.index,
+            name=f"{self.name} MIG {device.profile}",
+            memory_total_bytes=device.memory_total_bytes,
+            minor=self.minor,
+            numa_node=self.numa_node,
+            pci_bus_id=self.pci_bus_id,
+            parent_uuid=self.uuid,
+            mig_profile=device.profile,
+            gpu_instance_id=device.gpu_instance_id,
+            compute_instance_id=device.compute_instance_id,
+        )
 
     @property
     def info(self) -> GpuInfo:
@@ -116,7 +148,29 @@ class FakeState:
             }
             if gpu.pci_bus_id is not None:
                 entry["pci_bus_id"] = gpu.pci_bus_id
-            if gpu.mig_enabled:
+            if gpu.mig_block:
+                entry["mig"] = {
+                    "enabled": gpu.mig_enabled,
+                    "devices": [
+                        {
+                            "uuid": d.uuid,
+                            "gpu_instance_id": d.gpu_instance_id,
+                            "compute_instance_id": d.compute_instance_id,
+                            "profile": d.profile,
+                            "memory_total_bytes": d.memory_total_bytes,
+                            "processes": [
+                                {
+                                    "pid": p.pid,
+                                    "used_memory_bytes": p.used_memory_bytes,
+                                    "sm_demand_percent": p.sm_demand_percent,
+                                }
+                                for p in d.processes
+                            ],
+                        }
+                        for d in gpu.mig_devices
+                    ],
+                }
+            elif gpu.mig_enabled:
                 entry["mig_enabled"] = True
             if gpu.health_reason:
                 entry["health_reason"] = gpu.health_reason
@@ -140,6 +194,23 @@ _GPU_KEYS = (
     "pci_bus_id",
     "mig_enabled",
     "health_reason",
+    "mig",
+)
+_MIG_KEYS = ("enabled", "devices")
+_MIG_DEVICE_KEYS = (
+    "uuid",
+    "gpu_instance_id",
+    "compute_instance_id",
+    "profile",
+    "memory_total_bytes",
+    "processes",
+)
+_MIG_DEVICE_REQUIRED = (
+    "uuid",
+    "gpu_instance_id",
+    "compute_instance_id",
+    "profile",
+    "memory_total_bytes",
 )
 _GPU_REQUIRED = ("uuid", "index", "name", "memory_total_bytes", "minor")
 _PROCESS_KEYS = ("pid", "used_memory_bytes", "sm_demand_percent")
@@ -231,6 +302,115 @@ def _parse_process(data: object, path: str, problems: _Problems) -> FakeProcess 
     return FakeProcess(pid=pid, used_memory_bytes=memory, sm_demand_percent=demand)
 
 
+def _parse_processes(data: object, path: str, problems: _Problems) -> list[FakeProcess] | None:
+    """A list of processes, each pid once; None when anything is wrong (reported)."""
+    if not isinstance(data, list):
+        problems.expected(path, "a list of processes", data)
+        return None
+    ok = True
+    processes: list[FakeProcess] = []
+    first_seen: dict[int, int] = {}
+    for i, raw in enumerate(data):
+        process = _parse_process(raw, f"{path}[{i}]", problems)
+        if process is None:
+            ok = False
+            continue
+        if process.pid in first_seen:
+            problems.add(
+                f"{path}[{i}].pid",
+                f"duplicate of {path}[{first_seen[process.pid]}].pid, "
+                f"got {process.pid}; list a process once per GPU",
+            )
+            ok = False
+        else:
+            first_seen[process.pid] = i
+        processes.append(process)
+    return processes if ok else None
+
+
+def _parse_mig_device(
+    data: object, path: str, parent_memory: object, problems: _Problems
+) -> FakeMigDevice | None:
+    if not isinstance(data, Mapping):
+        problems.expected(path, "an object describing a MIG device", data)
+        return None
+    ok = problems.check_keys(data, path, _MIG_DEVICE_KEYS, _MIG_DEVICE_REQUIRED)
+    uuid = data.get("uuid", "")
+    if "uuid" in data and not (isinstance(uuid, str) and uuid.strip()):
+        problems.expected(f"{path}.uuid", "a non-empty string", uuid)
+        ok = False
+    ids: list[int] = []
+    for key in ("gpu_instance_id", "compute_instance_id"):
+        value = data.get(key, 0)
+        if not (_is_int(value) and value >= 0):
+            problems.expected(f"{path}.{key}", "a non-negative integer", value)
+            ok = False
+            value = 0
+        ids.append(int(value))
+    profile = data.get("profile", "")
+    if "profile" in data and not (isinstance(profile, str) and profile.strip()):
+        problems.expected(f"{path}.profile", 'a profile name like "1g.10gb"', profile)
+        ok = False
+    memory = data.get("memory_total_bytes", parent_memory)
+    if not (_is_int(memory) and memory >= 0):
+        problems.expected(f"{path}.memory_total_bytes", "a non-negative integer", memory)
+        ok = False
+    elif _is_int(parent_memory) and memory > parent_memory:
+        problems.add(
+            f"{path}.memory_total_bytes",
+            f"{memory} is more than the GPU's memory_total_bytes {parent_memory}",
+        )
+        ok = False
+    processes = _parse_processes(data.get("processes", []), f"{path}.processes", problems)
+    if not ok or processes is None:
+        return None
+    assert isinstance(uuid, str)
+    assert isinstance(profile, str)
+    assert isinstance(memory, int)
+    return FakeMigDevice(uuid, ids[0], ids[1], profile, memory, tuple(processes))
+
+
+def _parse_mig(
+    data: object, path: str, parent_memory: object, problems: _Problems
+) -> tuple[bool, tuple[FakeMigDevice, ...]] | None:
+    """The `mig` block: whether MIG mode is on, and its devices."""
+    if not isinstance(data, Mapping):
+        problems.expected(path, 'an object like {"enabled": true, "devices": [...]}', data)
+        return None
+    ok = problems.check_keys(data, path, _MIG_KEYS, ("enabled",))
+    enabled = data.get("enabled", False)
+    if not isinstance(enabled, bool):
+        problems.expected(f"{path}.enabled", "true or false", enabled)
+        ok = False
+    raw_devices = data.get("devices", [])
+    devices: list[FakeMigDevice] = []
+    if not isinstance(raw_devices, list):
+        problems.expected(f"{path}.devices", "a list of MIG devices", raw_devices)
+        return None
+    seen_gi: dict[int, int] = {}
+    for i, raw in enumerate(raw_devices):
+        device = _parse_mig_device(raw, f"{path}.devices[{i}]", parent_memory, problems)
+        if device is None:
+            ok = False
+            continue
+        if device.gpu_instance_id in seen_gi:
+            problems.add(
+                f"{path}.devices[{i}].gpu_instance_id",
+                f"duplicate of {path}.devices[{seen_gi[device.gpu_instance_id]}]"
+                f".gpu_instance_id, got {device.gpu_instance_id}; each MIG device is its own"
+                " GPU instance",
+            )
+            ok = False
+        seen_gi[device.gpu_instance_id] = i
+        devices.append(device)
+    if devices and enabled is False:
+        problems.add(f"{path}.devices", "lists MIG devices but enabled is false")
+        ok = False
+    if not ok:
+        return None
+    return bool(enabled), tuple(devices)
+
+
 def _parse_gpu(data: object, path: str, problems: _Problems) -> FakeGpu | None:
     if not isinstance(data, Mapping):
         problems.expected(path, "an object describing a GPU", data)
@@ -260,6 +440,16 @@ def _parse_gpu(data: object, path: str, problems: _Problems) -> FakeGpu | None:
     pci = field("pci_bus_id", "a string or null", lambda v: v is None or isinstance(v, str), None)
     mig = field("mig_enabled", "true or false", lambda v: isinstance(v, bool), False)
     reason = field("health_reason", "a string", lambda v: isinstance(v, str), "")
+    mig_devices: tuple[FakeMigDevice, ...] = ()
+    if "mig" in data:
+        parsed_mig = _parse_mig(data["mig"], f"{path}.mig", memory, problems)
+        if parsed_mig is None:
+            ok = False
+        elif "mig_enabled" in data and data["mig_enabled"] != parsed_mig[0]:
+            problems.add(f"{path}.mig_enabled", "disagrees with mig.enabled; keep one of them")
+            ok = False
+        else:
+            mig, mig_devices = parsed_mig
 
     processes: list[FakeProcess] = []
     raw_processes = data.get("processes", [])
@@ -308,6 +498,8 @@ def _parse_gpu(data: object, path: str, problems: _Problems) -> FakeGpu | None:
         pci_bus_id=pci,
         mig_enabled=mig,
         health_reason=reason,
+        mig_devices=mig_devices,
+        mig_block="mig" in data,
     )
 
 
@@ -352,6 +544,18 @@ def parse_state(data: object) -> FakeState:
     _check_unique(gpus, "index", lambda g: g.index, problems)
     _check_unique(gpus, "minor", lambda g: g.minor, problems)
     _check_unique(gpus, "pci_bus_id", lambda g: g.pci_bus_id, problems)
+    uuids: dict[str, str] = {g.uuid: f"gpus[{i}].uuid" for i, g in gpus}
+    for i, gpu in gpus:
+        for j, device in enumerate(gpu.mig_devices):
+            where = f"gpus[{i}].mig.devices[{j}].uuid"
+            if device.uuid in uuids:
+                problems.add(
+                    where,
+                    f"duplicate of {uuids[device.uuid]}, got {_show(device.uuid)}; every GPU"
+                    " and MIG device needs its own uuid",
+                )
+            else:
+                uuids[device.uuid] = where
     if problems.items:
         shown = problems.items[:_MAX_PROBLEMS_SHOWN]
         more = len(problems.items) - len(shown)
@@ -577,6 +781,9 @@ class FakeBackend:
                     self._unhealthy_transitions.get(gpu.uuid, 0) + 1
                 )
             self._healthy_before[gpu.uuid] = gpu.healthy
+            if gpu.mig_enabled and gpu.mig_block:
+                readings.extend(self._mig_readings(gpu))
+                continue
             samples = tuple(
                 ProcessSample(
                     pid=p.pid,
@@ -597,6 +804,38 @@ class FakeBackend:
                 )
             )
         return NodeReading(timestamp_s=now, gpus=tuple(readings))
+
+    def _mig_readings(self, gpu: FakeGpu) -> list[GpuReading]:
+        """A GPU in MIG mode, as NVML reports it: the GPU with the memory its MIG devices use,
+        and no utilisation, then each MIG device with its own memory and processes and no
+        utilisation either (NVML samples none per MIG device)."""
+        transitions = self._unhealthy_transitions.get(gpu.uuid, 0)
+        readings = [
+            GpuReading(
+                info=gpu.info,
+                healthy=gpu.healthy,
+                health_reason=gpu.health_reason,
+                memory_used_bytes=sum(
+                    p.used_memory_bytes for d in gpu.mig_devices for p in d.processes
+                ),
+                sm_util_percent=None,
+                unhealthy_transitions=transitions,
+            )
+        ]
+        for device in sorted(gpu.mig_devices, key=lambda d: d.uuid):
+            readings.append(
+                GpuReading(
+                    info=gpu.mig_info(device),
+                    healthy=gpu.healthy,
+                    health_reason=gpu.health_reason,
+                    memory_used_bytes=sum(p.used_memory_bytes for p in device.processes),
+                    sm_util_percent=None,
+                    processes=tuple(
+                        ProcessSample(p.pid, p.used_memory_bytes, None) for p in device.processes
+                    ),
+                )
+            )
+        return readings
 
     def close(self) -> None:
         with self._lock:
@@ -670,7 +909,10 @@ class FakeBackend:
         self._plan = tuple(
             (
                 gpu.uuid,
-                tuple((p.pid, float(p.sm_demand_percent)) for p in gpu.processes),
+                # A GPU in MIG mode reports no utilisation: nothing of it to sample.
+                ()
+                if gpu.mig_block and gpu.mig_enabled
+                else tuple((p.pid, float(p.sm_demand_percent)) for p in gpu.processes),
             )
             for gpu in self._state.gpus
         )

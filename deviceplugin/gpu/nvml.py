@@ -37,6 +37,17 @@ Errors: every NVML error gets a log line and a decision.
 - GPU_IS_LOST and any other error mark that GPU unhealthy; its last good reading is reported
   with healthy=False and the error in health_reason.
 
+MIG: a GPU in MIG mode (read once, at start: switching MIG mode needs a GPU reset and a restart of
+the daemon) is read as the GPU (its used memory; NVML has no utilisation for a GPU in MIG mode)
+and, at every poll, its MIG devices: the handles nvmlDeviceGetMigDeviceHandleByIndex gives over
+nvmlDeviceGetMaxMigDeviceCount slots (an empty slot answers NOT_FOUND), each with its UUID, GPU and
+compute instance IDs, profile name (`mig_profile_name` of nvmlDeviceGetAttributes), memory and
+processes. A re-partitioning (mig-parted) is thus seen at the next poll. NVML gives no utilisation
+samples per MIG device (nvmlDeviceGetUtilizationRates and nvmlDeviceGetProcessUtilization answer
+NOT_SUPPORTED on MIG devices), so MIG devices and their processes report none: None, never a
+guess. An Xid event that names a GPU instance takes only that MIG device out of service; one that
+names none (or a fault of the GPU itself) takes the GPU and all its MIG devices.
+
 Health and the way back follow deviceplugin.config.HealthConfig and RecoveryPolicy: `manual`
 keeps a GPU out of service until the daemon restarts, `auto` returns it once it has answered
 correctly, with no new fault, for `recoveryDelay`. Per-GPU counters of Xids, health transitions,
@@ -63,11 +74,13 @@ import pynvml
 
 from deviceplugin.config import Config, HealthConfig, RecoveryPolicy
 from deviceplugin.errors import BackendError
-from deviceplugin.model import GpuInfo, GpuReading, NodeReading, ProcessSample
+from deviceplugin.model import GpuInfo, GpuReading, NodeReading, ProcessSample, mig_profile_name
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PROCESS_LIST_INTERVAL_S = 0.5
+# The GPU/compute instance ID of an event that names none (NVML's 0xFFFFFFFF).
+NO_INSTANCE = 0xFFFFFFFF
 DEFAULT_CALL_TIMEOUT_S = 0.5
 DEFAULT_EVENT_WAIT_TIMEOUT_S = 1.0
 # After a failed event wait (other than a timeout), the watcher waits this long before the next.
@@ -210,6 +223,15 @@ class GpuHealthStats:
 
 
 @dataclass(frozen=True, slots=True)
+class _MigSample:
+    """One MIG device in a reading of its GPU: no utilisation, NVML has none per MIG device."""
+
+    info: GpuInfo
+    memory_used_bytes: int | None
+    processes: tuple[ProcessSample, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class _Sample:
     """One GPU's latest reading, published by its worker by reference."""
 
@@ -218,6 +240,7 @@ class _Sample:
     memory_used_bytes: int | None = None
     sm_util_percent: float | None = None
     processes: tuple[ProcessSample, ...] = ()
+    mig: tuple[_MigSample, ...] = ()
 
 
 _NO_SAMPLE = _Sample(read_at_s=-math.inf, ok=False)
@@ -239,6 +262,9 @@ class _Health:
     hangs: int = 0
     # The start time of the call whose hang was last reported, so that a hang is counted once.
     hang_reported_for: float | None = None
+    # MIG devices out of service by a critical Xid naming their GPU instance: GPU instance ID ->
+    # (reason, when).
+    mig_faults: dict[int, tuple[str, float]] = field(default_factory=dict)
 
 
 class _GpuFaultError(Exception):
@@ -275,6 +301,8 @@ class _Gpu:
         self._last_seen_ts = 0
         self._last_util: dict[int, float] | None = None
         self._last_util_at_s = 0.0
+        # MIG device facts that do not change while it exists, by UUID: (GI, CI, profile).
+        self._mig_facts: dict[str, tuple[int, int, str]] = {}
         self._jobs: queue.SimpleQueue[
             tuple[Callable[[], None], concurrent.futures.Future[None]] | None
         ] = queue.SimpleQueue()
@@ -405,6 +433,15 @@ class _Gpu:
         poll retries)."""
         now = self._clock()
         memory = self._optional("memory", "nvmlDeviceGetMemoryInfo", self.handle)
+        if self.info is not None and self.info.mig_enabled:
+            # Processes, memory and their use are read per MIG device; the GPU itself has no
+            # utilisation in MIG mode.
+            return _Sample(
+                read_at_s=now,
+                ok=True,
+                memory_used_bytes=None if memory is None else int(memory.used),
+                mig=self._read_mig_devices(),
+            )
         rates = self._optional("utilisation", "nvmlDeviceGetUtilizationRates", self.handle)
         if now - self._processes_at_s >= process_list_interval_s:
             self._refresh_processes(now)
@@ -427,8 +464,75 @@ class _Gpu:
             ),
         )
 
-    def _process_list(self, kind: str) -> list[Any] | None:
-        """One kind of process list through the newest call offered; None when turned off."""
+    def _read_mig_devices(self) -> tuple[_MigSample, ...]:
+        """Every MIG device of this GPU, as it is partitioned now."""
+        count = self._optional("MIG devices", "nvmlDeviceGetMaxMigDeviceCount", self.handle)
+        if count is None:
+            return ()
+        gone = (self._nvml.NVML_ERROR_NOT_FOUND, self._nvml.NVML_ERROR_INVALID_ARGUMENT)
+        devices: list[_MigSample] = []
+        seen: set[str] = set()
+        for slot in range(int(count)):
+            try:
+                handle = self.call("nvmlDeviceGetMigDeviceHandleByIndex", self.handle, slot)
+                device = self._read_mig_device(handle)
+            except self._backend.nvml_error as e:
+                if self._backend.code(e) in gone:
+                    continue  # an empty slot, or a device destroyed while it was read
+                raise self._fault("reading a MIG device", e) from e
+            devices.append(device)
+            seen.add(device.info.uuid)
+        self._mig_facts = {u: f for u, f in self._mig_facts.items() if u in seen}
+        return tuple(devices)
+
+    def _read_mig_device(self, handle: object) -> _MigSample:
+        parent = self.info
+        assert parent is not None
+        uuid = _text(self.call("nvmlDeviceGetUUID", handle))
+        facts = self._mig_facts.get(uuid)
+        if facts is None:
+            attributes = self.call("nvmlDeviceGetAttributes", handle)
+            facts = (
+                int(self.call("nvmlDeviceGetGpuInstanceId", handle)),
+                int(self.call("nvmlDeviceGetComputeInstanceId", handle)),
+                mig_profile_name(
+                    int(attributes.gpuInstanceSliceCount),
+                    int(attributes.computeInstanceSliceCount),
+                    int(attributes.memorySizeMB),
+                ),
+            )
+            self._mig_facts[uuid] = facts
+            logger.info(
+                "MIG device found %s mig_uuid=%s gpu_instance_id=%d compute_instance_id=%d "
+                "profile=%s; NVML has no utilisation per MIG device: memory and processes only",
+                self.label(),
+                uuid,
+                *facts,
+            )
+        gi, ci, profile = facts
+        memory = self.call("nvmlDeviceGetMemoryInfo", handle)
+        info = GpuInfo(
+            uuid=uuid,
+            index=parent.index,
+            name=f"{parent.name} MIG {profile}",
+            memory_total_bytes=int(memory.total),
+            minor=parent.minor,
+            numa_node=parent.numa_node,
+            pci_bus_id=parent.pci_bus_id,
+            parent_uuid=parent.uuid,
+            mig_profile=profile,
+            gpu_instance_id=gi,
+            compute_instance_id=ci,
+        )
+        processes = tuple(
+            ProcessSample(pid=pid, used_memory_bytes=used, sm_util_percent=None)
+            for pid, used in self._merged_processes(handle).items()
+        )
+        return _MigSample(info, int(memory.used), processes)
+
+    def _process_list(self, kind: str, handle: object = None) -> list[Any] | None:
+        """One kind of process list through the newest call offered; None when turned off.
+        `handle`: a MIG device's, else the GPU's."""
         if kind in self._disabled:
             return None
         candidates = self._process_calls[kind]
@@ -439,7 +543,7 @@ class _Gpu:
                 candidates.pop(0)
                 continue
             try:
-                result: list[Any] = self.call(name, self.handle)
+                result: list[Any] = self.call(name, self.handle if handle is None else handle)
             except backend.mismatch_errors as e:
                 logger.debug(
                     "process list call not offered %s call=%s error=%r", self.label(), name, e
@@ -463,9 +567,14 @@ class _Gpu:
         return None
 
     def _refresh_processes(self, now: float) -> None:
+        self._processes = self._merged_processes(self.handle)
+        self._processes_at_s = now
+
+    def _merged_processes(self, handle: object) -> dict[int, int | None]:
+        """Every kind of process list of a GPU or MIG device, each pid once."""
         merged: dict[int, int | None] = {}
         for kind in _PROCESS_CALLS:
-            for process in self._process_list(kind) or ():
+            for process in self._process_list(kind, handle) or ():
                 pid = int(process.pid)
                 if pid <= 0:
                     continue
@@ -475,8 +584,7 @@ class _Gpu:
                     merged[pid] = used
                 elif used is not None:
                     merged[pid] = max(before, used)
-        self._processes = merged
-        self._processes_at_s = now
+        return merged
 
     def _used_memory(self, process: Any) -> int | None:
         """usedGpuMemory, or None where the driver does not report it (None, or
@@ -735,6 +843,7 @@ class NvmlBackend:
                 healthy, reason = health.healthy, health.reason
                 transitions = health.unhealthy_transitions
                 xids = tuple(sorted(health.xids.items()))
+                mig_faults = self._mig_faults(health, now)
             readings.append(
                 GpuReading(
                     info=info,
@@ -747,6 +856,18 @@ class NvmlBackend:
                     xid_errors=xids,
                 )
             )
+            for device in sample.mig:
+                fault = mig_faults.get(device.info.gpu_instance_id or 0, "")
+                readings.append(
+                    GpuReading(
+                        info=device.info,
+                        healthy=healthy and not fault,
+                        health_reason=reason or fault,
+                        memory_used_bytes=device.memory_used_bytes,
+                        sm_util_percent=None,
+                        processes=device.processes,
+                    )
+                )
         readings.sort(key=lambda r: r.info.index)
         return NodeReading(timestamp_s=now, gpus=tuple(readings))
 
@@ -890,6 +1011,19 @@ class NvmlBackend:
             then,
         )
 
+    def _mig_faults(self, health: _Health, now: float) -> dict[int, str]:
+        """The MIG devices a critical Xid took out of service, by GPU instance ID (caller holds
+        the lock). With `auto` recovery, one whose last fault is `recoveryDelay` old returns."""
+        config = self._health_config
+        if config.recovery is RecoveryPolicy.AUTO:
+            for gi, (reason, at_s) in list(health.mig_faults.items()):
+                if now - at_s >= config.recovery_delay_s:
+                    del health.mig_faults[gi]
+                    logger.info(
+                        "MIG device returned to service gpu_instance_id=%d after=%r", gi, reason
+                    )
+        return {gi: reason for gi, (reason, _) in health.mig_faults.items()}
+
     def _check_hang(self, gpu: _Gpu, now: float) -> None:
         name, started = gpu.call_name, gpu.call_started_s
         if name is None:
@@ -985,15 +1119,26 @@ class NvmlBackend:
         if gpu is None:
             return
         event_type = int(data.eventType)
+        instance = int(getattr(data, "gpuInstanceId", NO_INSTANCE))
+        if gpu.info is None or not gpu.info.mig_enabled:
+            instance = NO_INSTANCE
         if event_type & self._nvml.nvmlEventTypeXidCriticalError:
-            self._on_xid(gpu, int(data.eventData), "Xid")
+            self._on_xid(gpu, int(data.eventData), "Xid", gpu_instance=instance)
         elif event_type & self._nvml.nvmlEventTypeDoubleBitEccError:
             # The driver reports the same fault as Xid 48 too: act on it, count it once.
             self._on_xid(gpu, DOUBLE_BIT_ECC_XID, "double-bit ECC event", count=False)
         else:
             logger.debug("NVML event ignored %s type=%#x", gpu.label(), event_type)
 
-    def _on_xid(self, gpu: _Gpu, xid: int, source: str, *, count: bool = True) -> None:
+    def _on_xid(
+        self,
+        gpu: _Gpu,
+        xid: int,
+        source: str,
+        *,
+        count: bool = True,
+        gpu_instance: int = NO_INSTANCE,
+    ) -> None:
         now = self._clock()
         meaning = xid_meaning(xid)
         critical = self._health_config.is_critical(xid)
@@ -1010,6 +1155,20 @@ class NvmlBackend:
                 "Xid ignored %s xid=%d meaning=%r source=%s; an application error, the GPU stays "
                 "in service",
                 gpu.label(),
+                xid,
+                meaning,
+                source,
+            )
+            return
+        if gpu_instance != NO_INSTANCE:
+            # The fault is in one GPU instance: only its MIG device goes out of service.
+            reason = f"Xid {xid} ({meaning}) in GPU instance {gpu_instance}"
+            with self._lock:
+                self._health[gpu.index].mig_faults[gpu_instance] = (reason, now)
+            logger.warning(
+                "critical Xid on a MIG device %s gpu_instance_id=%d xid=%d meaning=%r source=%s",
+                gpu.label(),
+                gpu_instance,
                 xid,
                 meaning,
                 source,

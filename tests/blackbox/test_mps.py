@@ -30,6 +30,7 @@ from tests.blackbox.daemon_harness import (
     registered,
     running_daemon,
 )
+from tests.blackbox.test_reload import configmap, daemon_with_config
 
 FAKE_CONTROL = Path(__file__).resolve().parents[1] / "support" / "fake_mps_control.py"
 MiB = 1024**2
@@ -339,3 +340,58 @@ async def test_serve_sends_quit_on_sigterm(node: Node) -> None:
     assert commands(node)[-1] == "quit"
     assert not alive(pid)
     assert "MPS control daemon stopped" in err.decode()
+
+
+async def test_a_reload_starts_moves_and_stops_the_control_daemon(node: Node) -> None:
+    """mps.enabled off -> on starts the control daemon with its defaults and hands containers
+    its pipe; a new mps.root moves it (the old one gets quit); off again stops it, and new
+    containers get no pipe."""
+    other = node.root / "mps2"
+
+    def content(enabled: bool, root: Path) -> str:
+        return (
+            "enforcement:\n  pollInterval: 50ms\n"
+            f"mps:\n  enabled: {str(enabled).lower()}\n  root: {root}\n"
+            f"  controlCommand: {FAKE_CONTROL}\n"
+        )
+
+    def pid_in(root: Path) -> int | None:
+        try:
+            pid = int((root / "pipe" / PID_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        return pid if alive(pid) else None
+
+    cfg = node.root / "cfg"
+    path = configmap(cfg, 1, content(False, mps_root(node)))
+    async with daemon_with_config(node, path) as (daemon, _):
+        await registered(node, 8)
+        assert daemon.mps is None
+        assert records(node) == []
+
+        configmap(cfg, 2, content(True, mps_root(node)))
+        await eventually(lambda: commands(node) == one_slice_defaults(), what="MPS defaults")
+        first = control_pid(node)
+        assert first is not None
+        await eventually(lambda: getattr(daemon.health().mps, "up", False), what="MPS up")
+        grant = (await node.sim.admit_pod("p", [("c", 1)])).containers[0]
+        assert grant.envs["CUDA_MPS_PIPE_DIRECTORY"] == str(mps_root(node) / "pipe")
+
+        configmap(cfg, 3, content(True, other))
+        await eventually(lambda: pid_in(other) is not None, what="the control daemon moved")
+        assert commands(node)[-1] == "quit"
+        assert not alive(first)
+        grant = (await node.sim.admit_pod("q", [("c", 1)])).containers[0]
+        assert grant.envs["CUDA_MPS_PIPE_DIRECTORY"] == str(other / "pipe")
+
+        moved = pid_in(other)
+        assert moved is not None
+        configmap(cfg, 4, content(False, other))
+        await eventually(lambda: not alive(moved), what="the control daemon stopped")
+        assert daemon.mps is None
+        assert daemon.health().mps is None
+        grant = (await node.sim.admit_pod("r", [("c", 1)])).containers[0]
+        assert "CUDA_MPS_PIPE_DIRECTORY" not in grant.envs
+        # Supervision stopped with it: nothing starts it again.
+        await asyncio.sleep(0.5)
+        assert pid_in(other) is None

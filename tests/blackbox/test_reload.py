@@ -23,8 +23,9 @@ from deviceplugin.check import check_config
 from deviceplugin.gpu.fake import FakeBackend
 from deviceplugin.plugin.lifecycle import PluginLifecycle
 from deviceplugin.reload import config_hash, read_config
-from tests.blackbox.daemon_harness import RESOURCE, Node, eventually, registered
+from tests.blackbox.daemon_harness import RESOURCE, Node, eventually, gpu, registered
 from tests.blackbox.test_cli import CLI
+from tests.blackbox.test_mig import LAYOUT, MIG_1G, MIG_3G, mig_gpu
 
 GPU0 = "GPU-00000000-0000-4000-8000-000000000000"
 FAST = "enforcement:\n  pollInterval: 50ms\n"
@@ -339,3 +340,65 @@ async def test_sighup_without_a_config_file_keeps_serving_and_says_why(node: Nod
         proc.send_signal(signal.SIGTERM)
         await asyncio.wait_for(proc.wait(), 15)
     assert proc.returncode == 0, log.read_text()
+
+
+async def test_a_reload_to_the_mixed_mig_strategy_registers_the_profiles_and_moves_the_labels(
+    node: Node,
+) -> None:
+    """mig.strategy none -> mixed: each MIG profile registers as its own resource, the node
+    labels say the new strategy (at the new path; the old file goes) and still count only
+    resourceName's slices. Back to none: a profile whose slice a pod holds stays, Unhealthy,
+    until the pod ends; the other goes at once."""
+    node.write_gpus([gpu(0, name="NVIDIA L4", memory_gib=24), mig_gpu(1, *LAYOUT)])
+    old_labels, new_labels = node.root / "nfd-a" / "vgpu", node.root / "nfd-b" / "vgpu"
+    path = configmap(
+        node.root / "cfg", 1, FAST + f"nodeLabels:\n  path: {old_labels}\nmig:\n  strategy: none\n"
+    )
+    sim = node.sim
+    async with daemon_with_config(node, path) as (daemon, _):
+        await registered(node, 4)  # the L4; the MIG GPU is left out
+        await eventually(
+            lambda: read_labels(old_labels).get("nvidia.com/vgpu.mig-strategy") == "none",
+            what="the first feature file",
+        )
+        assert not node.plugin_socket(MIG_1G).exists()
+
+        mixed = f"nodeLabels:\n  path: {new_labels}\nmig:\n  strategy: mixed\n"
+        configmap(node.root / "cfg", 2, FAST + mixed)
+        await registered(node, 2, MIG_1G)
+        await registered(node, 1, MIG_3G)
+        assert set(sim.devices(MIG_1G)) == {f"{d.uuid}::0" for d in LAYOUT[1:]}
+        assert len(sim.devices(RESOURCE)) == 4  # the full GPU's slices, as before
+        assert reloads(daemon, "applied") == 1
+        want = {
+            "nvidia.com/vgpu.count": "4",  # resourceName's slices, not the MIG profiles'
+            "nvidia.com/vgpu.replicas": "4",
+            "nvidia.com/vgpu.memory-per-slice-mib": str(24 * 1024 // 4),
+            "nvidia.com/vgpu.product": "NVIDIA-L4",
+            "nvidia.com/vgpu.mig-strategy": "mixed",
+        }
+        await eventually(lambda: read_labels(new_labels) == want, what="the new feature file")
+        assert not old_labels.exists()
+
+        pod = await sim.admit_pod("p", [("c", 1)], resource_name=MIG_1G)
+        (held,) = pod.containers[0].device_ids
+        await eventually(lambda: [r.pod for r in daemon.book] == ["p"], what="allocation named")
+        configmap(node.root / "cfg", 3, FAST + mixed.replace("mixed", "none"))
+        await eventually(
+            lambda: not node.plugin_socket(MIG_3G).exists(), what="the 3g.40gb endpoint gone"
+        )
+        await sim.wait_for(lambda: sim.unhealthy_ids(MIG_1G) == {held}, timeout_s=10)
+        assert set(sim.devices(MIG_1G)) == {held}
+        await sim.delete_pod("default", "p")
+        await eventually(
+            lambda: not node.plugin_socket(MIG_1G).exists(), what="the 1g.10gb endpoint gone"
+        )
+        assert len(sim.devices(RESOURCE)) == 4
+
+
+def read_labels(path: Path) -> dict[str, str]:
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return {}
+    return dict(line.split("=", 1) for line in lines if line.strip())

@@ -77,10 +77,11 @@ def backend() -> Iterator[NvmlBackend]:
 
 def test_inventory_matches_nvidia_smi(backend: NvmlBackend) -> None:
     rows = smi("--query-gpu=uuid,index,name,memory.total,pci.bus_id")
-    reading = backend.poll()
+    # The GPUs themselves; MIG devices are compared in test_mig_real.py.
+    gpus = [g for g in backend.poll().gpus if not g.info.is_mig_device]
 
-    assert len(reading.gpus) == len(rows)
-    for gpu, (uuid, index, name, memory_mib, bus_id) in zip(reading.gpus, rows, strict=True):
+    assert len(gpus) == len(rows)
+    for gpu, (uuid, index, name, memory_mib, bus_id) in zip(gpus, rows, strict=True):
         info = gpu.info
         assert info.uuid == uuid
         assert info.index == int(index)

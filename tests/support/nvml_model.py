@@ -9,6 +9,12 @@ objects with the same attributes elsewhere (process info, event data).
 Faults are injected per function and GPU: `fail(name, code)` makes calls raise, `block(name)`
 makes them wait until released, `hide(name)` removes a function as an older pynvml lacks it.
 `calls` counts every call by (function, GPU index), for rate checks.
+
+MIG: a ModelGpu with `mig_enabled` has `mig_devices`, one per slot (None: an empty slot), reached
+through nvmlDeviceGetMaxMigDeviceCount and nvmlDeviceGetMigDeviceHandleByIndex as in NVML. A MIG
+device answers for its UUID, name, memory, processes, instance IDs and attributes; utilisation
+calls answer NOT_SUPPORTED on a MIG device and on a GPU in MIG mode, as the driver does. Changing
+`mig_devices` re-partitions the GPU (handles of removed devices then answer NOT_FOUND).
 """
 
 from __future__ import annotations
@@ -51,6 +57,29 @@ class ModelProcess:
 
 
 @dataclass
+class ModelMigDevice:
+    """A MIG device: a GPU instance with one compute instance. `memory_size_mb` is what
+    nvmlDeviceGetAttributes reports (MiB), from which the profile name is derived."""
+
+    uuid: str
+    gpu_instance_id: int
+    compute_instance_id: int = 0
+    gpu_slices: int = 1
+    compute_slices: int = 1
+    memory_size_mb: int = 9728  # an A100-80GB 1g.10gb instance
+    memory_used_bytes: int = 0
+    name: str = "NVIDIA A100-SXM4-80GB MIG 1g.10gb"
+    processes: list[ModelProcess] = field(default_factory=list)
+
+    @property
+    def memory_total_bytes(self) -> int:
+        return self.memory_size_mb << 20
+
+
+MIG_SLOTS = 7
+
+
+@dataclass
 class ModelGpu:
     uuid: str
     name: str = "NVIDIA H100 80GB HBM3"
@@ -60,6 +89,7 @@ class ModelGpu:
     minor: int = 0
     pci_bus_id: str = "00000000:00:00.0"
     mig_enabled: bool = False
+    mig_devices: list[ModelMigDevice | None] = field(default_factory=list)
     processes: list[ModelProcess] = field(default_factory=list)
     # (pid, timestamp in microseconds, smUtil, memUtil), in the driver's buffer.
     samples: list[tuple[int, int, int, int]] = field(default_factory=list)
@@ -90,6 +120,14 @@ class ModelHandle:
     by identity, as NVML hands out one pointer per device."""
 
     index: int
+
+
+@dataclass(frozen=True, eq=False)
+class ModelMigHandle:
+    """A MIG device handle: its GPU's index and its slot there."""
+
+    index: int
+    slot: int
 
 
 @dataclass(frozen=True)
@@ -253,31 +291,72 @@ class NvmlModel:
         return gpu
 
     def _index(self, handle: object) -> int:
-        if not isinstance(handle, ModelHandle) or not 0 <= handle.index < len(self.gpus):
+        if not isinstance(handle, ModelHandle | ModelMigHandle) or not 0 <= handle.index < len(
+            self.gpus
+        ):
             raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return handle.index
 
     def _gpu(self, name: str, handle: object) -> ModelGpu:
+        """The GPU of a GPU handle; INVALID_ARGUMENT for a MIG device's handle."""
         index = self._enter(name, handle)
         assert index is not None
+        if isinstance(handle, ModelMigHandle):
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return self.gpus[index]
+
+    def _mig(self, name: str, handle: object) -> ModelMigDevice:
+        """The MIG device of a MIG handle; NOT_FOUND once it is gone, NOT_SUPPORTED for a GPU."""
+        index = self._enter(name, handle)
+        assert index is not None
+        if not isinstance(handle, ModelMigHandle):
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        devices = self.gpus[index].mig_devices
+        device = devices[handle.slot] if handle.slot < len(devices) else None
+        if device is None:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+        return device
+
+    def _device(self, name: str, handle: object) -> ModelGpu | ModelMigDevice:
+        """A GPU or a MIG device, for the calls that both answer."""
+        if isinstance(handle, ModelMigHandle):
+            return self._mig(name, handle)
+        return self._gpu(name, handle)
+
+    def _no_mig_utilisation(self, name: str, handle: object) -> ModelGpu:
+        """The GPU for a utilisation call: NOT_SUPPORTED on MIG devices and GPUs in MIG mode."""
+        device = self._device(name, handle)
+        if isinstance(device, ModelMigDevice) or device.mig_enabled:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return device
 
     # -- events ----------------------------------------------------------------------------------
 
-    def emit(self, index: int, event_type: int, data: int = 0, *, device: object = None) -> None:
+    def emit(
+        self,
+        index: int,
+        event_type: int,
+        data: int = 0,
+        *,
+        device: object = None,
+        gpu_instance_id: int = 0xFFFFFFFF,
+    ) -> None:
         """Deliver an event from GPU `index` to every event set it is registered on for that type.
-        `device` replaces the GPU's handle in the event data."""
+        `device` replaces the GPU's handle in the event data; `gpu_instance_id` names the GPU
+        instance of a GPU in MIG mode that the event concerns."""
         event = ModelEventData(
             device=self.handles[index] if device is None else device,
             eventType=event_type,
             eventData=data,
+            gpuInstanceId=gpu_instance_id,
+            computeInstanceId=0 if gpu_instance_id != 0xFFFFFFFF else 0xFFFFFFFF,
         )
         for event_set in self.event_sets:
             if not event_set.freed and event_set.masks.get(index, 0) & event_type:
                 event_set.queue.put(event)
 
-    def emit_xid(self, index: int, xid: int) -> None:
-        self.emit(index, pynvml.nvmlEventTypeXidCriticalError, xid)
+    def emit_xid(self, index: int, xid: int, *, gpu_instance_id: int = 0xFFFFFFFF) -> None:
+        self.emit(index, pynvml.nvmlEventTypeXidCriticalError, xid, gpu_instance_id=gpu_instance_id)
 
     def registered_events(self, index: int) -> int:
         """The event mask GPU `index` is registered for on the live event sets."""
@@ -326,10 +405,10 @@ class NvmlModel:
     # -- inventory -------------------------------------------------------------------------------
 
     def nvmlDeviceGetUUID(self, handle: object) -> str | bytes:  # noqa: N802
-        return self._string(self._gpu("nvmlDeviceGetUUID", handle).uuid)
+        return self._string(self._device("nvmlDeviceGetUUID", handle).uuid)
 
     def nvmlDeviceGetName(self, handle: object) -> str | bytes:  # noqa: N802
-        return self._string(self._gpu("nvmlDeviceGetName", handle).name)
+        return self._string(self._device("nvmlDeviceGetName", handle).name)
 
     def nvmlDeviceGetMinorNumber(self, handle: object) -> int:  # noqa: N802
         return self._gpu("nvmlDeviceGetMinorNumber", handle).minor
@@ -350,10 +429,39 @@ class NvmlModel:
         mode = pynvml.NVML_DEVICE_MIG_ENABLE if gpu.mig_enabled else pynvml.NVML_DEVICE_MIG_DISABLE
         return [mode, mode]
 
+    # -- MIG -------------------------------------------------------------------------------------
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: object) -> int:  # noqa: N802
+        gpu = self._gpu("nvmlDeviceGetMaxMigDeviceCount", handle)
+        return MIG_SLOTS if gpu.mig_enabled else 0
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: object, slot: int) -> ModelMigHandle:  # noqa: N802
+        gpu = self._gpu("nvmlDeviceGetMigDeviceHandleByIndex", handle)
+        if not gpu.mig_enabled or not 0 <= slot < MIG_SLOTS:
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if slot >= len(gpu.mig_devices) or gpu.mig_devices[slot] is None:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+        assert isinstance(handle, ModelHandle)
+        return ModelMigHandle(handle.index, slot)
+
+    def nvmlDeviceGetGpuInstanceId(self, handle: object) -> int:  # noqa: N802
+        return self._mig("nvmlDeviceGetGpuInstanceId", handle).gpu_instance_id
+
+    def nvmlDeviceGetComputeInstanceId(self, handle: object) -> int:  # noqa: N802
+        return self._mig("nvmlDeviceGetComputeInstanceId", handle).compute_instance_id
+
+    def nvmlDeviceGetAttributes(self, handle: object) -> pynvml.c_nvmlDeviceAttributes:  # noqa: N802
+        device = self._mig("nvmlDeviceGetAttributes", handle)
+        return pynvml.c_nvmlDeviceAttributes(
+            gpuInstanceSliceCount=device.gpu_slices,
+            computeInstanceSliceCount=device.compute_slices,
+            memorySizeMB=device.memory_size_mb,
+        )
+
     # -- usage -----------------------------------------------------------------------------------
 
     def nvmlDeviceGetMemoryInfo(self, handle: object) -> pynvml.c_nvmlMemory_t:  # noqa: N802
-        gpu = self._gpu("nvmlDeviceGetMemoryInfo", handle)
+        gpu = self._device("nvmlDeviceGetMemoryInfo", handle)
         return pynvml.c_nvmlMemory_t(
             total=gpu.memory_total_bytes,
             free=gpu.memory_total_bytes - gpu.memory_used_bytes,
@@ -361,13 +469,13 @@ class NvmlModel:
         )
 
     def nvmlDeviceGetUtilizationRates(self, handle: object) -> pynvml.c_nvmlUtilization_t:  # noqa: N802
-        gpu = self._gpu("nvmlDeviceGetUtilizationRates", handle)
+        gpu = self._no_mig_utilisation("nvmlDeviceGetUtilizationRates", handle)
         return pynvml.c_nvmlUtilization_t(gpu=gpu.gpu_util_percent, memory=0)
 
     def _processes(
         self, name: str, handle: object, *, graphics: bool, raw: bool, mps: bool = False
     ) -> list[Any]:
-        gpu = self._gpu(name, handle)
+        gpu = self._device(name, handle)
         found: list[Any] = []
         for p in gpu.processes:
             if mps:
@@ -426,7 +534,7 @@ class NvmlModel:
         self, handle: object, time_stamp: int
     ) -> list[pynvml.c_nvmlProcessUtilizationSample_t]:
         """The buffered samples newer than `time_stamp`; NOT_FOUND when there are none."""
-        gpu = self._gpu("nvmlDeviceGetProcessUtilization", handle)
+        gpu = self._no_mig_utilisation("nvmlDeviceGetProcessUtilization", handle)
         with self._lock:
             samples = [s for s in gpu.samples if s[1] > time_stamp or not self.filter_samples]
         if not samples:

@@ -388,7 +388,8 @@ def test_an_unknown_key_lists_the_expected_keys() -> None:
     )
 
     assert problems == [
-        'slicing.overrides[1].match: unknown key "modle" (expected one of: index, model, uuid)'
+        'slicing.overrides[1].match: unknown key "modle"'
+        " (expected one of: index, model, profile, uuid)"
     ]
 
 
@@ -727,7 +728,6 @@ def test_nvidias_running_config_dump_is_accepted_and_its_defaults_are_quiet() ->
 
 NVIDIA_WARNINGS = [
     # (NVIDIA config, the setting the warning names)
-    ("flags: {migStrategy: mixed}", "flags.migStrategy"),
     ("flags: {failOnInitError: false}", "flags.failOnInitError"),
     ("flags: {nvidiaDriverRoot: /run/nvidia/driver}", "flags.nvidiaDriverRoot"),
     ("flags: {mpsRoot: /run/nvidia/mps}", "flags.mpsRoot"),
@@ -1088,6 +1088,7 @@ def test_default_config_yaml_shows_every_setting() -> None:
         "health.recoveryDelay",
         "health.hangTimeout",
         "nodeLabels.path",
+        "mig.strategy",
     }
 
 

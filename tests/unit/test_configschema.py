@@ -21,6 +21,8 @@ from deviceplugin.configschema import config_schema
 from deviceplugin.errors import ConfigError
 from tests.deploy.support import DEPLOY, ROOT
 
+CHART = DEPLOY / "chart"
+
 SCHEMA = config_schema()
 VGPU = SCHEMA["$defs"]["vgpu"]
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
@@ -141,6 +143,17 @@ def samples(path: Path, schema: dict[str, Any]) -> tuple[list[object], list[obje
         good += ["example.com/gpu", "vgpu.example.com/slice_1"]
         bad += ["gpu", "kubernetes.io/gpu", "requests.example.com/gpu", "Example.com/gpu", ""]
         bad.append("example.com/" + "a" * 64)
+    if path[-1] == "contextReserve":  # a size, or 0
+        good += ["1Gi", "256Mi", 0, "0", 1024]
+        bad += ["10Q", "Gi", -1, True]
+    if path[-1] == "root":  # mps.root
+        good += ["/run/vgpu/mps", "/var/run/mps"]
+        bad += ["", "run/mps", "/run/../mps", "/run/mps/", "/run//mps", "/a,b", "/a:b", 5]
+    if path == ("mps", "controlCommand"):
+        bad += ["   "]
+    if path == ("nodeLabels", "path"):
+        good += ["", "/etc/kubernetes/node-feature-discovery/features.d/vgpu"]
+        bad += ["features.d/vgpu", 5, None]
     if path[-1] == "overrides":
         good += [[], None, [OVERRIDE]]
         bad += [[{"replicas": 2}], [{"match": {}, "replicas": 2}], [{"match": {"index": 0}}]]
@@ -215,6 +228,16 @@ def example_configs() -> list[tuple[str, object]]:
             if isinstance(data, dict) and data.get("version") == "v1":
                 examples.append((f"{doc.relative_to(ROOT)} block {i}", block))
     for path in sorted(DEPLOY.rglob("*.yaml")):
+        if path.is_relative_to(CHART / "templates"):
+            continue  # Helm templates: YAML only once rendered (tests/deploy renders them)
+        if path.is_relative_to(CHART):
+            # A values file's `config:` map becomes the daemon's config file.
+            values = yaml.safe_load(path.read_text())
+            if isinstance(values, dict) and values.get("config"):
+                examples.append(
+                    (f"{path.relative_to(ROOT)} config", yaml.safe_dump(values["config"]))
+                )
+            continue
         for doc in yaml.safe_load_all(path.read_text()):
             if isinstance(doc, dict) and "version" in doc and "kind" not in doc:
                 examples.append((str(path.relative_to(ROOT)), path.read_text()))  # a config file

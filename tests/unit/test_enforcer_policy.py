@@ -682,3 +682,28 @@ def test_the_entitlement_is_what_a_container_may_use_now() -> None:
     held = EnforcementPolicy(config(work_conserving=False))
     drive(held, TimeSlicedGpu({"a": [100]}, {"a": 0.25}), 6)
     assert held.entitlement(("a", GPU)) == pytest.approx(0.25)
+
+
+def mig_snapshot(*containers: ContainerUsage) -> NodeSnapshot:
+    base = snapshot(*containers)
+    info = replace(
+        base.gpus[0].info,
+        parent_uuid="GPU-parent",
+        mig_profile="3g.40gb",
+        gpu_instance_id=1,
+        compute_instance_id=0,
+    )
+    return replace(base, gpus=(replace(base.gpus[0], reading=GpuReading(info=info)),))
+
+
+def test_containers_on_a_mig_device_are_never_throttled_but_their_memory_is_enforced() -> None:
+    policy = EnforcementPolicy(config(grace_s=0.0))
+    # Whatever utilisation a process might claim, a MIG device has no compute share to enforce.
+    greedy = container("a", [proc(1, memory_gib=1, util=100.0)], share=0.25)
+    hog = container("b", [proc(2, memory_gib=12, util=100.0)], share=0.25)
+    decisions: list[Decision] = []
+    for tick in range(20):
+        decisions += policy.decide(mig_snapshot(greedy, hog), now_s=tick * POLL_S)
+
+    assert not [d for d in decisions if isinstance(d, SetDuty)]
+    assert [k.pid for k in kills(decisions)] == [2]

@@ -182,7 +182,18 @@ def make(snapshot: NodeSnapshot | None) -> tuple[DaemonMetrics, Holder]:
     return DaemonMetrics(NODE, holder.get, version="1.2.3", clock=lambda: T0 + 0.75), holder
 
 
-GPU = {"node", "gpu_uuid", "gpu_index"}
+GPU = {
+    "node",
+    "gpu_uuid",
+    "gpu_index",
+    "parent_gpu_uuid",
+    "mig_profile",
+    "gpu_instance_id",
+    "compute_instance_id",
+}
+NO_MIG = dict.fromkeys(
+    ("parent_gpu_uuid", "mig_profile", "gpu_instance_id", "compute_instance_id"), ""
+)
 CONTAINER = {"node", "namespace", "pod", "container", "gpu_uuid", "allocation_id"}
 NODE_ONLY = {"node"}
 
@@ -259,7 +270,7 @@ def container_labels(c: ContainerUsage) -> dict[str, str]:
 
 
 def gpu_labels(uuid: str, index: int) -> dict[str, str]:
-    return {"node": NODE, "gpu_uuid": uuid, "gpu_index": str(index)}
+    return {"node": NODE, "gpu_uuid": uuid, "gpu_index": str(index)} | NO_MIG
 
 
 # --- names and labels ------------------------------------------------------------------------
@@ -606,8 +617,8 @@ def test_healthz(snapshot: NodeSnapshot | None, ok: bool, reason: str) -> None:
 def test_health_counters_per_gpu_and_xid() -> None:
     metrics = DaemonMetrics("node-a", sample_snapshot, version="test")
     value = metrics.registry.get_sample_value
-    gpu1 = {"node": "node-a", "gpu_uuid": UUID1, "gpu_index": "1"}
-    gpu0 = {"node": "node-a", "gpu_uuid": UUID0, "gpu_index": "0"}
+    gpu1 = {"node": "node-a", "gpu_uuid": UUID1, "gpu_index": "1"} | NO_MIG
+    gpu0 = {"node": "node-a", "gpu_uuid": UUID0, "gpu_index": "0"} | NO_MIG
     assert value("vgpu_gpu_unhealthy_transitions_total", gpu1) == 1
     assert value("vgpu_gpu_unhealthy_transitions_total", gpu0) == 0
     assert value("vgpu_gpu_xid_errors_total", {**gpu1, "xid": "79"}) == 1
@@ -623,3 +634,47 @@ def test_mps_series_only_when_mps_is_on() -> None:
     value = on.registry.get_sample_value
     assert value("vgpu_mps_daemon_up", {"node": "node-a"}) == 0
     assert value("vgpu_mps_daemon_restarts_total", {"node": "node-a"}) == 3
+
+
+def test_a_mig_device_is_a_gpu_series_naming_its_parent_and_has_no_utilisation() -> None:
+    base = sample_snapshot()
+    parent = base.gpus[0].info
+    mig_info = dataclasses.replace(
+        parent,
+        uuid="MIG-00000000-0000-4000-8000-000000000009",
+        name="NVIDIA A100-SXM4-80GB MIG 3g.40gb",
+        memory_total_bytes=40 * GiB,
+        parent_uuid=parent.uuid,
+        mig_profile="3g.40gb",
+        gpu_instance_id=2,
+        compute_instance_id=0,
+    )
+    mig_gpu = dataclasses.replace(
+        base.gpus[0],
+        reading=dataclasses.replace(base.gpus[0].reading, info=mig_info, sm_util_percent=None),
+        sm_utilization_ratio=None,
+    )
+    on_mig = dataclasses.replace(CONTAINERS[0], gpu_uuid=mig_info.uuid)
+    snapshot = dataclasses.replace(
+        base, gpus=(*base.gpus, mig_gpu), containers=(*base.containers, on_mig)
+    )
+    r = make(snapshot)[0].registry
+    g = gpu_labels(mig_info.uuid, parent.index) | {
+        "parent_gpu_uuid": parent.uuid,
+        "mig_profile": "3g.40gb",
+        "gpu_instance_id": "2",
+        "compute_instance_id": "0",
+    }
+    info = g | {
+        "model": "NVIDIA A100-SXM4-80GB MIG 3g.40gb",
+        "minor": str(parent.minor),
+        "numa_node": "" if parent.numa_node is None else str(parent.numa_node),
+        "pci_bus_id": parent.pci_bus_id or "",
+    }
+    assert r.get_sample_value("vgpu_slices", g | {"state": "free"}) is not None
+    assert r.get_sample_value("vgpu_gpu_info", info) == 1
+    assert r.get_sample_value("vgpu_gpu_memory_total_bytes", g) == 40 * GiB
+    assert r.get_sample_value("vgpu_gpu_utilization_ratio", g) is None
+    labels = container_labels(on_mig)
+    assert r.get_sample_value("vgpu_container_gpu_memory_used_bytes", labels) is not None
+    assert r.get_sample_value("vgpu_container_sm_utilization_ratio", labels) is None

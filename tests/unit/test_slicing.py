@@ -18,7 +18,7 @@ from deviceplugin.slicing import (
     MIG_EXCLUDED_REASON,
     build_inventory,
     format_bytes,
-    keep_held_slices,
+    keep_held,
     plan_gpus,
     rule_for,
 )
@@ -89,7 +89,7 @@ def test_format_bytes(n: int, text: str) -> None:
 
 def test_default_config_gives_four_replicas() -> None:
     (plan,) = plan_gpus([gpu(0)], SlicingConfig())
-    assert plan == GpuPlan(gpu(0), 4, 20 * GI, 0.25)
+    assert plan == GpuPlan(gpu(0), 4, 20 * GI, 0.25, resource_name="nvidia.com/vgpu")
     assert plan.sliced
 
 
@@ -302,7 +302,7 @@ def test_empty_reading_gives_empty_inventory() -> None:
     assert inv.plans == ()
 
 
-# --- keep_held_slices: a new plan with slices still held -------------------------------------
+# --- keep_held: a new plan with slices still held ---------------------------------------------
 
 
 def _inventory(replicas: int, *gpus: GpuInfo) -> Inventory:
@@ -314,7 +314,7 @@ def test_a_held_slice_the_new_plan_drops_stays_unhealthy_with_its_old_share() ->
     g = gpu(0)
     old, new = _inventory(4, g), _inventory(2, g)
     held = [f"{g.uuid}::1", f"{g.uuid}::3"]
-    kept = keep_held_slices(new, old, held)
+    kept = keep_held(old, new, held)
     assert [s.device_id for s in kept.slices] == [f"{g.uuid}::{n}" for n in (0, 1, 3)]
     dropped = kept.by_id[f"{g.uuid}::3"]
     assert not dropped.healthy
@@ -327,11 +327,11 @@ def test_a_held_slice_the_new_plan_drops_stays_unhealthy_with_its_old_share() ->
 def test_nothing_held_or_nothing_dropped_is_the_new_plan_itself() -> None:
     g = gpu(0)
     old, new = _inventory(4, g), _inventory(2, g)
-    assert keep_held_slices(new, old, []) is new
-    assert keep_held_slices(new, old, [f"{g.uuid}::0"]) is new
+    assert keep_held(old, new, []) is new
+    assert keep_held(old, new, [f"{g.uuid}::0"]) is new
 
 
 def test_slices_of_a_gpu_that_is_gone_are_not_kept() -> None:
     a, b = gpu(0), gpu(1)
     old, new = _inventory(2, a, b), _inventory(2, a)
-    assert keep_held_slices(new, old, [f"{b.uuid}::0"]) is new
+    assert keep_held(old, new, [f"{b.uuid}::0"]) is new

@@ -313,3 +313,58 @@ def test_view_shows_the_entitlement_next_to_the_share() -> None:
     assert "THROTTLED duty=60%" in line
     named = next(line for line in lines if "team-a/trainer-0/main" in line)
     assert "may use" not in named  # not decided yet: nothing claimed
+
+
+def mig_snapshot() -> NodeSnapshot:
+    """The sample node with GPU 0 in MIG mode: two MIG devices, a container on one."""
+    base = sample_snapshot()
+    parent = base.gpus[0]
+    devices = []
+    for gi, profile in ((1, "3g.40gb"), (2, "1g.10gb")):
+        info = dataclasses.replace(
+            parent.info,
+            uuid=f"MIG-00000000-0000-4000-8000-00000000000{gi}",
+            memory_total_bytes=40 * GiB,
+            parent_uuid=parent.info.uuid,
+            mig_profile=profile,
+            gpu_instance_id=gi,
+            compute_instance_id=0,
+        )
+        devices.append(
+            dataclasses.replace(
+                parent,
+                reading=dataclasses.replace(parent.reading, info=info, sm_util_percent=None),
+                sm_utilization_ratio=None,
+            )
+        )
+    on_mig = dataclasses.replace(NAMED_A, gpu_uuid=devices[0].info.uuid, pod="on-mig")
+    parent_in_mig = dataclasses.replace(
+        parent, reading=dataclasses.replace(parent.reading, info=dataclasses.replace(
+            parent.info, mig_enabled=True))
+    )  # fmt: skip
+    # MIG devices listed before their parent: the view still groups them under it.
+    gpus = (*devices, parent_in_mig, *base.gpus[1:])
+    return dataclasses.replace(base, gpus=gpus, containers=(on_mig,))
+
+
+def test_mig_devices_name_their_parent_and_say_compute_is_not_enforced() -> None:
+    doc = doc_of(mig_snapshot())
+    device = next(g for g in doc["gpus"] if g["mig_profile"] == "3g.40gb")
+    assert device["parent_gpu_uuid"] == UUID0
+    assert (device["gpu_instance_id"], device["compute_instance_id"]) == (1, 0)
+    assert device["compute_enforced"] is False
+    assert next(g for g in doc["gpus"] if g["uuid"] == UUID1)["compute_enforced"] is True
+    (container,) = doc["containers"]
+    assert container["compute_enforced"] is False
+    assert container["sm_utilization_ratio"] is None
+
+
+def test_the_view_groups_mig_devices_under_their_gpu() -> None:
+    lines = render_status(doc_of(mig_snapshot()), width=100)
+    starts = [i for i, line in enumerate(lines) if line.startswith(("GPU ", "  MIG "))]
+    headings = [lines[i].split("  GI")[0] for i in starts]
+    headings = [h.split("  ")[0] if h.startswith("GPU") else h for h in headings]
+    assert headings == ["GPU 0", "  MIG 3g.40gb", "  MIG 1g.10gb", "GPU 1"]
+    mig_block = "\n".join(lines[starts[1] : starts[3]])
+    assert "compute: not measurable per MIG device (NVML), not enforced" in mig_block
+    assert "default/on-mig" in mig_block or "on-mig" in mig_block
