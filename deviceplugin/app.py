@@ -597,7 +597,7 @@ class Daemon:
     # --- optional components: the MPS control daemon and the node feature file ---------------
 
     def _start_component(self, name: str, run: Callable[[asyncio.Event], Any]) -> None:
-        """Run `run(stop)` as a task of the running daemon, stopped by `stop_component(name)` or
+        """Run `run(stop)` as a task of the running daemon, stopped by `_stop_component(name)` or
         when the daemon stops."""
         if self._tasks is None or self._stop is None:
             return

@@ -30,7 +30,7 @@ from tests.blackbox.daemon_harness import (
     registered,
     running_daemon,
 )
-from tests.blackbox.test_reload import configmap, daemon_with_config
+from tests.blackbox.test_reload import configmap, daemon_with_config, reloads
 
 FAKE_CONTROL = Path(__file__).resolve().parents[1] / "support" / "fake_mps_control.py"
 MiB = 1024**2
@@ -388,6 +388,7 @@ async def test_a_reload_starts_moves_and_stops_the_control_daemon(node: Node) ->
         assert moved is not None
         configmap(cfg, 4, content(False, other))
         await eventually(lambda: not alive(moved), what="the control daemon stopped")
+        await eventually(lambda: reloads(daemon, "applied") == 3, what="the reload's end")
         assert daemon.mps is None
         assert daemon.health().mps is None
         grant = (await node.sim.admit_pod("r", [("c", 1)])).containers[0]
