@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--node-name", default=_env("NODE_NAME", ""), help="this node's name [NODE_NAME]"
     )
+    serve.add_argument(
+        "--trust-host-processes",
+        action="store_true",
+        default=_env("VGPU_TRUST_HOST_PROCESSES", "") in ("1", "true"),
+        help="let processes outside every pod cgroup keep the allocation they claim; only with "
+        "--backend fake:PATH, for demos and tests [VGPU_TRUST_HOST_PROCESSES]",
+    )
     _add_log_flags(serve)
 
     check = sub.add_parser(
@@ -151,6 +158,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             metrics_address=args.metrics_address,
             state_dir=Path(args.state_dir),
             node_name=args.node_name,
+            trust_host_processes=args.trust_host_processes,
         )
     except ConfigError as e:
         for problem in e.problems:

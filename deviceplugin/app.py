@@ -72,6 +72,9 @@ class DaemonSettings:
     metrics_address: str = ":9410"
     state_dir: Path = Path("/var/lib/vgpu")
     node_name: str = ""
+    # Let a process outside every pod cgroup keep its claimed allocation: only for workloads
+    # that are not in pods (the demo, tests); `serve` refuses it outside a fake backend.
+    trust_host_processes: bool = False
 
 
 def open_backend(spec: str, config: Config | None = None) -> GpuBackend:
@@ -189,6 +192,7 @@ class Poller:
         enforce: Callable[[NodeSnapshot], NodeSnapshot] = lambda snapshot: snapshot,
         on_poll_duration: Callable[[float], None] = lambda seconds: None,
         timeout_s: float | None = None,
+        trust_host_processes: bool = False,
     ) -> None:
         self._backend = backend
         self._config = config
@@ -199,6 +203,7 @@ class Poller:
         self._builder = SnapshotBuilder(node_name, config.enforcement.compute.window_s)
         self._checkpoint = checkpoint
         self._checkpoint_reason: str | None = None
+        self._trust_host_processes = trust_host_processes
         self._enforce = enforce
         self._on_poll_duration = on_poll_duration
         self._interval_s = config.enforcement.poll_interval_s
@@ -238,9 +243,9 @@ class Poller:
 
     def _evidence(self) -> AttributionEvidence | None:
         """What a process's claimed allocation is checked against: the kubelet's device
-        checkpoint (which pod holds which allocation) and the process's pod cgroup. A process in
-        no pod cgroup is the host's, trusted as before: the checks stop pods from claiming
-        each other's allocations. Without a readable checkpoint, claims stand as they are."""
+        checkpoint (which pod holds which allocation) and the process's pod and container
+        cgroups. A claim from a process in no pod cgroup is refused unless the settings trust
+        host processes (demo, tests). Without a readable checkpoint, claims stand as they are."""
         if self._checkpoint is None:
             return None
         checkpoint = self._checkpoint.read()
@@ -254,7 +259,12 @@ class Poller:
                     "alone reason=%s",
                     checkpoint.reason,
                 )
-        return AttributionEvidence(checkpoint, self._resolver.pod_uid_of, trust_host_processes=True)
+        return AttributionEvidence(
+            checkpoint,
+            self._resolver.pod_uid_of,
+            trust_host_processes=self._trust_host_processes,
+            cgroup_of=self._resolver.cgroup_of,
+        )
 
     async def poll_once(self) -> None:
         """One poll; raises BackendError or TimeoutError when the backend does not answer."""
@@ -439,6 +449,7 @@ class Daemon:
             ),
             enforce=self._enforce,
             on_poll_duration=self.metrics.observe_poll,
+            trust_host_processes=settings.trust_host_processes,
         )
         # The service and the life cycle refer to each other; the lambdas resolve the life cycle
         # when they are called, after it exists.
@@ -561,8 +572,21 @@ class Daemon:
         log.info("stopped")
 
 
+def check_trust(settings: DaemonSettings) -> None:
+    """Refuse to trust host processes' claims on real GPUs: any process on the node could then
+    charge its use to a pod and have that pod's processes killed. Raises StartupError."""
+    if settings.trust_host_processes and not settings.backend.startswith("fake:"):
+        raise StartupError(
+            "--trust-host-processes lets any process outside the pods charge its GPU use to a "
+            "pod (and get that pod's processes killed); it is only for the demo and tests and "
+            f"needs --backend fake:PATH, not {settings.backend!r}: drop the flag "
+            "(and VGPU_TRUST_HOST_PROCESSES)"
+        )
+
+
 async def serve(settings: DaemonSettings, stop: asyncio.Event) -> None:
     """Open the backend, run the daemon until `stop`, and release the backend on every path."""
+    check_trust(settings)
     backend = open_backend(settings.backend, settings.config)
     try:
         await Daemon(settings, backend).run(stop)

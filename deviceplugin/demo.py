@@ -281,6 +281,8 @@ async def _demo(duration_s: float | None, out: TextIO, workdir: Path) -> int:
         state_dir=workdir / "state",
         metrics_address="127.0.0.1:0",
         node_name="demo-node",
+        # The demo's workloads are plain processes, in no pod cgroup.
+        trust_host_processes=True,
     )
     backend = FakeBackend(state_file)
     daemon = Daemon(settings, backend, pod_resources_interval_s=1.0)

@@ -222,6 +222,9 @@ class GpuUsage:
     # GPU processes that claimed an allocation their pod does not hold (per the kubelet's
     # checkpoint): never charged to, or acted on for, the allocation they claimed.
     misattributed: tuple[ProcessSample, ...] = ()
+    # (PID, pod UID) of the unattributed processes that run in a pod's cgroup: that pod's use
+    # outside its GPU containers (a sidecar), never charged to them.
+    unattributed_pods: tuple[tuple[int, str], ...] = ()
 
     @property
     def info(self) -> GpuInfo:

@@ -66,6 +66,7 @@ def _health(h: DaemonHealth) -> dict[str, Any]:
 
 def _gpu(g: GpuUsage) -> dict[str, Any]:
     info = g.info
+    pods = dict(g.unattributed_pods)
     return {
         "uuid": info.uuid,
         "index": info.index,
@@ -88,8 +89,16 @@ def _gpu(g: GpuUsage) -> dict[str, Any]:
             "free": g.slices_free,
             "unhealthy": g.slices_unhealthy,
         },
-        "unattributed": [_process(p) for p in g.unattributed],
+        "unattributed": [_unattributed(p, pods) for p in g.unattributed],
     }
+
+
+def _unattributed(p: ProcessSample, pods: dict[int, str]) -> dict[str, Any]:
+    """An unattributed process, with the UID of the pod it runs in when it runs in one."""
+    shown = _process(p)
+    if p.pid in pods:
+        shown["pod_uid"] = pods[p.pid]
+    return shown
 
 
 def _container(c: ContainerUsage) -> dict[str, Any]:
