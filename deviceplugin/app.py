@@ -41,11 +41,12 @@ from deviceplugin.model import (
     allocation_id,
 )
 from deviceplugin.plugin.lifecycle import PluginLifecycle
+from deviceplugin.plugin.limits import DeviceListTooLargeError, device_list_problem
 from deviceplugin.plugin.server import DevicePluginService
 from deviceplugin.podresources import list_container_devices
 from deviceplugin.procs import AllocationResolver, pid_namespace_warning
 from deviceplugin.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
-from deviceplugin.slicing import build_inventory, format_bytes
+from deviceplugin.slicing import build_inventory, format_bytes, plan_gpus
 from deviceplugin.state import AllocationBook, Published
 from deviceplugin.usage import AttributionEvidence, SnapshotBuilder, mark_stale
 
@@ -223,6 +224,12 @@ class Poller:
         started = time.perf_counter()
         reading = self._backend.poll()
         now_s = time.monotonic()
+        # Refused before a single slice is built: the kubelet could not take the list anyway.
+        problem = device_list_problem(
+            plan_gpus([g.info for g in reading.gpus], self._config.slicing), self._config.slicing
+        )
+        if problem is not None:
+            raise DeviceListTooLargeError(problem)
         inventory = build_inventory(reading, self._config.slicing)
         pids = {p.pid for gpu in reading.gpus for p in gpu.processes}
         pid_allocation = self._resolver.resolve(pids)
