@@ -150,13 +150,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logs.configure(args.log_format, getattr(logging, args.log_level.upper()))
     os.umask(0o077)  # every socket and file the daemon creates is owner-only
     try:
+        # Paths are made absolute here, once: gRPC and the kubelet need absolute ones.
+        backend = args.backend
+        if backend.startswith("fake:") and backend != "fake:":
+            backend = f"fake:{Path(backend.removeprefix('fake:')).absolute()}"
         settings = DaemonSettings(
             config=_load(args.config),
-            backend=args.backend,
-            device_plugin_dir=Path(args.device_plugin_dir),
-            pod_resources_socket=Path(args.pod_resources_socket),
+            backend=backend,
+            device_plugin_dir=Path(args.device_plugin_dir).absolute(),
+            pod_resources_socket=Path(args.pod_resources_socket).absolute(),
             metrics_address=args.metrics_address,
-            state_dir=Path(args.state_dir),
+            state_dir=Path(args.state_dir).absolute(),
             node_name=args.node_name,
             trust_host_processes=args.trust_host_processes,
         )

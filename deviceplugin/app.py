@@ -48,6 +48,7 @@ from deviceplugin.procs import AllocationResolver, pid_namespace_warning
 from deviceplugin.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
 from deviceplugin.slicing import build_inventory, format_bytes, plan_gpus
 from deviceplugin.state import AllocationBook, Published
+from deviceplugin.statedir import check_state_file, claim_state_dir
 from deviceplugin.usage import AttributionEvidence, SnapshotBuilder, mark_stale
 
 log = logging.getLogger(__name__)
@@ -594,8 +595,14 @@ def check_trust(settings: DaemonSettings) -> None:
 async def serve(settings: DaemonSettings, stop: asyncio.Event) -> None:
     """Open the backend, run the daemon until `stop`, and release the backend on every path."""
     check_trust(settings)
-    backend = open_backend(settings.backend, settings.config)
+    if settings.backend.startswith("fake:"):
+        check_state_file(Path(settings.backend.removeprefix("fake:")))
+    lock = claim_state_dir(settings.state_dir)
     try:
-        await Daemon(settings, backend).run(stop)
+        backend = open_backend(settings.backend, settings.config)
+        try:
+            await Daemon(settings, backend).run(stop)
+        finally:
+            backend.close()
     finally:
-        backend.close()
+        lock.release()
