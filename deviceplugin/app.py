@@ -512,9 +512,12 @@ class Daemon:
 
     def health(self) -> DaemonHealth:
         stats = self.lifecycle.stats
+        # Registrations that hold no stream count as none: /healthz then fails in time.
+        lifecycle = self.lifecycle
+        since = [t for t in (lifecycle.unregistered_since_s, lifecycle.unstable_since_s) if t > 0]
         return DaemonHealth(
-            registered=self.lifecycle.registered,
-            unregistered_since_s=self.lifecycle.unregistered_since_s,
+            registered=lifecycle.registered and not lifecycle.unstable_since_s,
+            unregistered_since_s=min(since, default=0.0),
             registrations_total=stats.registrations,
             registration_failures_total=stats.registration_failures,
             last_poll_success_s=self.poller.last_success_wall_s,

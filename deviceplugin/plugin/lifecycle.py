@@ -34,6 +34,13 @@ WAITING_REPORT_EVERY_S = 30.0
 # The kubelet opens ListAndWatch right after it accepts a registration; if it has not within
 # this long, its dial-back failed quietly and it holds no devices of ours: register again.
 STREAM_OPEN_TIMEOUT_S = 10.0
+# A registration whose stream ends (or never opens) sooner than this after it was made is a
+# failure: the next one waits, twice as long each time (from the first delay, at most
+# BACKOFF_MAX_S), so that nothing that breaks ListAndWatch makes a registration storm; and until a
+# stream has been held this long again, the plugin counts as not registered (for /healthz).
+STABLE_STREAM_S = 10.0
+RESTREAM_BACKOFF_FIRST_S = 0.1
+_STREAM_FAILURES = ("ListAndWatch stream ended", "the kubelet opened no ListAndWatch stream")
 
 _REGISTERED = "registered"
 _STOPPED = "stopped"
@@ -91,6 +98,9 @@ class PluginLifecycle:
         self._registered = False
         # Monotonic time since which the plugin has not been registered; 0 while registered.
         self.unregistered_since_s = time.monotonic()
+        # Monotonic time since which registrations have not held a stream; 0 while one does.
+        self.unstable_since_s = 0.0
+        self._stream_failures = 0
 
     @property
     def registered(self) -> bool:
@@ -135,9 +145,31 @@ class PluginLifecycle:
                 finally:
                     self.registered = False
                     await self._close(server)
+                if reason.startswith(_STREAM_FAILURES):
+                    await self._back_off(stop)
         finally:
             self._service.stopping = True
             self._remove_socket()
+
+    async def _back_off(self, stop: asyncio.Event) -> None:
+        """After a registration that held no stream: count it, and wait before the next one
+        (waking early on stop or a new kubelet.sock)."""
+        self._stream_failures += 1
+        if not self.unstable_since_s:
+            self.unstable_since_s = time.monotonic()
+        delay = min(RESTREAM_BACKOFF_FIRST_S * 2 ** (self._stream_failures - 1), BACKOFF_MAX_S)
+        log.info(
+            "waiting before registering again delay_s=%.2f consecutive_failures=%d",
+            delay,
+            self._stream_failures,
+        )
+        deadline = time.monotonic() + delay
+        kubelet = self._kubelet_inode
+        while not stop.is_set() and time.monotonic() < deadline:
+            if _inode(self._kubelet_socket) != kubelet:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), min(self._watch_interval_s, delay))
 
     async def _serve(self) -> grpc.aio.Server:
         self._dir.mkdir(parents=True, exist_ok=True)
@@ -257,6 +289,14 @@ class PluginLifecycle:
             while True:
                 if stop.is_set():
                     return ""
+                if (
+                    self._stream_failures
+                    and self._service.opened_generation == self._generation
+                    and time.monotonic() - registered_at > STABLE_STREAM_S
+                ):
+                    log.info("holding a ListAndWatch stream again")
+                    self._stream_failures = 0
+                    self.unstable_since_s = 0.0
                 if self._stream_ended.is_set():
                     return "ListAndWatch stream ended"
                 if _inode(self._socket) != own:

@@ -105,9 +105,12 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         self, request: dp.Empty, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[dp.ListAndWatchResponse]:
         generation = self._generation()
+        # The kubelet opens one stream right after it accepts a registration: the first stream of
+        # a registration is the kubelet's. Another (a debugging grpcurl) may come and go freely.
+        kubelets = self.opened_generation != generation
         self.opened_generation = generation
         self.open_streams += 1
-        log.info("ListAndWatch stream opened generation=%d", generation)
+        log.info("ListAndWatch stream opened generation=%d kubelet=%s", generation, kubelets)
         sent_version = -1
         try:
             while True:
@@ -125,9 +128,13 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 await self._inventory.wait_change(sent_version)
         finally:
             self.open_streams -= 1
-            if not self.stopping:
+            if not self.stopping and kubelets:
                 log.warning("ListAndWatch stream ended generation=%d", generation)
                 self._on_stream_end(generation)
+            elif not self.stopping:
+                log.info(
+                    "a ListAndWatch stream other than the kubelet's ended generation=%d", generation
+                )
 
     async def GetPreferredAllocation(  # noqa: N802
         self, request: dp.PreferredAllocationRequest, context: grpc.aio.ServicerContext
