@@ -258,11 +258,15 @@ class Poller:
             return None
         checkpoint = self._checkpoint.read()
         if checkpoint.reason != self._checkpoint_reason:
+            first = self._checkpoint_reason is None
             self._checkpoint_reason = checkpoint.reason
             if checkpoint.readable:
                 log.info("verifying attribution against the kubelet's device checkpoint")
             else:
-                log.warning(
+                # On a fresh node the kubelet writes it only after our first device list.
+                fresh = first and checkpoint.reason.startswith("no checkpoint")
+                log.log(
+                    logging.INFO if fresh else logging.WARNING,
                     "kubelet device checkpoint unreadable; attribution rests on the environment "
                     "alone reason=%s",
                     checkpoint.reason,

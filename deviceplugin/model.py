@@ -179,6 +179,9 @@ class AllocationRecord:
     namespace: str = ""
     pod: str = ""
     container: str = ""
+    # Whether the kubelet's pod-resources API lists it (or it is too fresh to be listed yet).
+    # Slices of an allocation the kubelet does not list count as unconfirmed, not allocated.
+    listed: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +220,10 @@ class GpuUsage:
     slices_total: int = 0
     slices_allocated: int = 0
     slices_unhealthy: int = 0
+    # Slices held by an allocation that the kubelet has not listed in the seconds after it was
+    # made (its pod deleted before a refresh, a non-restartable init container): neither free
+    # nor surely allocated.
+    slices_unconfirmed: int = 0
     # GPU processes that belong to no allocation of this daemon: counted, never acted upon.
     unattributed: tuple[ProcessSample, ...] = ()
     # GPU processes that claimed an allocation their pod does not hold (per the kubelet's
@@ -232,7 +239,12 @@ class GpuUsage:
 
     @property
     def slices_free(self) -> int:
-        return self.slices_total - self.slices_allocated - self.slices_unhealthy
+        return (
+            self.slices_total
+            - self.slices_allocated
+            - self.slices_unhealthy
+            - self.slices_unconfirmed
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,6 +88,7 @@ def _gpu(g: GpuUsage) -> dict[str, Any]:
             "allocated": g.slices_allocated,
             "free": g.slices_free,
             "unhealthy": g.slices_unhealthy,
+            "unconfirmed": g.slices_unconfirmed,
         },
         "unattributed": [_unattributed(p, pods) for p in g.unattributed],
     }
@@ -291,6 +292,8 @@ def _gpu_lines(
         f"{health}  slices: {_int(slices.get('allocated'))} used, "
         f"{_int(slices.get('free'))} free, {_int(slices.get('unhealthy'))} unhealthy"
     )
+    if _int(slices.get("unconfirmed")):
+        tail += f", {_int(slices.get('unconfirmed'))} unconfirmed"
     name = f"GPU {g.get('index', '?')}  {g.get('model', '?')}"
     lines = [_name_and_tail(0, name, tail, width)]
     if reason and not g.get("healthy"):

@@ -58,6 +58,9 @@ def _ratio(percent: float) -> float:
     return min(max(percent / 100.0, 0.0), 1.0)
 
 
+# An allocation the kubelet has not listed counts as allocated for this long after Allocate
+# (pod-resources is asked right after it, and every 10 s), then as unconfirmed.
+UNCONFIRMED_AFTER_S = 15.0
 # Running sums are recomputed from the samples after this many updates, so that rounding
 # errors of adding and subtracting cannot accumulate over a long run.
 _RESUM_EVERY = 1024
@@ -276,6 +279,8 @@ class SnapshotBuilder:
 
         accumulators: dict[tuple[str, str], _Accumulator] = {}
         held_healthy: set[str] = set()
+        # Held by allocations the kubelet does not list, past the first seconds after Allocate.
+        held_unconfirmed: set[str] = set()
         by_id = inventory.by_id
         for record in records.values():
             for slice_id in record.slice_ids:
@@ -290,10 +295,16 @@ class SnapshotBuilder:
                 acc.memory_limit_bytes += s.memory_limit_bytes
                 acc.compute_share_ratio += s.compute_share_ratio
                 if s.healthy:
-                    held_healthy.add(slice_id)
+                    if record.listed or wall_s - record.allocated_at_s < UNCONFIRMED_AFTER_S:
+                        held_healthy.add(slice_id)
+                    else:
+                        held_unconfirmed.add(slice_id)
         slices_allocated = dict.fromkeys(gpu_by_uuid, 0)
         for slice_id in held_healthy:
             slices_allocated[by_id[slice_id].id.gpu_uuid] += 1
+        slices_unconfirmed = dict.fromkeys(gpu_by_uuid, 0)
+        for slice_id in held_unconfirmed - held_healthy:
+            slices_unconfirmed[by_id[slice_id].id.gpu_uuid] += 1
 
         unknown: set[str] = set()
         unattributed: dict[str, list[ProcessSample]] = {uuid: [] for uuid in gpu_by_uuid}
@@ -392,6 +403,7 @@ class SnapshotBuilder:
                     slices_total=slices_total[uuid],
                     slices_allocated=slices_allocated[uuid],
                     slices_unhealthy=slices_unhealthy[uuid],
+                    slices_unconfirmed=slices_unconfirmed[uuid],
                     unattributed=tuple(unattributed[uuid]),
                     misattributed=tuple(misattributed.get(uuid, ())),
                     unattributed_pods=tuple(unattributed_pods[uuid]),

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +61,20 @@ def _inode(path: Path) -> tuple[int, int] | None:
     return (st.st_dev, st.st_ino)
 
 
+def _listening(path: Path) -> bool:
+    """Whether something accepts connections on the Unix socket `path` (a kubelet that has
+    exited leaves its socket file behind, refusing connections)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.setblocking(False)
+        try:
+            s.connect(str(path))
+        except BlockingIOError:
+            return True  # its backlog is full: it is there
+        except OSError:
+            return False
+    return True
+
+
 @dataclass
 class LifecycleStats:
     registrations: int = 0
@@ -101,6 +116,7 @@ class PluginLifecycle:
         # Monotonic time since which registrations have not held a stream; 0 while one does.
         self.unstable_since_s = 0.0
         self._stream_failures = 0
+        self._registered_at = 0.0
 
     @property
     def registered(self) -> bool:
@@ -141,11 +157,21 @@ class PluginLifecycle:
                     reason = await self._watch(stop)
                     if reason:
                         self.stats.last_restart_reason = reason
-                        log.warning("re-registering with the kubelet reason=%r", reason)
+                        # A kubelet restart asks for it: expected, not a warning.
+                        expected = "kubelet restart" in reason
+                        log.log(
+                            logging.INFO if expected else logging.WARNING,
+                            "re-registering with the kubelet reason=%r",
+                            reason,
+                        )
                 finally:
                     self.registered = False
                     await self._close(server)
-                if reason.startswith(_STREAM_FAILURES):
+                if (
+                    reason.startswith(_STREAM_FAILURES)
+                    and "kubelet restart" not in reason
+                    and time.monotonic() - self._registered_at < STABLE_STREAM_S
+                ):
                     await self._back_off(stop)
         finally:
             self._service.stopping = True
@@ -282,7 +308,7 @@ class PluginLifecycle:
     async def _watch(self, stop: asyncio.Event) -> str:
         """Wait until something calls for a new registration; '' when stopping."""
         own = self._own_inode  # the socket the kubelet was told to dial, not whatever is there now
-        registered_at = time.monotonic()
+        registered_at = self._registered_at = time.monotonic()
         stop_wait = asyncio.ensure_future(stop.wait())
         stream_wait = asyncio.ensure_future(self._stream_ended.wait())
         try:
@@ -297,12 +323,14 @@ class PluginLifecycle:
                     log.info("holding a ListAndWatch stream again")
                     self._stream_failures = 0
                     self.unstable_since_s = 0.0
-                if self._stream_ended.is_set():
-                    return "ListAndWatch stream ended"
                 if _inode(self._socket) != own:
                     return "plugin socket removed (kubelet restart)"
                 if _inode(self._kubelet_socket) != self._kubelet_inode:
                     return "kubelet.sock re-created (kubelet restart)"
+                if self._stream_ended.is_set():
+                    if not _listening(self._kubelet_socket):
+                        return "ListAndWatch stream ended, kubelet gone (kubelet restart)"
+                    return "ListAndWatch stream ended"
                 if (
                     self._service.opened_generation != self._generation
                     and time.monotonic() - registered_at > self.stream_open_timeout_s
