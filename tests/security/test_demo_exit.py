@@ -55,7 +55,7 @@ def test_the_demo_leaves_nothing_behind(sig: signal.Signals) -> None:
         time.sleep(1.5)
         children = psutil.Process(demo.pid).children(recursive=True)
         workloads = [c for c in children if c.name() == "sleep"]
-        assert len(workloads) >= 4
+        assert workloads, "the demo runs no workload"
         demo.send_signal(sig)
         code = demo.wait(timeout=30)
         if sig is signal.SIGHUP:
