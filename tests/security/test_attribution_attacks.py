@@ -12,8 +12,10 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -221,14 +223,17 @@ def _cgroup_roots() -> list[tuple[Path, bool]]:
 class RealPodCgroups:
     """Pod cgroups made for the test under one hierarchy, removed afterwards."""
 
-    def __init__(self) -> None:
+    def __init__(self, version: int) -> None:
         self.made: list[Path] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
         self.root: Path | None = None
-        reason = "no cgroup hierarchy mounted"
+        reason = f"no cgroup v{version} hierarchy mounted"
         if os.geteuid() != 0:
             reason = "creating cgroups needs root"
         else:
-            for root, _ in _cgroup_roots():
+            for root, is_v2 in _cgroup_roots():
+                if is_v2 != (version == 2):
+                    continue
                 probe = root / f"vgpu-test-{uuid.uuid4().hex[:8]}"
                 try:
                     probe.mkdir()
@@ -258,17 +263,32 @@ class RealPodCgroups:
         script = f'echo $$ > "{procs}" && exec sleep 300'
         proc = subprocess.Popen(["sh", "-c", script], env=env)
         workloads.procs.append(proc)
+        self.procs.append(proc)
         return proc.pid
 
     def close(self) -> None:
+        """Kill the processes spawned here (a cgroup with a process cannot be removed), then
+        remove the cgroups made here, innermost first."""
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait(5)
         for d in reversed(self.made):
-            with contextlib.suppress(OSError):
-                d.rmdir()
+            deadline = time.monotonic() + 5
+            while d.exists():
+                try:
+                    d.rmdir()
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.02)
 
 
-@pytest.fixture
-def pod_cgroups() -> Iterator[RealPodCgroups]:
-    cgroups = RealPodCgroups()
+@pytest.fixture(params=[2, 1], ids=["cgroup-v2", "cgroup-v1"])
+def pod_cgroups(request: pytest.FixtureRequest) -> Iterator[RealPodCgroups]:
+    cgroups = RealPodCgroups(request.param)
     if cgroups.root is None:
         pytest.skip(cgroups.skip_reason)
     try:
