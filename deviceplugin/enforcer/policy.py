@@ -431,16 +431,7 @@ class EnforcementPolicy:
             state.last_ratio = u
             states[key] = state
 
-        # A pod's own unattributed use (a sidecar without slices) never makes the enforcer act
-        # on another process: only the rest counts as others wanting this GPU.
-        unattributed = [
-            p
-            for g in snapshot.gpus
-            if g.info.uuid == gpu_uuid
-            for pods in ({pid for pid, _ in g.unattributed_pods},)
-            for p in g.unattributed
-            if p.pid not in pods
-        ]
+        unattributed = [p for g in snapshot.gpus if g.info.uuid == gpu_uuid for p in g.unattributed]
         u_other = _util_ratio(unattributed)
         previous = self._unattributed_util.get(gpu_uuid)
         other = u_other
