@@ -6,8 +6,9 @@ checks the two against each other in both directions: every key the parser reads
 same type, choices and bounds, every key here is one the parser reads, unknown keys are refused by
 both, and the example configs validate. A key added to the parser without its schema fails them.
 
-Durations and sizes are strings with a unit, which JSON Schema cannot compare: their lower bounds
-travel as `x-minimumSeconds` and are enforced by the parser (`check-config`). NVIDIA
+Durations and sizes are strings with a unit, which JSON Schema cannot compare: their bounds
+travel as `x-minimumSeconds`, `x-maximumSeconds` and `x-minimumBytes` and are enforced by the
+parser (`check-config`). NVIDIA
 k8s-device-plugin's format (a file with a top-level `sharing` or `flags`) is described at its top
 level only; `check-config` checks it in full.
 """
@@ -17,8 +18,12 @@ from __future__ import annotations
 from typing import Any
 
 from deviceplugin.config import (
+    MAX_DURATION_S,
+    MAX_POLL_INTERVAL_S,
+    MAX_REPLICAS,
     MIN_COMPUTE_PERIOD_S,
     MIN_HANG_TIMEOUT_S,
+    MIN_MEMORY_PER_SLICE_BYTES,
     MIN_POLL_INTERVAL_S,
     AllocationPolicy,
     ComputeAction,
@@ -27,6 +32,7 @@ from deviceplugin.config import (
     MemoryAction,
     RecoveryPolicy,
     format_duration,
+    format_size,
 )
 
 Schema = dict[str, Any]
@@ -57,26 +63,39 @@ def _section(description: str, properties: Schema, **extra: Any) -> Schema:
     }
 
 
-def _duration(description: str, default_s: float, minimum_s: float = 0.0) -> Schema:
+def _duration(
+    description: str,
+    default_s: float,
+    minimum_s: float = 0.0,
+    maximum_s: float = MAX_DURATION_S,
+) -> Schema:
     schema: Schema = {
         "description": f"{description} A duration with a unit: 500ms, 2s, 1m30s.",
         "anyOf": [{"type": "string", "pattern": _DURATION_PATTERN}, {"const": 0}],
         "default": format_duration(default_s),
         "x-minimumSeconds": minimum_s,
+        "x-maximumSeconds": maximum_s,
     }
     if minimum_s > 0:
         schema["description"] += f" At least {format_duration(minimum_s)}."
+    schema["description"] += f" At most {format_duration(maximum_s)}."
     return schema
 
 
-def _size(description: str) -> Schema:
-    return {
+def _size(description: str, minimum_bytes: int = 1, zero: bool = False) -> Schema:
+    schema: Schema = {
         "description": f"{description} A size: 10Gi, 512Mi, 1G, or a whole number of bytes.",
         "anyOf": [
             {"type": "string", "pattern": _SIZE_PATTERN},
-            {"type": "integer", "minimum": 1},
+            {"type": "integer", "minimum": minimum_bytes},
         ],
     }
+    if zero:
+        schema["anyOf"].append({"const": 0})
+    if minimum_bytes > 1:
+        schema["x-minimumBytes"] = minimum_bytes
+        schema["description"] += f" At least {format_size(minimum_bytes)}."
+    return schema
 
 
 def _choice(description: str, options: tuple[str, ...], default: str) -> Schema:
@@ -103,8 +122,12 @@ def _slice_rule() -> Schema:
             "description": "Slices per GPU: each gets 1/replicas of its memory and compute.",
             "type": "integer",
             "minimum": 1,
+            "maximum": MAX_REPLICAS,
         },
-        "memoryPerSlice": _size("Memory of one slice; replicas follow from the GPU's memory."),
+        "memoryPerSlice": _size(
+            "Memory of one slice; replicas follow from the GPU's memory.",
+            MIN_MEMORY_PER_SLICE_BYTES,
+        ),
     }
 
 
@@ -166,6 +189,18 @@ def _vgpu_schema() -> Schema:
                 ],
                 "default": [s.value for s in d.allocation.device_list_strategy],
             },
+            "frameworkHints": _boolean(
+                "Tell frameworks (PyTorch, TensorFlow, JAX) their slice's memory through their"
+                " own environment variables.",
+                d.allocation.framework_hints,
+            ),
+            "contextReserve": {
+                **_size(
+                    "Memory kept out of the framework hints for the CUDA context; 0 for none.",
+                    zero=True,
+                ),
+                "default": format_size(d.allocation.context_reserve_bytes),
+            },
         },
     )
     enforcement = _section(
@@ -175,6 +210,7 @@ def _vgpu_schema() -> Schema:
                 "How often GPU memory and utilisation are measured.",
                 e.poll_interval_s,
                 MIN_POLL_INTERVAL_S,
+                MAX_POLL_INTERVAL_S,
             ),
             "dryRun": _boolean("Decide, log and count every action; send no signal.", e.dry_run),
             "memory": _section(
@@ -216,7 +252,33 @@ def _vgpu_schema() -> Schema:
     )
     mps = _section(
         "CUDA MPS limits in each container's environment.",
-        {"enabled": _boolean("Add the MPS limits.", d.mps.enabled)},
+        {
+            "enabled": _boolean("Add the MPS limits.", d.mps.enabled),
+            "root": {
+                "description": "The MPS directory (pipe and log under it): an absolute,"
+                " normalised path without commas or colons.",
+                "type": "string",
+                "pattern": r"^/[^,:\n]*$",
+                "default": d.mps.root,
+            },
+            "controlCommand": {
+                "description": "The MPS control daemon's command.",
+                "type": "string",
+                "minLength": 1,
+                "default": d.mps.control_command,
+            },
+        },
+    )
+    node_labels = _section(
+        "Node labels through node feature discovery's local feature file.",
+        {
+            "path": {
+                "description": "The feature file to keep (an absolute path); empty for none.",
+                "type": "string",
+                "pattern": "^(/.*)?$",
+                "default": d.node_labels.path,
+            },
+        },
     )
     health = _section(
         "GPU health from NVML's Xid and ECC events (nvml backend).",
@@ -260,6 +322,7 @@ def _vgpu_schema() -> Schema:
             "enforcement": enforcement,
             "mps": mps,
             "health": health,
+            "nodeLabels": node_labels,
         },
     )
 
