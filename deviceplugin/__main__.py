@@ -139,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("NODE_NAME", ""),
         help="this node's name, the node label of every metric (default: empty; env NODE_NAME)",
     )
+    serve.add_argument(
+        "--trust-host-processes",
+        action="store_true",
+        default=_env("VGPU_TRUST_HOST_PROCESSES", "") in ("1", "true"),
+        help="let processes outside every pod cgroup keep the allocation they claim; only with "
+        "--backend fake:PATH, for demos and tests (default: off; env VGPU_TRUST_HOST_PROCESSES)",
+    )
     _add_log_flags(serve)
 
     check = sub.add_parser(
@@ -220,17 +227,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logs.configure(args.log_format, getattr(logging, args.log_level.upper()))
     os.umask(0o077)  # every socket and file the daemon creates is owner-only
     try:
-        loaded = read_config(Path(args.config)) if args.config else None
+        # Paths are made absolute here, once: gRPC and the kubelet need absolute ones.
+        backend = args.backend
+        if backend.startswith("fake:") and backend != "fake:":
+            backend = f"fake:{Path(backend.removeprefix('fake:')).absolute()}"
+        config_path = Path(args.config).absolute() if args.config else None
+        loaded = read_config(config_path) if config_path else None
         settings = DaemonSettings(
             config=loaded.config if loaded else Config(),
-            config_path=Path(args.config) if args.config else None,
+            config_path=config_path,
             config_hash=loaded.hash if loaded else config_hash(b""),
-            backend=args.backend,
-            device_plugin_dir=Path(args.device_plugin_dir),
-            pod_resources_socket=Path(args.pod_resources_socket),
+            backend=backend,
+            device_plugin_dir=Path(args.device_plugin_dir).absolute(),
+            pod_resources_socket=Path(args.pod_resources_socket).absolute(),
             metrics_address=args.metrics_address,
-            state_dir=Path(args.state_dir),
+            state_dir=Path(args.state_dir).absolute(),
             node_name=args.node_name,
+            trust_host_processes=args.trust_host_processes,
         )
     except ConfigError as e:
         for problem in e.problems:
@@ -254,9 +267,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings = replace(
             settings,
             metrics_tls=TlsFiles(
-                Path(args.metrics_tls_cert),
-                Path(args.metrics_tls_key),
-                Path(args.metrics_client_ca) if args.metrics_client_ca else None,
+                Path(args.metrics_tls_cert).absolute(),
+                Path(args.metrics_tls_key).absolute(),
+                Path(args.metrics_client_ca).absolute() if args.metrics_client_ca else None,
             ),
         )
     hangup = asyncio.Event()

@@ -44,6 +44,7 @@ from deviceplugin.model import (
 from deviceplugin.mps import MpsControlDaemon
 from deviceplugin.nodelabels import NodeLabelFile
 from deviceplugin.plugin.lifecycle import PluginLifecycle
+from deviceplugin.plugin.limits import DeviceListTooLargeError, device_list_problem
 from deviceplugin.plugin.resources import ResourceEndpoint, ResourcePlugins
 from deviceplugin.plugin.server import DevicePluginService
 from deviceplugin.podresources import list_container_devices
@@ -55,8 +56,9 @@ from deviceplugin.reload import (
     apply_config,
     report_hangups_without_a_config,
 )
-from deviceplugin.slicing import build_inventory, format_bytes, keep_held
+from deviceplugin.slicing import build_inventory, format_bytes, keep_held, plan_gpus
 from deviceplugin.state import AllocationBook, Published
+from deviceplugin.statedir import check_state_file, claim_state_dir
 from deviceplugin.usage import AttributionEvidence, SnapshotBuilder, mark_stale
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,9 @@ class DaemonSettings:
     # the built-in defaults (nothing to reload).
     config_path: Path | None = None
     config_hash: str = ""
+    # Let a process outside every pod cgroup keep its claimed allocation: only for workloads
+    # that are not in pods (the demo, tests); `serve` refuses it outside a fake backend.
+    trust_host_processes: bool = False
 
 
 def open_backend(spec: str, config: Config | None = None) -> GpuBackend:
@@ -206,6 +211,7 @@ class Poller:
         on_poll_duration: Callable[[float], None] = lambda seconds: None,
         timeout_s: float | None = None,
         on_inventory: Callable[[Inventory], None] = lambda inventory: None,
+        trust_host_processes: bool = False,
     ) -> None:
         self._backend = backend
         self._config = config
@@ -217,6 +223,7 @@ class Poller:
         self._builder = SnapshotBuilder(node_name, config.enforcement.compute.window_s)
         self._checkpoint = checkpoint
         self._checkpoint_reason: str | None = None
+        self._trust_host_processes = trust_host_processes
         self._enforce = enforce
         self._on_poll_duration = on_poll_duration
         self._on_inventory = on_inventory
@@ -240,6 +247,18 @@ class Poller:
         reading = self._backend.poll()
         now_s = time.monotonic()
         cfg = self._config
+        # Refused before a single slice is built: the kubelet could not take the list anyway.
+        problem = device_list_problem(
+            plan_gpus(
+                [g.info for g in reading.gpus],
+                cfg.slicing,
+                mig=cfg.mig,
+                resource_name=cfg.resource_name,
+            ),
+            cfg.slicing,
+        )
+        if problem is not None:
+            raise DeviceListTooLargeError(problem)
         # Held slices that a new plan or a MIG layout change dropped stay, Unhealthy, until freed.
         inventory = keep_held(
             self._inventory.value,
@@ -274,23 +293,32 @@ class Poller:
 
     def _evidence(self) -> AttributionEvidence | None:
         """What a process's claimed allocation is checked against: the kubelet's device
-        checkpoint (which pod holds which allocation) and the process's pod cgroup. A process in
-        no pod cgroup is the host's, trusted as before: the checks stop pods from claiming
-        each other's allocations. Without a readable checkpoint, claims stand as they are."""
+        checkpoint (which pod holds which allocation) and the process's pod and container
+        cgroups. A claim from a process in no pod cgroup is refused unless the settings trust
+        host processes (demo, tests). Without a readable checkpoint, claims stand as they are."""
         if self._checkpoint is None:
             return None
         checkpoint = self._checkpoint.read()
         if checkpoint.reason != self._checkpoint_reason:
+            first = self._checkpoint_reason is None
             self._checkpoint_reason = checkpoint.reason
             if checkpoint.readable:
                 log.info("verifying attribution against the kubelet's device checkpoint")
             else:
-                log.warning(
+                # On a fresh node the kubelet writes it only after our first device list.
+                fresh = first and checkpoint.reason.startswith("no checkpoint")
+                log.log(
+                    logging.INFO if fresh else logging.WARNING,
                     "kubelet device checkpoint unreadable; attribution rests on the environment "
                     "alone reason=%s",
                     checkpoint.reason,
                 )
-        return AttributionEvidence(checkpoint, self._resolver.pod_uid_of, trust_host_processes=True)
+        return AttributionEvidence(
+            checkpoint,
+            self._resolver.pod_uid_of,
+            trust_host_processes=self._trust_host_processes,
+            cgroup_of=self._resolver.cgroup_of,
+        )
 
     def submit(self, call: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run `call` on the poll worker, between two ticks."""
@@ -496,6 +524,7 @@ class Daemon:
             enforce=self._enforce,
             on_poll_duration=self.metrics.observe_poll,
             on_inventory=lambda inventory: self.reconcile_resources(),
+            trust_host_processes=settings.trust_host_processes,
         )
         # One plugin endpoint per resource; the primary one (resourceName) always exists, and
         # `service` and `lifecycle` are its own.
@@ -548,6 +577,13 @@ class Daemon:
     async def apply_config(self, config: Config) -> None:
         """Apply a new config without a restart: the one entry point of a live reload."""
         await apply_config(self, config)
+
+    def plan_problem(self, config: Config) -> str | None:
+        """Why `config`'s slicing plan cannot be advertised on this node's GPUs (its device list
+        would not fit in one kubelet message); None when it fits or no GPU is known yet."""
+        gpus = [plan.gpu for plan in self.inventory.value.plans]
+        plans = plan_gpus(gpus, config.slicing, mig=config.mig, resource_name=config.resource_name)
+        return device_list_problem(plans, config.slicing)
 
     async def replace_enforcer(self) -> None:
         """Swap in an enforcer with the current settings, between two polls (on the poll worker,
@@ -681,12 +717,18 @@ class Daemon:
         return enforcer
 
     def health(self) -> DaemonHealth:
-        # Registered only when every resource is; unregistered since the earliest of those not.
+        # Registered only when every resource is and holds its stream (a registration that holds
+        # no stream counts as none, so /healthz fails in time); unregistered since the earliest.
         lifecycles = [endpoint.lifecycle for endpoint in self.resources]
-        unregistered = [lc.unregistered_since_s for lc in lifecycles if not lc.registered]
+        since = [
+            t
+            for lc in lifecycles
+            for t in (lc.unregistered_since_s, lc.unstable_since_s)
+            if t > 0 and (not lc.registered or lc.unstable_since_s)
+        ]
         return DaemonHealth(
-            registered=not unregistered,
-            unregistered_since_s=min(unregistered, default=0.0),
+            registered=all(lc.registered and not lc.unstable_since_s for lc in lifecycles),
+            unregistered_since_s=min(since, default=0.0),
             registrations_total=sum(lc.stats.registrations for lc in lifecycles),
             registration_failures_total=sum(lc.stats.registration_failures for lc in lifecycles),
             last_poll_success_s=self.poller.last_success_wall_s,
@@ -785,13 +827,32 @@ def _set_on_done(event: asyncio.Event, _: asyncio.Future[Any]) -> None:
     event.set()
 
 
+def check_trust(settings: DaemonSettings) -> None:
+    """Refuse to trust host processes' claims on real GPUs: any process on the node could then
+    charge its use to a pod and have that pod's processes killed. Raises StartupError."""
+    if settings.trust_host_processes and not settings.backend.startswith("fake:"):
+        raise StartupError(
+            "--trust-host-processes lets any process outside the pods charge its GPU use to a "
+            "pod (and get that pod's processes killed); it is only for the demo and tests and "
+            f"needs --backend fake:PATH, not {settings.backend!r}: drop the flag "
+            "(and VGPU_TRUST_HOST_PROCESSES)"
+        )
+
+
 async def serve(
     settings: DaemonSettings, stop: asyncio.Event, hangup: asyncio.Event | None = None
 ) -> None:
     """Open the backend, run the daemon until `stop`, and release the backend on every path.
     `hangup` (SIGHUP) reloads the config."""
-    backend = open_backend(settings.backend, settings.config)
+    check_trust(settings)
+    if settings.backend.startswith("fake:"):
+        check_state_file(Path(settings.backend.removeprefix("fake:")))
+    lock = claim_state_dir(settings.state_dir)
     try:
-        await Daemon(settings, backend).run(stop, hangup)
+        backend = open_backend(settings.backend, settings.config)
+        try:
+            await Daemon(settings, backend).run(stop, hangup)
+        finally:
+            backend.close()
     finally:
-        backend.close()
+        lock.release()

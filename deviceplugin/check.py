@@ -15,6 +15,7 @@ from deviceplugin.allocation import (
 from deviceplugin.config import Config, format_size, load_config
 from deviceplugin.errors import BackendError, ConfigError
 from deviceplugin.model import GpuInfo, GpuPlan
+from deviceplugin.plugin.limits import device_list_problem
 from deviceplugin.slicing import format_bytes, plan_gpus
 
 EXIT_OK = 0
@@ -172,6 +173,11 @@ def check_config(path: Path, backend_spec: str, out: TextIO, err: TextIO) -> int
             file=out,
         )
     plans = plan_gpus(gpus, config.slicing, mig=config.mig, resource_name=config.resource_name)
+    too_large = device_list_problem(plans, config.slicing)
+    if too_large is not None:
+        print(f"{path}: {too_large}", file=err)
+        print(f"{path}: invalid for these GPUs (1 problem)", file=err)
+        return EXIT_INVALID
     for line in render_plan(plans, config.resource_name):
         print(line, file=out)
     for line in render_limits(plans, config):

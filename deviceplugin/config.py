@@ -310,6 +310,13 @@ _COMPUTE_ACTIONS: dict[str, ComputeAction] = {a.value: a for a in ComputeAction}
 _RECOVERY_POLICIES: dict[str, RecoveryPolicy] = {p.value: p for p in RecoveryPolicy}
 
 MIN_POLL_INTERVAL_S = 0.05
+# Bounds beyond which a value is a mistake, not a choice: more slices per GPU than any workload
+# could use (and device lists that approach the kubelet's message limit), slices too small to
+# hold a CUDA context, polls too far apart to enforce anything, and durations past an hour.
+MAX_REPLICAS = 1024
+MIN_MEMORY_PER_SLICE_BYTES = 64 << 20
+MAX_POLL_INTERVAL_S = 60.0
+MAX_DURATION_S = 3600.0
 MIN_COMPUTE_PERIOD_S = 0.02
 MIN_HANG_TIMEOUT_S = 0.1
 
@@ -348,13 +355,15 @@ _HEALTH_KEYS = (
 
 
 def _show(value: object) -> str:
-    """A value as the user wrote it in YAML, for messages."""
+    """A value as the user wrote it in YAML, for messages (a long one shortened)."""
     if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)
+        return _shorten(json.dumps(value, ensure_ascii=False))
     if value is None:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, int) and abs(value) >= 10**60:
+        return f"an integer of {len(str(abs(value)))} digits"
     if isinstance(value, int | float):
         return str(value)
     if isinstance(value, dict):
@@ -362,6 +371,10 @@ def _show(value: object) -> str:
     if isinstance(value, list):
         return "a list"
     return f"a {type(value).__name__}"
+
+
+def _shorten(text: str, most: int = 80) -> str:
+    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 def _kind(value: object) -> str:
@@ -515,12 +528,17 @@ class _Reader:
                 known[key] = item
         return known
 
-    def integer(self, value: object, path: str, minimum: int) -> int | None:
+    def integer(
+        self, value: object, path: str, minimum: int, maximum: int | None = None
+    ) -> int | None:
         if isinstance(value, bool) or not isinstance(value, int):
             self.error(path, f"{_show(value)} is not an integer")
             return None
         if value < minimum:
-            self.error(path, f"{value} is too small (must be >= {minimum})")
+            self.error(path, f"{_show(value)} is too small (must be >= {minimum})")
+            return None
+        if maximum is not None and value > maximum:
+            self.error(path, f"{_show(value)} is too large (must be <= {maximum})")
             return None
         return value
 
@@ -545,13 +563,20 @@ class _Reader:
         self.error(path, f"{_show(value)} is not one of {shown}")
         return None
 
-    def duration(self, value: object, path: str, minimum_s: float) -> float | None:
+    def duration(
+        self, value: object, path: str, minimum_s: float, maximum_s: float = MAX_DURATION_S
+    ) -> float | None:
         try:
             if not isinstance(value, str | int | float):
                 raise ValueError(f"{_show(value)} is not a duration ({_DURATION_HINT})")
             seconds = parse_duration(value)
-        except ValueError as e:
+        except (ValueError, OverflowError) as e:
             self.error(path, str(e))
+            return None
+        if not seconds <= maximum_s:  # also NaN
+            self.error(
+                path, f"{_show(value)} is too long (must be <= {format_duration(maximum_s)})"
+            )
             return None
         if seconds < minimum_s:
             self.error(
@@ -649,10 +674,21 @@ def _slice_rule(r: _Reader, section: Mapping[str, object], path: str) -> SliceRu
     neither is set or a value is invalid."""
     has_replicas = "replicas" in section
     has_memory = "memoryPerSlice" in section
-    replicas = r.integer(section["replicas"], _join(path, "replicas"), 1) if has_replicas else None
+    replicas = (
+        r.integer(section["replicas"], _join(path, "replicas"), 1, MAX_REPLICAS)
+        if has_replicas
+        else None
+    )
     memory = (
         r.size(section["memoryPerSlice"], _join(path, "memoryPerSlice")) if has_memory else None
     )
+    if memory is not None and memory < MIN_MEMORY_PER_SLICE_BYTES:
+        r.error(
+            _join(path, "memoryPerSlice"),
+            f"{_show(section['memoryPerSlice'])} is too small (must be >= "
+            f"{MIN_MEMORY_PER_SLICE_BYTES >> 20}Mi: a slice must hold a CUDA context)",
+        )
+        return None
     if has_replicas and has_memory:
         r.error(path, "set either replicas or memoryPerSlice, not both")
         return None
@@ -740,7 +776,10 @@ def _enforcement(r: _Reader, value: object) -> EnforcementConfig:
     poll = defaults.poll_interval_s
     if "pollInterval" in section:
         parsed = r.duration(
-            section["pollInterval"], _join(path, "pollInterval"), MIN_POLL_INTERVAL_S
+            section["pollInterval"],
+            _join(path, "pollInterval"),
+            MIN_POLL_INTERVAL_S,
+            MAX_POLL_INTERVAL_S,
         )
         poll = defaults.poll_interval_s if parsed is None else parsed
 
@@ -1166,7 +1205,9 @@ def _nvidia_replicated(r: _Reader, value: object, path: str) -> list[_NvidiaShar
         if "replicas" not in resource:
             r.error(item_path, "needs replicas, e.g. replicas: 4")
         else:
-            replicas = r.integer(resource["replicas"], _join(item_path, "replicas"), 1)
+            replicas = r.integer(
+                resource["replicas"], _join(item_path, "replicas"), 1, MAX_REPLICAS
+            )
         if "devices" in resource:
             _nvidia_devices(r, resource["devices"], _join(item_path, "devices"))
         chosen.append(_NvidiaSharing(name, replicas, base, item_path))
@@ -1467,6 +1508,10 @@ def config_from_bytes(content: bytes, source: str) -> Config:
         raise ConfigError([f"{where}{what}"], source) from e
     except yaml.YAMLError as e:
         raise ConfigError([f"invalid YAML: {e}"], source) from e
+    except RecursionError as e:
+        raise ConfigError(["invalid YAML: nested too deep"], source) from e
+    except ValueError as e:  # e.g. an integer of thousands of digits
+        raise ConfigError([f"invalid YAML: {_show(str(e))}"], source) from e
     finally:
         loader.dispose()
     return parse_config(data, source)

@@ -6,8 +6,9 @@ checks the two against each other in both directions: every key the parser reads
 same type, choices and bounds, every key here is one the parser reads, unknown keys are refused by
 both, and the example configs validate. A key added to the parser without its schema fails them.
 
-Durations and sizes are strings with a unit, which JSON Schema cannot compare: their lower bounds
-travel as `x-minimumSeconds` and are enforced by the parser (`check-config`). NVIDIA
+Durations and sizes are strings with a unit, which JSON Schema cannot compare: their bounds
+travel as `x-minimumSeconds`, `x-maximumSeconds` and `x-minimumBytes` and are enforced by the
+parser (`check-config`). NVIDIA
 k8s-device-plugin's format (a file with a top-level `sharing` or `flags`) is described at its top
 level only; `check-config` checks it in full.
 """
@@ -17,8 +18,12 @@ from __future__ import annotations
 from typing import Any
 
 from deviceplugin.config import (
+    MAX_DURATION_S,
+    MAX_POLL_INTERVAL_S,
+    MAX_REPLICAS,
     MIN_COMPUTE_PERIOD_S,
     MIN_HANG_TIMEOUT_S,
+    MIN_MEMORY_PER_SLICE_BYTES,
     MIN_POLL_INTERVAL_S,
     AllocationPolicy,
     ComputeAction,
@@ -63,26 +68,39 @@ def _section(description: str, properties: Schema, **extra: Any) -> Schema:
     }
 
 
-def _duration(description: str, default_s: float, minimum_s: float = 0.0) -> Schema:
+def _duration(
+    description: str,
+    default_s: float,
+    minimum_s: float = 0.0,
+    maximum_s: float = MAX_DURATION_S,
+) -> Schema:
     schema: Schema = {
         "description": f"{description} A duration with a unit: 500ms, 2s, 1m30s.",
         "anyOf": [{"type": "string", "pattern": _DURATION_PATTERN}, {"const": 0}],
         "default": format_duration(default_s),
         "x-minimumSeconds": minimum_s,
+        "x-maximumSeconds": maximum_s,
     }
     if minimum_s > 0:
         schema["description"] += f" At least {format_duration(minimum_s)}."
+    schema["description"] += f" At most {format_duration(maximum_s)}."
     return schema
 
 
-def _size(description: str) -> Schema:
-    return {
+def _size(description: str, minimum_bytes: int = 1, zero: bool = False) -> Schema:
+    schema: Schema = {
         "description": f"{description} A size: 10Gi, 512Mi, 1G, or a whole number of bytes.",
         "anyOf": [
             {"type": "string", "pattern": _SIZE_PATTERN},
-            {"type": "integer", "minimum": 1},
+            {"type": "integer", "minimum": minimum_bytes},
         ],
     }
+    if zero:
+        schema["anyOf"].append({"const": 0})
+    if minimum_bytes > 1:
+        schema["x-minimumBytes"] = minimum_bytes
+        schema["description"] += f" At least {format_size(minimum_bytes)}."
+    return schema
 
 
 def _choice(description: str, options: tuple[str, ...], default: str) -> Schema:
@@ -109,8 +127,12 @@ def _slice_rule() -> Schema:
             "description": "Slices per GPU: each gets 1/replicas of its memory and compute.",
             "type": "integer",
             "minimum": 1,
+            "maximum": MAX_REPLICAS,
         },
-        "memoryPerSlice": _size("Memory of one slice; replicas follow from the GPU's memory."),
+        "memoryPerSlice": _size(
+            "Memory of one slice; replicas follow from the GPU's memory.",
+            MIN_MEMORY_PER_SLICE_BYTES,
+        ),
     }
 
 
@@ -184,12 +206,10 @@ def _vgpu_schema() -> Schema:
                 d.allocation.framework_hints,
             ),
             "contextReserve": {
-                "description": "Memory left out of the framework hints' fraction for the CUDA"
-                " context. A size: 512Mi, 1Gi, or a whole number of bytes; 0 keeps none.",
-                "anyOf": [
-                    {"type": "string", "pattern": _SIZE_PATTERN},
-                    {"type": "integer", "minimum": 0},
-                ],
+                **_size(
+                    "Memory kept out of the framework hints for the CUDA context; 0 for none.",
+                    zero=True,
+                ),
                 "default": format_size(d.allocation.context_reserve_bytes),
             },
         },
@@ -201,6 +221,7 @@ def _vgpu_schema() -> Schema:
                 "How often GPU memory and utilisation are measured.",
                 e.poll_interval_s,
                 MIN_POLL_INTERVAL_S,
+                MAX_POLL_INTERVAL_S,
             ),
             "dryRun": _boolean("Decide, log and count every action; send no signal.", e.dry_run),
             "memory": _section(

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -258,7 +260,8 @@ class DemoWorkloads:
         self, gpu_uuid: str, envs: dict[str, str], memory: int, demand: float, *, owner: str
     ) -> None:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **envs}
-        proc = subprocess.Popen(["sleep", "86400"], env=env)
+        # Dies with the demo, even when the demo is SIGKILLed (and even while stopped).
+        proc = subprocess.Popen(["sleep", "86400"], env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
         self._work[proc.pid] = (proc, gpu_uuid, FakeProcess(proc.pid, memory, demand), owner)
 
     def grow(self, owner: str, memory: int) -> int:
@@ -433,7 +436,8 @@ async def _demo(duration_s: float | None, out: TextIO, workdir: Path) -> int:
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # Closing the terminal (SIGHUP) stops the demo as cleanly as Ctrl-C does.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         loop.add_signal_handler(sig, stop.set)
 
     plugin_dir = workdir / "device-plugins"
@@ -453,6 +457,8 @@ async def _demo(duration_s: float | None, out: TextIO, workdir: Path) -> int:
         state_dir=workdir / "state",
         metrics_address="127.0.0.1:0",
         node_name="demo-node",
+        # The demo's workloads are plain processes, in no pod cgroup.
+        trust_host_processes=True,
     )
     backend = FakeBackend(state_file)
     daemon = Daemon(settings, backend, pod_resources_interval_s=1.0)
@@ -649,9 +655,43 @@ def _status_lines(daemon: Daemon, width: int = 80) -> list[str]:
     return render_status(snapshot_to_json(snapshot), width=width)
 
 
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+
+def _die_with_parent() -> None:
+    """In a child between fork and exec: have the kernel SIGKILL it when the demo dies. Only a
+    system call here (prctl is async-signal-safe); the library was loaded before the fork."""
+    if _libc is not None:
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+# Waits for the demo to die (its end of the pipe closes, however it ends), then removes the
+# demo's directory: a SIGKILLed demo leaves no files behind either.
+_JANITOR = "import shutil,sys;sys.stdin.buffer.read();shutil.rmtree(sys.argv[1],ignore_errors=True)"
+
+
+def _start_janitor(workdir: Path) -> int:
+    """Start the janitor of `workdir`; returns the write end of its pipe, to keep open."""
+    read_end, write_end = os.pipe()
+    try:
+        subprocess.Popen(
+            [sys.executable, "-c", _JANITOR, str(workdir)],
+            stdin=read_end,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C to the terminal's process group spares it
+        )
+    finally:
+        os.close(read_end)
+    return write_end
+
+
 def run_demo(duration_s: float | None, out: TextIO) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="vgpu-demo-", dir="/tmp"))
+    janitor = _start_janitor(workdir)
     try:
         return asyncio.run(_demo(duration_s, out, workdir))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+        os.close(janitor)

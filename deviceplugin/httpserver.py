@@ -32,6 +32,11 @@ from deviceplugin.statusview import snapshot_to_json
 log = logging.getLogger(__name__)
 
 _SAFETY_POLL_INTERVAL_S = 60.0
+# A connection that sends nothing for this long is closed (a half-sent request, or a TLS
+# handshake that stalls, must not hold a thread for ever); at most this many connections are
+# served at once, the rest are closed at once. Prometheus, the probes and `status` need a handful.
+READ_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 64
 
 JSON_TYPE = "application/json"
 TEXT_TYPE = "text/plain; charset=utf-8"
@@ -93,6 +98,37 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     # Rebinding right after a restart of the daemon must not wait for TIME_WAIT.
     allow_reuse_address = True
+    max_connections = MAX_CONNECTIONS
+    _slots: threading.BoundedSemaphore | None = None
+    refused = 0
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread per connection, up to `max_connections`; past that the connection is
+        closed at once (counted in `refused`)."""
+        if self._slots is None:
+            self._slots = threading.BoundedSemaphore(self.max_connections)
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            if self.refused == 1 or self.refused % 1000 == 0:
+                log.warning(
+                    "http connections over the cap; closing new ones limit=%d refused=%d",
+                    self.max_connections,
+                    self.refused,
+                )
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            if self._slots is not None:
+                self._slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that fails its TLS handshake (plain HTTP, an unknown certificate) or goes
@@ -120,7 +156,8 @@ class _DualStack(_Server6):
 
 
 class HttpServer:
-    """Serves GET /metrics, /healthz and /status on a daemon thread; `stop()` ends and joins it."""
+    """Serves GET (and HEAD) /metrics, /healthz and /status on a daemon thread; `stop()` ends
+    and joins it."""
 
     def __init__(
         self,
@@ -130,9 +167,13 @@ class HttpServer:
         healthz: Callable[[], tuple[bool, str]],
         *,
         tls: TlsFiles | None = None,
+        read_timeout_s: float = READ_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.address = address
         self.tls = tls
+        self.read_timeout_s = read_timeout_s
+        self.max_connections = max_connections
         self._host, self._port = parse_address(address)
         self._metrics = metrics
         self._get_snapshot = get_snapshot
@@ -158,11 +199,13 @@ class HttpServer:
         except OSError as e:
             raise OSError(e.errno, f"cannot listen on {self.address!r}: {e.strerror}") from e
         if context is not None:
-            # The handshake happens on the request's thread, at its first read: a slow client
-            # holds its own thread, never the accepting one.
+            # The handshake happens on the request's thread, at its first read, under the
+            # connection's read timeout and within the connection cap: a slow client holds its
+            # own thread, never the accepting one.
             server.socket = context.wrap_socket(
                 server.socket, server_side=True, do_handshake_on_connect=False
             )
+        server.max_connections = self.max_connections
         self._server = server
         self._thread = threading.Thread(
             target=server.serve_forever,
@@ -239,8 +282,12 @@ def _make_handler(owner: HttpServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "vgpu"
         protocol_version = "HTTP/1.1"
+        timeout = owner.read_timeout_s  # per connection, on every read
 
-        def do_GET(self) -> None:  # the name http.server dispatches to
+        def do_HEAD(self) -> None:  # the name http.server dispatches to
+            self.do_GET(with_body=False)
+
+        def do_GET(self, *, with_body: bool = True) -> None:
             status: int
             try:
                 if not self._client_allowed():
@@ -267,7 +314,8 @@ def _make_handler(owner: HttpServer) -> type[BaseHTTPRequestHandler]:
                 self.send_header("Content-Encoding", "gzip")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            if with_body:
+                self.wfile.write(body)
 
         def _client_allowed(self) -> bool:
             """Without a client CA, every client; with one, /healthz for every client and the

@@ -279,6 +279,7 @@ class SnapshotCollector(Collector):
                 slices.add_metric([*g, "allocated"], float(gpu.slices_allocated))
                 slices.add_metric([*g, "free"], float(max(gpu.slices_free, 0)))
                 slices.add_metric([*g, "unhealthy"], float(gpu.slices_unhealthy))
+                slices.add_metric([*g, "unconfirmed"], float(gpu.slices_unconfirmed))
                 unattributed.add_metric(g, float(len(gpu.unattributed)))
                 misattributed.add_metric(g, float(len(gpu.misattributed)))
                 unattributed_mem.add_metric(g, float(_memory_of(gpu.unattributed)))

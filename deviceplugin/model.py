@@ -223,6 +223,9 @@ class AllocationRecord:
     namespace: str = ""
     pod: str = ""
     container: str = ""
+    # Whether the kubelet's pod-resources API lists it (or it is too fresh to be listed yet).
+    # Slices of an allocation the kubelet does not list count as unconfirmed, not allocated.
+    listed: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,11 +267,18 @@ class GpuUsage:
     slices_total: int = 0
     slices_allocated: int = 0
     slices_unhealthy: int = 0
+    # Slices held by an allocation that the kubelet has not listed in the seconds after it was
+    # made (its pod deleted before a refresh, a non-restartable init container): neither free
+    # nor surely allocated.
+    slices_unconfirmed: int = 0
     # GPU processes that belong to no allocation of this daemon: counted, never acted upon.
     unattributed: tuple[ProcessSample, ...] = ()
     # GPU processes that claimed an allocation their pod does not hold (per the kubelet's
     # checkpoint): never charged to, or acted on for, the allocation they claimed.
     misattributed: tuple[ProcessSample, ...] = ()
+    # (PID, pod UID) of the unattributed processes that run in a pod's cgroup: that pod's use
+    # outside its GPU containers (a sidecar), never charged to them.
+    unattributed_pods: tuple[tuple[int, str], ...] = ()
 
     @property
     def info(self) -> GpuInfo:
@@ -276,7 +286,12 @@ class GpuUsage:
 
     @property
     def slices_free(self) -> int:
-        return self.slices_total - self.slices_allocated - self.slices_unhealthy
+        return (
+            self.slices_total
+            - self.slices_allocated
+            - self.slices_unhealthy
+            - self.slices_unconfirmed
+        )
 
 
 @dataclass(frozen=True, slots=True)

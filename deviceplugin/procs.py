@@ -21,6 +21,7 @@ Everything is read under an injected `proc_root`, so tests use a fake tree in a 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Iterable
@@ -66,6 +67,7 @@ class _Entry:
     identity: tuple[int, int] | None
     settled: bool = True
     pod_uid: str | None = None
+    cgroup: str | None = None
 
 
 def _read_all(path: str) -> tuple[bytes, os.stat_result]:
@@ -127,14 +129,22 @@ def _pod_uid_in_path(path: bytes) -> str | None:
 
 def pod_uid_in_cgroup(content: bytes) -> str | None:
     """The pod UID (lowercase, with dashes) in the content of `/proc/<pid>/cgroup`; None when the
-    process is in no pod's cgroup.
+    process is in no pod's cgroup. See `pod_cgroup`."""
+    found = pod_cgroup(content)
+    return None if found is None else found[0]
+
+
+def pod_cgroup(content: bytes) -> tuple[str, str] | None:
+    """The pod UID (lowercase, with dashes) in the content of `/proc/<pid>/cgroup`, and the
+    cgroup path it was read from (the container's cgroup: processes with the same path share
+    their container); None when the process is in no pod's cgroup.
 
     cgroup v2 gives one line `0::<path>`, v1 one line `<id>:<controllers>:<path>` per hierarchy
     (hybrid hosts both); the unified line wins when it names a pod, else the first v1 line that
     does. Paths may start with `/..` segments where the daemon runs in a cgroup namespace of its
     own: only the pod segment matters. Where pods nest (a kubelet inside a pod's container), the
     innermost pod is the one its kubelet knows."""
-    first: str | None = None
+    first: tuple[str, str] | None = None
     for line in content.split(b"\n"):
         parts = line.split(b":", 2)
         if len(parts) != 3:
@@ -142,10 +152,11 @@ def pod_uid_in_cgroup(content: bytes) -> str | None:
         uid = _pod_uid_in_path(parts[2])
         if uid is None:
             continue
+        found = (uid, parts[2].decode("utf-8", "backslashreplace"))
         if parts[0] == b"0" and not parts[1]:
-            return uid
+            return found
         if first is None:
-            first = uid
+            first = found
     return first
 
 
@@ -206,6 +217,12 @@ class AllocationResolver:
         entry = self._cache.get(pid)
         return None if entry is None else entry.pod_uid
 
+    def cgroup_of(self, pid: int) -> str | None:
+        """The cgroup path that names the pod of `pid` (its container's cgroup), for a PID that
+        the latest `resolve` call resolved; None as for `pod_uid_of`."""
+        entry = self._cache.get(pid)
+        return None if entry is None else entry.cgroup
+
     def _lookup(
         self, pid: int, cached: _Entry | None, memo: dict[int, str | None]
     ) -> tuple[_Entry, bool]:
@@ -222,14 +239,15 @@ class AllocationResolver:
         same_process = cached is not None and cached.start_time == start_time
         if cached is not None and same_process and cached.settled:
             if cached.identity != identity:
-                cached = _Entry(start_time, cached.allocation_id, identity, True, cached.pod_uid)
+                cached = dataclasses.replace(cached, identity=identity)
             return cached, True
         allocation, own_environ_empty = self._search(pid, ppid, memo)
         settled = same_process or not own_environ_empty  # a second look is final
-        pod_uid = self._pod_uid(pid, stat_path)
-        return _Entry(start_time, allocation, identity, settled, pod_uid), False
+        pod = self._pod_cgroup(pid, stat_path)
+        pod_uid, cgroup = (None, None) if pod is None else pod
+        return _Entry(start_time, allocation, identity, settled, pod_uid, cgroup), False
 
-    def _pod_uid(self, pid: int, stat_path: str) -> str | None:
+    def _pod_cgroup(self, pid: int, stat_path: str) -> tuple[str, str] | None:
         """The pod UID in the process's cgroup file; None where the file does not exist (a fake
         tree, or a kernel without cgroups). Raises _GoneError."""
         try:
@@ -240,7 +258,7 @@ class AllocationResolver:
             return None
         except OSError as e:
             raise _GoneError from e
-        return pod_uid_in_cgroup(content)
+        return pod_cgroup(content)
 
     def _stat(self, path: str) -> tuple[int, int, tuple[int, int] | None]:
         """(ppid, start time, procfs identity) from a stat file. Raises _GoneError."""

@@ -224,25 +224,16 @@ class ConfigReloader:
         try:
             loaded = await asyncio.to_thread(read_config, self._path)
         except ConfigError as e:
-            for problem in e.problems:
-                log.error("config reload refused: %s: %s", e.source, problem)
-            count = len(e.problems)
-            log.error(
-                "config reload refused: %s: invalid (%d problem%s); keeping the running config "
-                "hash=%s trigger=%s",
-                self._path,
-                count,
-                "s" if count != 1 else "",
-                self.running_hash,
-                trigger,
-            )
-            self._metrics.counted("refused")
-            return "refused"
+            return self._refuse(e.source, e.problems, trigger)
         if loaded.hash == self.running_hash:
             # A ConfigMap update touches the directory several times for one new content.
             level = logging.INFO if trigger == "SIGHUP" else logging.DEBUG
             log.log(level, "config unchanged hash=%s trigger=%s", loaded.hash, trigger)
             return "unchanged"
+        # Valid on its own, but its device list must also fit in one kubelet message here.
+        too_large = self._daemon.plan_problem(loaded.config)
+        if too_large is not None:
+            return self._refuse(str(self._path), [too_large], trigger)
         changes = describe_changes(self._daemon.settings.config, loaded.config)
         await self._daemon.apply_config(loaded.config)
         log.info(
@@ -256,3 +247,20 @@ class ConfigReloader:
         self._metrics.counted("applied")
         self._metrics.running(loaded.hash)
         return "applied"
+
+    def _refuse(self, source: str, problems: list[str], trigger: str) -> str:
+        """Log why the new config is refused, count it, and keep the running one."""
+        for problem in problems:
+            log.error("config reload refused: %s: %s", source, problem)
+        count = len(problems)
+        log.error(
+            "config reload refused: %s: invalid (%d problem%s); keeping the running config "
+            "hash=%s trigger=%s",
+            self._path,
+            count,
+            "s" if count != 1 else "",
+            self.running_hash,
+            trigger,
+        )
+        self._metrics.counted("refused")
+        return "refused"

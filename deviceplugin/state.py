@@ -56,6 +56,7 @@ class AllocationBook:
         self._records: dict[str, AllocationRecord] = {}
         # Allocations the kubelet has listed at least once: gone as soon as it stops listing them.
         self._confirmed: set[str] = set()
+        self._synced = False
 
     def allocated(self, record: AllocationRecord) -> None:
         """A fresh Allocate. Its ID may be an old one (the same slices again, for a new pod): the
@@ -70,7 +71,17 @@ class AllocationBook:
         return len(self._records)
 
     def __iter__(self) -> Iterator[AllocationRecord]:
-        return iter(list(self._records.values()))
+        """Every record, `listed` saying whether the kubelet listed it at the latest refresh
+        (every record counts as listed until pod-resources has answered once)."""
+        if not self._synced:
+            return iter(list(self._records.values()))
+        confirmed = self._confirmed
+        return iter(
+            [
+                r if (r.allocation_id in confirmed) == r.listed else replace(r, listed=not r.listed)
+                for r in self._records.values()
+            ]
+        )
 
     def sync(
         self, live: Iterable[AllocationRecord], *, now_s: float, grace_s: float
@@ -106,6 +117,7 @@ class AllocationBook:
         for allocation in stale:
             del self._records[allocation]
         self._confirmed = live_ids
+        self._synced = True
         return added, len(stale)
 
     def slice_ids(self) -> Iterable[str]:

@@ -49,6 +49,8 @@ def _fetch_status(url: str) -> dict[str, object]:
         raise _NoStatusError(f"HTTP {e.code}: {reason}") from e
     except ValueError as e:
         raise _NoStatusError(f"not JSON: {e}") from e
+    except RecursionError as e:
+        raise _NoStatusError("not a /status document: nested too deep") from e
     if not isinstance(doc, dict):
         raise _NoStatusError("not a /status document")
     return doc
@@ -82,7 +84,15 @@ def run_status(
         if as_json:
             return json.dumps(doc, indent=2)
         width = max(shutil.get_terminal_size().columns, 80)
-        return "\n".join(render_status(doc, width=width))
+        try:
+            return "\n".join(render_status(doc, width=width))
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as e:
+            # A daemon of another version, or something else answering on that port.
+            raise _NoStatusError(
+                f"its /status document has a shape this command does not know "
+                f"({type(e).__name__}: {str(e)[:80]}); is the daemon the same version? "
+                "--json prints the document as it is"
+            ) from e
 
     def problem(e: Exception) -> str:
         if isinstance(e, _NoStatusError):

@@ -75,6 +75,7 @@ def _health(h: DaemonHealth) -> dict[str, Any]:
 
 def _gpu(g: GpuUsage) -> dict[str, Any]:
     info = g.info
+    pods = dict(g.unattributed_pods)
     return {
         "uuid": info.uuid,
         "index": info.index,
@@ -103,9 +104,18 @@ def _gpu(g: GpuUsage) -> dict[str, Any]:
             "allocated": g.slices_allocated,
             "free": g.slices_free,
             "unhealthy": g.slices_unhealthy,
+            "unconfirmed": g.slices_unconfirmed,
         },
-        "unattributed": [_process(p) for p in g.unattributed],
+        "unattributed": [_unattributed(p, pods) for p in g.unattributed],
     }
+
+
+def _unattributed(p: ProcessSample, pods: dict[int, str]) -> dict[str, Any]:
+    """An unattributed process, with the UID of the pod it runs in when it runs in one."""
+    shown = _process(p)
+    if p.pid in pods:
+        shown["pod_uid"] = pods[p.pid]
+    return shown
 
 
 def _container(c: ContainerUsage, mig_devices: frozenset[str] = frozenset()) -> dict[str, Any]:
@@ -306,6 +316,8 @@ def _gpu_lines(
         f"{health}  slices: {_int(slices.get('allocated'))} used, "
         f"{_int(slices.get('free'))} free, {_int(slices.get('unhealthy'))} unhealthy"
     )
+    if _int(slices.get("unconfirmed")):
+        tail += f", {_int(slices.get('unconfirmed'))} unconfirmed"
     mig = bool(g.get("parent_gpu_uuid"))
     if mig:
         name = (

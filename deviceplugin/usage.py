@@ -7,25 +7,24 @@ process is unattributed: it is counted on its GPU and never appears in a Contain
 enforcer, which acts only on containers' processes, cannot touch it.
 
 The allocation ID in a process's environment is a claim any process can make, and the ID is
-predictable. Given evidence (the pod of each process, from its cgroup, and the kubelet's device
-checkpoint), `attribute` decides per process and GPU which allocation, if any, the process
-belongs to, and whether its claim is refused ("misattributed"). Without a readable checkpoint
-every claim stands, as before the cross-check. Otherwise, the first rule that matches:
-1. The claim is recorded for the process's own pod: the claim.
-2. The process is in no pod cgroup (a host process): the claim, unless the checkpoint records it
-   for a pod (then none, misattributed; `trust_host_processes` lets it stand, for nodes whose
-   workloads run outside pod cgroups: the kubelet simulator, the demo, tests). The environment
-   is the only evidence for a host process.
-3. Its pod holds exactly one allocation with slices of this GPU: that allocation, whatever the
-   environment says; misattributed if it claimed another ID (a missing or invalid value is no
-   claim).
-4. Its pod holds several there: none, misattributed (the cgroup names the pod, not the
-   container, and the claim is none of them).
-5. Its pod holds none there: none; misattributed if it claimed an ID.
+predictable. Given evidence (the pod and container cgroup of each process, and the kubelet's
+device checkpoint), `attribute` decides per process which allocation, if any, it belongs to, and
+whether its claim is refused ("misattributed"). Without a readable checkpoint every claim stands.
+Otherwise:
+1. A claim (the process's own `VGPU_ALLOCATION_ID`, or its nearest ancestor's) that the
+   checkpoint records for the process's own pod stands.
+2. A claim from a process in no pod cgroup (a host process) is refused, whatever it names;
+   `trust_host_processes` lets it stand, for workloads that run outside pod cgroups (the kubelet
+   simulator, the demo, tests): `serve` refuses that setting outside a fake backend.
+3. A claim of an allocation the process's pod does not hold is refused.
+4. A process of a pod whose claim did not stand (none, invalid or refused) is charged only when
+   it shares its container cgroup with a process whose claim stood, and then to that process's
+   allocation. Otherwise it is its pod's unattributed use (`GpuUsage.unattributed_pods`): it
+   counts on its GPU and never makes the enforcer act on another process.
 
 So a process can neither charge its GPU use to another pod's container (nor get that container's
-processes killed or throttled for it) by copying its ID, nor escape its own container's quota by
-clearing, corrupting or replacing the variable. A misattributed process never counts for the
+processes killed or throttled for it) by copying its ID, nor push its own pod's GPU container over
+its limit from a sidecar that holds no slices. A misattributed process never counts for the
 allocation it claimed; it is counted apart per GPU.
 
 Utilisation ratios are time-weighted averages over a sliding window (docs/design.md §5), so that a
@@ -59,6 +58,9 @@ def _ratio(percent: float) -> float:
     return min(max(percent / 100.0, 0.0), 1.0)
 
 
+# An allocation the kubelet has not listed counts as allocated for this long after Allocate
+# (pod-resources is asked right after it, and every 10 s), then as unconfirmed.
+UNCONFIRMED_AFTER_S = 15.0
 # Running sums are recomputed from the samples after this many updates, so that rounding
 # errors of adding and subtracting cannot accumulate over a long run.
 _RESUM_EVERY = 1024
@@ -183,36 +185,39 @@ class UtilizationWindow:
             del self._series[key]
 
 
+def _no_cgroup(pid: int) -> str | None:
+    return None
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class AttributionEvidence:
     """What `attribute` checks claimed allocation IDs against: the kubelet's device checkpoint,
-    and the UID of the pod whose cgroup holds a PID (None for a process in no pod cgroup)."""
+    the UID of the pod whose cgroup holds a PID (None for a process in no pod cgroup), and the
+    cgroup path that names that pod (the container's cgroup; None where unknown)."""
 
     checkpoint: DeviceCheckpoint
     pod_uid_of: Callable[[int], str | None]
     trust_host_processes: bool = False
+    cgroup_of: Callable[[int], str | None] = _no_cgroup
 
 
 def attribute(
     claim: str | None, pod_uid: str | None, gpu_uuid: str, evidence: AttributionEvidence
 ) -> tuple[str | None, bool]:
-    """The allocation a process on `gpu_uuid` belongs to (None: unattributed), and whether its
-    claim is refused. `claim` is the valid allocation ID found in its environment, if any;
-    `pod_uid` its pod (normalised), if any. The rules are those of this module's docstring."""
+    """The allocation a process on `gpu_uuid` belongs to by its own claim (None: not by its
+    claim), and whether its claim is refused. `claim` is the valid allocation ID found in its
+    environment, if any; `pod_uid` its pod (normalised), if any. Rules 1 to 3 of this module's
+    docstring; rule 4 (container cgroups) needs the other processes and is applied in
+    `SnapshotBuilder.build`."""
     checkpoint = evidence.checkpoint
     if not checkpoint.readable:
         return claim, False
-    owners = checkpoint.owners.get(claim) if claim is not None else None
-    if owners is not None and pod_uid in owners:
+    if pod_uid is None and evidence.trust_host_processes:
         return claim, False
-    if pod_uid is None:
-        if owners is None or evidence.trust_host_processes:
-            return claim, False
-        return None, True
-    held = checkpoint.pod_gpu_allocations.get((pod_uid, gpu_uuid), frozenset())
-    if len(held) == 1:
-        return next(iter(held)), claim is not None
-    return None, bool(held) or claim is not None
+    owners = checkpoint.owners.get(claim) if claim is not None else None
+    if owners is not None and pod_uid is not None and pod_uid in owners:
+        return claim, False
+    return None, claim is not None
 
 
 @dataclasses.dataclass(slots=True)
@@ -274,6 +279,8 @@ class SnapshotBuilder:
 
         accumulators: dict[tuple[str, str], _Accumulator] = {}
         held_healthy: set[str] = set()
+        # Held by allocations the kubelet does not list, past the first seconds after Allocate.
+        held_unconfirmed: set[str] = set()
         by_id = inventory.by_id
         for record in records.values():
             for slice_id in record.slice_ids:
@@ -288,14 +295,26 @@ class SnapshotBuilder:
                 acc.memory_limit_bytes += s.memory_limit_bytes
                 acc.compute_share_ratio += s.compute_share_ratio
                 if s.healthy:
-                    held_healthy.add(slice_id)
+                    if record.listed or wall_s - record.allocated_at_s < UNCONFIRMED_AFTER_S:
+                        held_healthy.add(slice_id)
+                    else:
+                        held_unconfirmed.add(slice_id)
         slices_allocated = dict.fromkeys(gpu_by_uuid, 0)
         for slice_id in held_healthy:
             slices_allocated[by_id[slice_id].id.gpu_uuid] += 1
+        slices_unconfirmed = dict.fromkeys(gpu_by_uuid, 0)
+        for slice_id in held_unconfirmed - held_healthy:
+            slices_unconfirmed[by_id[slice_id].id.gpu_uuid] += 1
 
         unknown: set[str] = set()
         unattributed: dict[str, list[ProcessSample]] = {uuid: [] for uuid in gpu_by_uuid}
         misattributed: dict[str, list[ProcessSample]] = {uuid: [] for uuid in gpu_by_uuid}
+        unattributed_pods: dict[str, list[tuple[int, str]]] = {uuid: [] for uuid in gpu_by_uuid}
+        decided: list[tuple[str, ProcessSample, str | None]] = []
+        # Processes of a pod whose claim did not stand, and the allocations that stood per
+        # container cgroup: rule 4 charges the former to the latter.
+        pending: list[tuple[str, ProcessSample, str, str | None]] = []
+        cgroup_allocations: dict[str, set[str]] = {}
         for gpu in gpus:
             uuid = gpu.info.uuid
             for process in gpu.processes:
@@ -305,21 +324,42 @@ class SnapshotBuilder:
                     found, refused = attribute(found, pod_uid, uuid, evidence)
                     if refused:
                         misattributed[uuid].append(process)
-                if found is None:
-                    unattributed[uuid].append(process)
-                    continue
-                owner = records.get(found)
-                if owner is None:
-                    unattributed[uuid].append(process)
-                    unknown.add(found)
-                    continue
-                key = (found, uuid)
-                acc = accumulators.get(key)
-                if acc is None:
-                    acc = accumulators[key] = _Accumulator(owner)
-                acc.processes.append(process)
-                acc.memory_used_bytes += process.used_memory_bytes or 0
-                acc.sm_util_percent += process.sm_util_percent or 0.0
+                    if pod_uid is not None and evidence.checkpoint.readable:
+                        cgroup = evidence.cgroup_of(process.pid)
+                        if found is None:
+                            pending.append((uuid, process, pod_uid, cgroup))
+                            continue
+                        if cgroup is not None:
+                            cgroup_allocations.setdefault(cgroup, set()).add(found)
+                decided.append((uuid, process, found))
+        for uuid, process, pod_uid, cgroup in pending:
+            sharing = cgroup_allocations.get(cgroup, set()) if cgroup is not None else set()
+            if len(sharing) == 1:
+                decided.append((uuid, process, next(iter(sharing))))
+            else:
+                unattributed_pods[uuid].append((process.pid, pod_uid))
+                decided.append((uuid, process, None))
+        for uuid, process, found in decided:
+            if found is None:
+                unattributed[uuid].append(process)
+                continue
+            owner = records.get(found)
+            if owner is None:
+                unattributed[uuid].append(process)
+                unknown.add(found)
+                continue
+            key = (found, uuid)
+            acc = accumulators.get(key)
+            if acc is None:
+                acc = accumulators[key] = _Accumulator(owner)
+            acc.processes.append(process)
+            acc.memory_used_bytes += process.used_memory_bytes or 0
+            acc.sm_util_percent += process.sm_util_percent or 0.0
+        order = {p.pid: n for gpu in gpus for n, p in enumerate(gpu.processes)}
+        for processes in unattributed.values():
+            processes.sort(key=lambda p: order.get(p.pid, 0))
+        for acc in accumulators.values():
+            acc.processes.sort(key=lambda p: order.get(p.pid, 0))
 
         window = self._window
         live_keys: set[Hashable] = set(gpu_by_uuid)
@@ -363,8 +403,10 @@ class SnapshotBuilder:
                     slices_total=slices_total[uuid],
                     slices_allocated=slices_allocated[uuid],
                     slices_unhealthy=slices_unhealthy[uuid],
+                    slices_unconfirmed=slices_unconfirmed[uuid],
                     unattributed=tuple(unattributed[uuid]),
                     misattributed=tuple(misattributed.get(uuid, ())),
+                    unattributed_pods=tuple(unattributed_pods[uuid]),
                 )
             )
         window.forget_except(live_keys)

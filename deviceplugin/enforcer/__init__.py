@@ -13,6 +13,8 @@ from deviceplugin.enforcer.enforcer import (
     STOPPED_RECORD_NAME,
     EnforcementError,
     Enforcer,
+    StoppedRecord,
+    load_stopped_record,
     read_stopped_record,
     write_stopped_record,
 )
@@ -42,6 +44,8 @@ __all__ = [
     "Release",
     "SetDuty",
     "SignalResult",
+    "StoppedRecord",
+    "load_stopped_record",
     "read_stopped_record",
     "write_stopped_record",
 ]

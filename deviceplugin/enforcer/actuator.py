@@ -37,8 +37,52 @@ import psutil
 
 log = logging.getLogger(__name__)
 
-# Two creation times within this many seconds belong to the same process (procfs counts in ticks).
+# Two identities within this much of each other belong to the same process. PsutilControl's
+# identities are start times in clock ticks since boot (integers); others may be seconds.
 CREATE_TIME_TOLERANCE_S = 0.01
+# Fields of /proc/<pid>/stat after the ")" that closes the command name: the run state is index 0,
+# the start time (field 22) index 19.
+_STATE_FIELD = 0
+_START_TICKS_FIELD = 19
+
+
+def _stat_fields(pid: int, proc_root: str) -> list[bytes] | None:
+    try:
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return data[data.rfind(b")") + 1 :].split()
+
+
+def start_ticks(pid: int, proc_root: str = "/proc") -> int | None:
+    """The start time of process `pid` in clock ticks since boot (field 22 of its stat file):
+    with the boot ID, an identity that no step of the wall clock changes. None when the process
+    is gone or its stat cannot be read."""
+    fields = _stat_fields(pid, proc_root)
+    try:
+        return None if fields is None else int(fields[_START_TICKS_FIELD])
+    except (IndexError, ValueError):
+        return None
+
+
+def run_state(pid: int, proc_root: str = "/proc") -> str | None:
+    """The run state letter of process `pid` (`T` when stopped), None when it cannot be read."""
+    fields = _stat_fields(pid, proc_root)
+    if not fields:
+        return None
+    return fields[_STATE_FIELD].decode("ascii", "replace")
+
+
+def boot_id(path: str = "/proc/sys/kernel/random/boot_id") -> str:
+    """The kernel's ID of this boot; "" where it cannot be read."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 _JOIN_TIMEOUT_S = 5.0
 _COALESCE_RATIO = 0.01
 
@@ -78,12 +122,13 @@ class ProcessControl(Protocol):
         ...
 
     def create_time(self, pid: int) -> float | None:
-        """The creation time of the held process `pid` (its identity), None when not held."""
+        """The identity of the held process `pid` (for PsutilControl its start time in clock
+        ticks since boot), None when not held."""
         ...
 
     def resume_recorded(self, pid: int, create_time: float) -> SignalResult:
-        """SIGCONT `pid` if a process created at `create_time` still has it (a record left by an
-        earlier run of the daemon). GONE when no such process has it."""
+        """SIGCONT `pid` if the process with identity `create_time` still has it (a record left
+        by an earlier run of the daemon). GONE when no such process has it."""
         ...
 
     def close(self) -> None:
@@ -108,6 +153,7 @@ class PsutilControl:
     def __init__(self, *, use_pidfd: bool | None = None) -> None:
         self._lock = threading.Lock()
         self._held: dict[int, psutil.Process] = {}
+        self._ticks: dict[int, int] = {}
         self._pidfds: dict[int, int] = {}
         self._use_pidfd = _pidfd_supported() if use_pidfd is None else use_pidfd
 
@@ -121,9 +167,14 @@ class PsutilControl:
                 if pid <= 0:
                     continue
                 try:
-                    self._held[pid] = psutil.Process(pid)
+                    process = psutil.Process(pid)
                 except psutil.Error:
                     continue  # gone already, or not ours to see: never signalled
+                ticks = start_ticks(pid)
+                if ticks is None or not process.is_running():
+                    continue
+                self._held[pid] = process
+                self._ticks[pid] = ticks
 
     def retain(self, pids: Collection[int]) -> None:
         keep = set(pids)
@@ -151,31 +202,46 @@ class PsutilControl:
 
     def create_time(self, pid: int) -> float | None:
         with self._lock:
-            process = self._held.get(pid)
-        if process is None:
-            return None
-        try:
-            return process.create_time()
-        except psutil.Error:
-            return None
+            ticks = self._ticks.get(pid)
+        return None if ticks is None else float(ticks)
 
     def resume_recorded(self, pid: int, create_time: float) -> SignalResult:
+        if pid <= 0:
+            return SignalResult.GONE
         try:
             process = psutil.Process(pid)
-            created = process.create_time()
         except psutil.NoSuchProcess:
             return SignalResult.GONE
         except psutil.Error:
             return SignalResult.DENIED  # its identity cannot be read now: try again later
-        if abs(created - create_time) > CREATE_TIME_TOLERANCE_S:
-            return SignalResult.GONE  # the PID was reused: not the recorded process
+        fd: int | None = None
+        if self._use_pidfd:
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                return SignalResult.GONE
+            except OSError:
+                fd = None
         try:
-            process.send_signal(signal.SIGCONT)
-        except psutil.NoSuchProcess:
-            return SignalResult.GONE
-        except psutil.AccessDenied:
-            return SignalResult.DENIED
-        return SignalResult.SENT
+            # Checked after the pidfd is open: the pidfd then names the process checked.
+            ticks = start_ticks(pid)
+            if ticks is None:
+                return SignalResult.GONE if not psutil.pid_exists(pid) else SignalResult.DENIED
+            if abs(ticks - create_time) > CREATE_TIME_TOLERANCE_S:
+                return SignalResult.GONE  # the PID was reused: not the recorded process
+            try:
+                if fd is not None:
+                    signal.pidfd_send_signal(fd, signal.SIGCONT)
+                else:
+                    process.send_signal(signal.SIGCONT)
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                return SignalResult.GONE
+            except (PermissionError, psutil.AccessDenied):
+                return SignalResult.DENIED
+            return SignalResult.SENT
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     def close(self) -> None:
         with self._lock:
@@ -204,6 +270,7 @@ class PsutilControl:
 
     def _forget(self, pid: int) -> None:
         self._held.pop(pid, None)
+        self._ticks.pop(pid, None)
         fd = self._pidfds.pop(pid, None)
         if fd is not None:
             os.close(fd)

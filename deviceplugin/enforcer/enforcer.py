@@ -9,13 +9,17 @@ snapshot (`watch`); the PIDs of the duty cycles keep the identities already held
 never acquire one, so a throttled process that exits, and whose PID is then taken by another
 process, is never signalled again. A stale snapshot acquires nothing.
 
-Every process the enforcer may stop is written, with its creation time, to
+Every process the enforcer may stop is written, with its identity (its start time in clock ticks
+since boot, and the boot ID: no step of the wall clock changes them), to
 `<state dir>/stopped-processes.json` before it is first stopped, and the file is rewritten whenever
 that set changes (not every period). `recover()`, at start, resumes each recorded process whose
-creation time still matches, so that a daemon killed outright leaves nothing stopped for longer
-than its restart. `close()` resumes everything; it is also registered with atexit. A process whose
-resume was denied stays in the record (at `close()` and at `recover()`), so that the next start
-tries again.
+identity still matches, so that a daemon killed outright leaves nothing stopped for longer than its
+restart. Entries are read one by one: a bad one is skipped and logged, every valid one resumed. A
+file that cannot be read at all (truncated, not JSON, nested too deep) is moved aside, never
+overwritten, and the first fresh snapshot is scanned for stopped (state T) GPU processes of this
+daemon's allocations, which are resumed. `close()` resumes everything; it is also registered with
+atexit. A process whose resume was denied stays in the record (at `close()` and at `recover()`),
+so that the next start tries again.
 """
 
 from __future__ import annotations
@@ -30,12 +34,19 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from deviceplugin.config import EnforcementConfig
-from deviceplugin.enforcer.actuator import DutyCycler, ProcessControl, PsutilControl, SignalResult
+from deviceplugin.enforcer.actuator import (
+    DutyCycler,
+    ProcessControl,
+    PsutilControl,
+    SignalResult,
+    boot_id,
+    run_state,
+)
 from deviceplugin.enforcer.policy import (
     COMPUTE,
     KILL,
@@ -56,7 +67,9 @@ from deviceplugin.model import EnforcementCount, NodeSnapshot
 log = logging.getLogger(__name__)
 
 STOPPED_RECORD_NAME = "stopped-processes.json"
-_RECORD_VERSION = 1
+# How long after a start with a lost record the snapshots are scanned for stopped processes.
+STRAY_SCAN_S = 120.0
+_RECORD_VERSION = 2
 _CLOSE_LOCK_TIMEOUT_S = 5.0
 _KILL_OUTCOME = {
     SignalResult.SENT: "true",
@@ -71,32 +84,90 @@ class EnforcementError(DevicePluginError):
     """The enforcer cannot go on (its duty-cycle thread failed); everything has been resumed."""
 
 
-def read_stopped_record(path: Path) -> list[tuple[int, float]]:
-    """The (pid, creation time) pairs of a stopped-process record; [] when there is no file.
-    Raises ValueError when the file is not a record."""
+# A record larger than this is not read: the daemon writes a few dozen bytes per process.
+_MAX_RECORD_BYTES = 16 << 20
+# PIDs are at most 2**22 on Linux.
+_MAX_PID = 1 << 22
+
+
+@dataclass(frozen=True, slots=True)
+class StoppedRecord:
+    """What a stopped-process record holds: the valid (pid, start ticks) entries, the boot they
+    belong to, the entries skipped (why, one line each), and why the whole file could not be
+    read, if it could not."""
+
+    entries: tuple[tuple[int, float], ...] = ()
+    boot_id: str | None = None
+    skipped: tuple[str, ...] = ()
+    unreadable: str | None = None
+
+
+def _entry(entry: object) -> tuple[int, float] | str:
+    """One record entry, or why it is skipped."""
+    if not isinstance(entry, dict):
+        return f"not an object: {_short(entry)}"
+    pid = entry.get("pid")
+    ticks = entry.get("start_ticks")
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < _MAX_PID:
+        return f"bad pid: {_short(entry)}"
+    if "create_time" in entry and ticks is None:
+        return f"a wall-clock creation time (an older record): {_short(entry)}"
+    if not isinstance(ticks, int) or isinstance(ticks, bool) or not 0 <= ticks < 1 << 63:
+        return f"bad start_ticks: {_short(entry)}"
+    return pid, float(ticks)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def load_stopped_record(path: Path) -> StoppedRecord:
+    """Read a stopped-process record entry by entry; never raises. No file: an empty record."""
     try:
-        data: Any = json.loads(path.read_text())
+        with path.open("rb") as f:
+            raw = f.read(_MAX_RECORD_BYTES + 1)
     except FileNotFoundError:
-        return []
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: {e}") from e
+        return StoppedRecord()
+    except OSError as e:
+        return StoppedRecord(unreadable=f"{path}: {e.strerror or e}")
+    if len(raw) > _MAX_RECORD_BYTES:
+        return StoppedRecord(unreadable=f"{path}: larger than {_MAX_RECORD_BYTES} bytes")
+    try:
+        data: Any = json.loads(raw)
+    except RecursionError:
+        return StoppedRecord(unreadable=f"{path}: nested too deep")
+    except (UnicodeDecodeError, ValueError) as e:
+        return StoppedRecord(unreadable=f"{path}: {_short(str(e))}")
     entries = data.get("processes") if isinstance(data, dict) else None
     if not isinstance(entries, list):
-        raise ValueError(f'{path}: expected {{"version": 1, "processes": [...]}}')
-    result: list[tuple[int, float]] = []
+        return StoppedRecord(unreadable=f'{path}: expected {{"version": 2, "processes": [...]}}')
+    boot = data.get("boot_id")
+    valid: list[tuple[int, float]] = []
+    skipped: list[str] = []
     for entry in entries:
-        pid = entry.get("pid") if isinstance(entry, dict) else None
-        created = entry.get("create_time") if isinstance(entry, dict) else None
-        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-            raise ValueError(f"{path}: bad pid in {entry!r}")
-        if not isinstance(created, int | float) or isinstance(created, bool):
-            raise ValueError(f"{path}: bad create_time in {entry!r}")
-        result.append((pid, float(created)))
-    return result
+        found = _entry(entry)
+        if isinstance(found, str):
+            skipped.append(found)
+        else:
+            valid.append(found)
+    return StoppedRecord(tuple(valid), boot if isinstance(boot, str) else None, tuple(skipped))
 
 
-def write_stopped_record(path: Path, entries: Iterable[tuple[int, float]]) -> None:
-    """Replace the record atomically (a temporary file, fsync, rename); no entries removes it."""
+def read_stopped_record(path: Path) -> list[tuple[int, float]]:
+    """The valid (pid, start ticks) pairs of a stopped-process record; [] when there is no file.
+    Raises ValueError when the file cannot be read as a record."""
+    record = load_stopped_record(path)
+    if record.unreadable is not None:
+        raise ValueError(record.unreadable)
+    return list(record.entries)
+
+
+def write_stopped_record(
+    path: Path, entries: Iterable[tuple[int, float]], *, boot: str | None = None
+) -> None:
+    """Replace the record atomically (a temporary file, fsync, rename); no entries removes it.
+    `boot` is the boot ID the identities belong to (default: this boot's)."""
     items = sorted(entries)
     if not items:
         path.unlink(missing_ok=True)
@@ -105,7 +176,8 @@ def write_stopped_record(path: Path, entries: Iterable[tuple[int, float]]) -> No
     content = json.dumps(
         {
             "version": _RECORD_VERSION,
-            "processes": [{"pid": pid, "create_time": created} for pid, created in items],
+            "boot_id": boot_id() if boot is None else boot,
+            "processes": [{"pid": pid, "start_ticks": int(ticks)} for pid, ticks in items],
         },
         indent=1,
     )
@@ -119,6 +191,26 @@ def write_stopped_record(path: Path, entries: Iterable[tuple[int, float]]) -> No
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _move_aside(path: Path, wall_s: float) -> Path | None:
+    """Rename an unreadable record so that nothing overwrites it; its new path, None if that
+    failed (logged)."""
+    aside = path.with_name(f"{path.name}.unreadable-{int(wall_s)}")
+    n = 0
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.unreadable-{int(wall_s)}.{n}")
+    try:
+        path.rename(aside)
+    except OSError as e:
+        log.error(
+            "cannot move the unreadable stopped-process record aside path=%s error=%s",
+            path,
+            e.strerror or e,
+        )
+        return None
+    return aside
 
 
 class Enforcer:
@@ -144,6 +236,10 @@ class Enforcer:
         self._lock = threading.RLock()
         self._closed = False
         self._recovered = False
+        # After a lost record: until then (monotonic), stopped GPU processes of allocations are
+        # resumed as they appear in snapshots (pod-resources may name them only after a while).
+        self._scan_until: float | None = None
+        self._scanned: set[int] = set()
         self._recorded: dict[int, float] = {}
         # Processes an earlier run left stopped whose resume was denied: kept in every record.
         self._carried: dict[int, float] = {}
@@ -188,11 +284,7 @@ class Enforcer:
         This undoes what an earlier run did, so it acts for real even in a dry run."""
         with self._lock:
             self._recovered = True
-            try:
-                entries = read_stopped_record(self._record_path)
-            except ValueError as e:
-                log.error("stopped-process record unreadable; nothing resumed from it error=%s", e)
-                entries = []
+            entries = self._read_record()
             control = PsutilControl() if self._control.dry_run else self._control
             # What this run itself recorded is not an earlier run's (carried entries are).
             own = {pid: c for pid, c in self._recorded.items() if pid not in self._carried}
@@ -239,6 +331,61 @@ class Enforcer:
                         self._recorded = keep
             return resumed
 
+    def _read_record(self) -> list[tuple[int, float]]:
+        """The entries of an earlier run's record that belong to this boot. A bad entry is
+        skipped and logged; an unreadable file is moved aside. Either way, the first fresh
+        snapshot is scanned for stopped processes of this daemon's allocations."""
+        record = load_stopped_record(self._record_path)
+        if record.unreadable is not None:
+            aside = _move_aside(self._record_path, self._wall_clock())
+            log.error(
+                "stopped-process record unreadable; moved aside, and stopped GPU processes of "
+                "this node's allocations will be resumed as polls find them error=%s moved_to=%s",
+                record.unreadable,
+                aside,
+            )
+            self._scan_until = self._clock() + STRAY_SCAN_S
+        for problem in record.skipped[:10]:
+            log.warning("stopped-process record: entry skipped problem=%s", problem)
+        if record.skipped:
+            log.warning(
+                "stopped-process record: entries skipped count=%d; stopped GPU processes of this "
+                "node's allocations will be resumed as polls find them",
+                len(record.skipped),
+            )
+            self._scan_until = self._clock() + STRAY_SCAN_S
+        if record.entries and record.boot_id != boot_id():
+            log.info(
+                "stopped-process record is from another boot; its processes are gone count=%d",
+                len(record.entries),
+            )
+            return []
+        return list(record.entries)
+
+    def _resume_strays(self, attributed: set[int]) -> None:
+        """Resume the stopped (state T) processes among this snapshot's attributed ones that no
+        duty cycle of this run holds: after a lost record, they may be ones an earlier run
+        stopped. Each PID is looked at once. Acts for real, even in a dry run, as `recover`
+        does."""
+        ours = self._cycler_pids()
+        control = PsutilControl() if self._control.dry_run else self._control
+        try:
+            for pid in sorted(attributed - ours - self._scanned):
+                self._scanned.add(pid)
+                if run_state(pid) != "T":
+                    continue
+                control.watch([pid])
+                result = control.send(pid, signal.SIGCONT)
+                log.warning(
+                    "resumed a stopped GPU process of an allocation after a lost record "
+                    "pid=%d result=%s",
+                    pid,
+                    result.value,
+                )
+        finally:
+            if control is not self._control:
+                control.close()
+
     # -- every poll -------------------------------------------------------------------------
 
     def on_snapshot(self, snapshot: NodeSnapshot) -> NodeSnapshot:
@@ -276,6 +423,12 @@ class Enforcer:
             attributed = {p.pid for c in snapshot.containers for p in c.processes}
             self._control.retain(attributed | self._cycler_pids())
             self._control.watch(attributed)
+            if self._scan_until is not None:
+                if now <= self._scan_until:
+                    self._resume_strays(attributed)
+                else:
+                    self._scan_until = None
+                    self._scanned = set()
 
         # The record must name every process before it is first stopped.
         planned = set(self._cycler_pids())

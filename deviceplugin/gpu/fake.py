@@ -26,7 +26,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -212,6 +212,13 @@ _MIG_DEVICE_REQUIRED = (
     "profile",
     "memory_total_bytes",
 )
+# Ranges of the numbers in a state file: what a real node could report, with room to spare.
+# Beyond them a value is a mistake (and 2**63 overflows the kubelet API's integers).
+MAX_STATE_BYTES = 16 << 20
+MAX_INDEX = 1 << 16  # GPU indices and device minors
+MAX_NUMA_NODE = 1023  # Linux supports at most 1024 NUMA nodes
+MAX_MEMORY_BYTES = 1 << 50  # 1 PiB
+MAX_PID = 1 << 22  # Linux's largest pid_max
 _GPU_REQUIRED = ("uuid", "index", "name", "memory_total_bytes", "minor")
 _PROCESS_KEYS = ("pid", "used_memory_bytes", "sm_demand_percent")
 _PROCESS_REQUIRED = ("pid", "used_memory_bytes")
@@ -277,6 +284,17 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
+def _in_range(path: str, values: Iterable[tuple[str, object, int]], problems: _Problems) -> bool:
+    """Whether every integer among `values` (key, value, largest allowed) is in range; each one
+    that is not is a problem."""
+    ok = True
+    for key, value, most in values:
+        if _is_int(value) and value > most:
+            problems.add(f"{path}.{key}", f"out of range: at most {most}, got {_show(value)}")
+            ok = False
+    return ok
+
+
 def _parse_process(data: object, path: str, problems: _Problems) -> FakeProcess | None:
     if not isinstance(data, Mapping):
         problems.expected(path, "an object with pid, used_memory_bytes, sm_demand_percent", data)
@@ -290,6 +308,8 @@ def _parse_process(data: object, path: str, problems: _Problems) -> FakeProcess 
     if "used_memory_bytes" in data and not (_is_int(memory) and memory >= 0):
         problems.expected(f"{path}.used_memory_bytes", "a non-negative integer", memory)
         ok = False
+    bounds = (("pid", pid, MAX_PID), ("used_memory_bytes", memory, MAX_MEMORY_BYTES))
+    ok = _in_range(path, bounds, problems) and ok
     demand = data.get("sm_demand_percent", 0)
     if not (_is_number(demand) and 0 <= demand <= 100):
         problems.expected(f"{path}.sm_demand_percent", "a number from 0 to 100", demand)
@@ -436,6 +456,13 @@ def _parse_gpu(data: object, path: str, problems: _Problems) -> FakeGpu | None:
     numa = field(
         "numa_node", "a non-negative integer or null", lambda v: v is None or non_negative(v), None
     )
+    bounds = (
+        ("index", index, MAX_INDEX),
+        ("minor", minor, MAX_INDEX),
+        ("memory_total_bytes", memory, MAX_MEMORY_BYTES),
+        ("numa_node", numa, MAX_NUMA_NODE),
+    )
+    ok = _in_range(path, bounds, problems) and ok
     healthy = field("healthy", "true or false", lambda v: isinstance(v, bool), True)
     pci = field("pci_bus_id", "a string or null", lambda v: v is None or isinstance(v, str), None)
     mig = field("mig_enabled", "true or false", lambda v: isinstance(v, bool), False)
@@ -565,6 +592,10 @@ def parse_state(data: object) -> FakeState:
     return FakeState(gpus=tuple(gpu for _, gpu in gpus))
 
 
+def _short_text(text: str) -> str:
+    return text if len(text) <= _MAX_VALUE_CHARS else text[: _MAX_VALUE_CHARS - 3] + "..."
+
+
 def _decode_state(content: bytes) -> FakeState:
     """Parse the bytes of a state file; StateFileError describes what is wrong (not where)."""
     if not content.strip():
@@ -573,11 +604,17 @@ def _decode_state(content: bytes) -> FakeState:
         text = content.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise StateFileError(f"the file is not UTF-8 text: {e.reason} at byte {e.start}") from e
+    if len(content) > MAX_STATE_BYTES:
+        raise StateFileError(f"the file is larger than {MAX_STATE_BYTES} bytes")
     try:
         data = json.loads(text)
+        return parse_state(data)
     except json.JSONDecodeError as e:
         raise StateFileError(f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
-    return parse_state(data)
+    except RecursionError as e:
+        raise StateFileError("not a state file: nested too deep") from e
+    except ValueError as e:  # an integer of thousands of digits
+        raise StateFileError(f"not valid JSON: {_short_text(str(e))}") from e
 
 
 def read_state_file(path: Path) -> FakeState:

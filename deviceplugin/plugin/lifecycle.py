@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,13 @@ WAITING_REPORT_EVERY_S = 30.0
 # The kubelet opens ListAndWatch right after it accepts a registration; if it has not within
 # this long, its dial-back failed quietly and it holds no devices of ours: register again.
 STREAM_OPEN_TIMEOUT_S = 10.0
+# A registration whose stream ends (or never opens) sooner than this after it was made is a
+# failure: the next one waits, twice as long each time (from the first delay, at most
+# BACKOFF_MAX_S), so that nothing that breaks ListAndWatch makes a registration storm; and until a
+# stream has been held this long again, the plugin counts as not registered (for /healthz).
+STABLE_STREAM_S = 10.0
+RESTREAM_BACKOFF_FIRST_S = 0.1
+_STREAM_FAILURES = ("ListAndWatch stream ended", "the kubelet opened no ListAndWatch stream")
 
 _REGISTERED = "registered"
 _STOPPED = "stopped"
@@ -54,6 +62,20 @@ def _inode(path: Path) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return (st.st_dev, st.st_ino)
+
+
+def _listening(path: Path) -> bool:
+    """Whether something accepts connections on the Unix socket `path` (a kubelet that has
+    exited leaves its socket file behind, refusing connections)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.setblocking(False)
+        try:
+            s.connect(str(path))
+        except BlockingIOError:
+            return True  # its backlog is full: it is there
+        except OSError:
+            return False
+    return True
 
 
 @dataclass
@@ -97,6 +119,10 @@ class PluginLifecycle:
         self._registered = False
         # Monotonic time since which the plugin has not been registered; 0 while registered.
         self.unregistered_since_s = time.monotonic()
+        # Monotonic time since which registrations have not held a stream; 0 while one does.
+        self.unstable_since_s = 0.0
+        self._stream_failures = 0
+        self._registered_at = 0.0
 
     @property
     def registered(self) -> bool:
@@ -143,14 +169,40 @@ class PluginLifecycle:
                     reason = await self._watch(stop)
                     if reason:
                         self.stats.last_restart_reason = reason
-                        log.warning("re-registering with the kubelet reason=%r", reason)
+                        # A kubelet restart asks for it: expected, not a warning.
+                        expected = "kubelet restart" in reason
+                        log.log(
+                            logging.INFO if expected else logging.WARNING,
+                            "re-registering with the kubelet reason=%r",
+                            reason,
+                        )
                 finally:
                     self.registered = False
                     await self._close(server)
+                if (
+                    reason.startswith(_STREAM_FAILURES)
+                    and "kubelet restart" not in reason
+                    and time.monotonic() - self._registered_at < STABLE_STREAM_S
+                ):
+                    await self._back_off(stop)
         finally:
             self._service.stopping = True
             self._remove_socket()
             await self._dir_watch.close()
+
+    async def _back_off(self, stop: asyncio.Event) -> None:
+        """After a registration that held no stream: count it, and wait before the next one
+        (waking early on stop or a new kubelet.sock)."""
+        self._stream_failures += 1
+        if not self.unstable_since_s:
+            self.unstable_since_s = time.monotonic()
+        delay = min(RESTREAM_BACKOFF_FIRST_S * 2 ** (self._stream_failures - 1), BACKOFF_MAX_S)
+        log.info(
+            "waiting before registering again delay_s=%.2f consecutive_failures=%d",
+            delay,
+            self._stream_failures,
+        )
+        await self._sleep_or_change(stop, delay, self._kubelet_inode, _inode(self._socket))
 
     async def _serve(self) -> grpc.aio.Server:
         self._dir.mkdir(parents=True, exist_ok=True)
@@ -279,7 +331,7 @@ class PluginLifecycle:
     async def _watch(self, stop: asyncio.Event) -> str:
         """Wait until something calls for a new registration; '' when stopping."""
         own = self._own_inode  # the socket the kubelet was told to dial, not whatever is there now
-        registered_at = time.monotonic()
+        registered_at = self._registered_at = time.monotonic()
         changed = self._dir_watch.changed
         stop_wait = asyncio.ensure_future(stop.wait())
         stream_wait = asyncio.ensure_future(self._stream_ended.wait())
@@ -288,18 +340,32 @@ class PluginLifecycle:
                 changed.clear()
                 if stop.is_set():
                     return ""
-                if self._stream_ended.is_set():
-                    return "ListAndWatch stream ended"
+                if (
+                    self._stream_failures
+                    and self._service.opened_generation == self._generation
+                    and time.monotonic() - registered_at > STABLE_STREAM_S
+                ):
+                    log.info("holding a ListAndWatch stream again")
+                    self._stream_failures = 0
+                    self.unstable_since_s = 0.0
                 if _inode(self._socket) != own:
                     return "plugin socket removed (kubelet restart)"
                 if _inode(self._kubelet_socket) != self._kubelet_inode:
                     return "kubelet.sock re-created (kubelet restart)"
-                # A timer only while the kubelet still owes us its stream.
+                if self._stream_ended.is_set():
+                    if not _listening(self._kubelet_socket):
+                        return "ListAndWatch stream ended, kubelet gone (kubelet restart)"
+                    return "ListAndWatch stream ended"
+                # A timer only while the kubelet still owes us its stream, or while a stream
+                # after failures has yet to be held long enough to count as stable again.
                 timeout_s: float | None = None
                 if self._service.opened_generation != self._generation:
                     timeout_s = registered_at + self.stream_open_timeout_s - time.monotonic()
                     if timeout_s < 0:
                         return "the kubelet opened no ListAndWatch stream after registration"
+                elif self._stream_failures:
+                    timeout_s = max(registered_at + STABLE_STREAM_S - time.monotonic(), 0.0)
+                    timeout_s += 0.001  # past the deadline, so the check above holds
                 change_wait = asyncio.ensure_future(changed.wait())
                 try:
                     await asyncio.wait(

@@ -15,12 +15,17 @@ import grpc
 from deviceplugin.allocation import build_container_allocation
 from deviceplugin.config import Config
 from deviceplugin.errors import AllocationError
+from deviceplugin.logs import brief, brief_list
 from deviceplugin.model import AllocationRecord, ContainerAllocation, Inventory
 from deviceplugin.proto import HEALTHY, UNHEALTHY, dp, dp_grpc
 from deviceplugin.slicing import preferred_allocation
 from deviceplugin.state import AllocationBook, Published
 
 log = logging.getLogger(__name__)
+
+# An error answered to the kubelet is cut to this many characters (a request naming 100k unknown
+# IDs would otherwise get them all back).
+MAX_ABORT_CHARS = 2000
 
 
 def device_list(inventory: Inventory) -> dp.ListAndWatchResponse:
@@ -104,9 +109,12 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         self, request: dp.Empty, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[dp.ListAndWatchResponse]:
         generation = self._generation()
+        # The kubelet opens one stream right after it accepts a registration: the first stream of
+        # a registration is the kubelet's. Another (a debugging grpcurl) may come and go freely.
+        kubelets = self.opened_generation != generation
         self.opened_generation = generation
         self.open_streams += 1
-        log.info("ListAndWatch stream opened generation=%d", generation)
+        log.info("ListAndWatch stream opened generation=%d kubelet=%s", generation, kubelets)
         sent_version = -1
         try:
             while True:
@@ -124,9 +132,13 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 await self._inventory.wait_change(sent_version)
         finally:
             self.open_streams -= 1
-            if not self.stopping:
+            if not self.stopping and kubelets:
                 log.warning("ListAndWatch stream ended generation=%d", generation)
                 self._on_stream_end(generation)
+            elif not self.stopping:
+                log.info(
+                    "a ListAndWatch stream other than the kubelet's ended generation=%d", generation
+                )
 
     async def GetPreferredAllocation(  # noqa: N802
         self, request: dp.PreferredAllocationRequest, context: grpc.aio.ServicerContext
@@ -143,8 +155,13 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                     self._config.allocation.policy,
                 )
             except AllocationError as e:
-                log.warning("preferred allocation refused container_request=%d error=%s", i, e)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"container request {i}: {e}")
+                log.warning(
+                    "preferred allocation refused container_request=%d error=%s", i, brief(str(e))
+                )
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"container request {i}: {brief(str(e), MAX_ABORT_CHARS)}",
+                )
             responses.append(dp.ContainerPreferredAllocationResponse(deviceIDs=ids))
         return dp.PreferredAllocationResponse(container_responses=responses)
 
@@ -168,10 +185,13 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 log.warning(
                     "allocate refused container_request=%d devices=%s error=%s",
                     i,
-                    ",".join(req.devices_ids),
-                    e,
+                    brief_list(req.devices_ids),
+                    brief(str(e)),
                 )
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"container request {i}: {e}")
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"container request {i}: {brief(str(e), MAX_ABORT_CHARS)}",
+                )
         now = self._clock()
         for allocation in allocations:
             self._book.allocated(
@@ -180,8 +200,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
             log.info(
                 "allocated allocation_id=%s slices=%s gpus=%s",
                 allocation.allocation_id,
-                ",".join(allocation.slice_ids),
-                ",".join(allocation.gpu_uuids),
+                brief_list(allocation.slice_ids),
+                brief_list(allocation.gpu_uuids),
             )
         response = dp.AllocateResponse(
             container_responses=[allocate_response(a) for a in allocations]

@@ -89,6 +89,8 @@ class Node:
             state_dir=self.root / "state",
             metrics_address="127.0.0.1:0",
             node_name="test-node",
+            # The test's workloads run outside pod cgroups, like the demo's.
+            trust_host_processes=True,
         )
 
 
@@ -99,9 +101,10 @@ async def running_daemon(
     *,
     pod_resources_interval_s: float = 10.0,
     pod_resources_socket: Path | None = None,
+    trust_host_processes: bool = True,
 ) -> AsyncIterator[Daemon]:
     """Run a daemon until the block ends; fail the test if it died on its own."""
-    settings = node.settings(config)
+    settings = dataclasses.replace(node.settings(config), trust_host_processes=trust_host_processes)
     if pod_resources_socket is not None:
         settings = dataclasses.replace(settings, pod_resources_socket=pod_resources_socket)
     backend = FakeBackend(node.state_file)

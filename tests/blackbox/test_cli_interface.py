@@ -64,6 +64,7 @@ def test_serve_help_shows_every_default_and_its_environment_variable() -> None:
         "--metrics-client-ca": "VGPU_METRICS_CLIENT_CA",
         "--state-dir": "VGPU_STATE_DIR",
         "--node-name": "NODE_NAME",
+        "--trust-host-processes": "VGPU_TRUST_HOST_PROCESSES",
         "--log-format": "VGPU_LOG_FORMAT",
         "--log-level": "VGPU_LOG_LEVEL",
     }

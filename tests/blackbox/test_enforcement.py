@@ -19,7 +19,6 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 import pytest
 
 from deviceplugin.config import (
@@ -42,7 +41,7 @@ from deviceplugin.enforcer import (
     read_stopped_record,
     write_stopped_record,
 )
-from deviceplugin.enforcer.actuator import SignalResult
+from deviceplugin.enforcer.actuator import SignalResult, start_ticks
 from deviceplugin.gpu.fake import FakeBackend, proc_stat_state, write_state_file
 from deviceplugin.model import (
     AllocationRecord,
@@ -608,8 +607,11 @@ def test_recovery_resumes_only_processes_whose_identity_matches(
     for child in (ours, reused):
         child.send_signal(signal.SIGSTOP)
     assert wait_until(lambda: is_stopped(ours.pid) and is_stopped(reused.pid))
-    created = psutil.Process(ours.pid).create_time()
-    other = psutil.Process(reused.pid).create_time() - 30  # as if the pid had been reused
+    created = start_ticks(ours.pid)
+    other = start_ticks(reused.pid)
+    assert created is not None
+    assert other is not None
+    other -= 3000  # as if the pid had been reused
     write_stopped_record(
         tmp_path / STOPPED_RECORD_NAME,
         [(ours.pid, created), (reused.pid, other), (gone.pid, created)],
@@ -945,7 +947,9 @@ def test_real_psutil_control_reports_sent_gone_and_denied(
             patch.setattr(signal, "pidfd_send_signal", refuse)
             patch.setattr(os, "kill", refuse)  # under psutil's send_signal
             assert control.send(child.pid, signal.SIGSTOP) is SignalResult.DENIED
-            created = psutil.Process(child.pid).create_time()
+            ticks = start_ticks(child.pid)
+            assert ticks is not None
+            created = float(ticks)
             assert control.resume_recorded(child.pid, created) is SignalResult.DENIED
         assert control.create_time(child.pid) is not None  # denied: still held
         assert not is_stopped(child.pid)

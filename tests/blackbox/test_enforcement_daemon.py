@@ -62,7 +62,7 @@ class Serve:
             self.port = s.getsockname()[1]
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "deviceplugin", "serve", "--config", str(self.config),
-            "--backend", f"fake:{self.node.state_file}",
+            "--backend", f"fake:{self.node.state_file}", "--trust-host-processes",
             "--device-plugin-dir", str(self.node.plugin_dir),
             "--pod-resources-socket", str(self.node.podres_socket),
             "--state-dir", str(self.node.root / "state"),

@@ -161,6 +161,39 @@ async def test_an_invalid_config_is_refused_with_check_configs_messages_and_the_
         assert reloads(daemon, "applied") == 1
 
 
+async def test_a_plan_too_large_for_the_kubelet_is_refused_and_the_old_one_kept(
+    node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = configmap(node.root / "cfg", 1, FAST + "slicing:\n  replicas: 2\n")
+    async with daemon_with_config(node, path) as (daemon, _):
+        await registered(node, 4)
+        before = running_hash(daemon)
+        # Valid on its own, but 64Mi slices make 1280 on the 80 GiB GPU: over the bound per GPU.
+        too_many = FAST + "slicing:\n  memoryPerSlice: 64Mi\n"
+        caplog.set_level(logging.ERROR, logger="deviceplugin.reload")
+        configmap(node.root / "cfg", 2, too_many)
+        await eventually(lambda: reloads(daemon, "refused") == 1, what="the refusal")
+        # The message check-config prints for that file on this node's GPUs.
+        err = io.StringIO()
+        assert check_config(path, f"fake:{node.state_file}", io.StringIO(), err) == 2
+        problem = err.getvalue().splitlines()[0]
+        assert "slicing.memoryPerSlice" in problem
+        assert "1024" in problem
+        logged = [r.getMessage() for r in caplog.records]
+        assert any(problem in message for message in logged), (problem, logged)
+        # The running config stays: same plan, same hash, nothing applied, polls go on.
+        polls = daemon.poller.failures
+        await asyncio.sleep(0.3)
+        assert daemon.poller.failures == polls
+        assert len(node.sim.healthy_ids(RESOURCE)) == 4
+        assert running_hash(daemon) == before
+        assert reloads(daemon, "applied") == 0
+        # A config that fits after the refused one is applied.
+        configmap(node.root / "cfg", 3, FAST + "slicing:\n  replicas: 3\n")
+        await registered(node, 6)
+        assert reloads(daemon, "applied") == 1
+
+
 async def test_a_renamed_resource_registers_again_under_its_new_name(node: Node) -> None:
     path = configmap(node.root / "cfg", 1, FAST)
     async with daemon_with_config(node, path) as (daemon, _):

@@ -130,9 +130,18 @@ def samples(path: Path, schema: dict[str, Any]) -> tuple[list[object], list[obje
     if "x-minimumSeconds" in schema:  # a duration
         good += [SOME_DURATION, "1m30s" if path[-1] == "window" else SOME_DURATION]
         bad += ["2", "2 seconds", "-1s", True, [1]]
-    if path[-1] == "memoryPerSlice":  # a size
-        good += ["10Gi", "512Mi", "1G", 1024, "1.5Gi"]
-        bad += ["10Q", "Gi", 0, -1, True]
+    if path[-1] == "memoryPerSlice":  # a size, at least x-minimumBytes
+        good += ["10Gi", "512Mi", "1G", schema["x-minimumBytes"], "1.5Gi"]
+        bad += ["10Q", "Gi", 0, -1, True, 1024, schema["x-minimumBytes"] - 1]
+    if path[-1] == "contextReserve":  # a size, or 0
+        good += ["512Mi", "1G", 0, "0", 1024]
+        bad += ["10Q", "Gi", -1, True]
+    if path[-1] == "root":
+        good += ["/run/vgpu/mps", "/mps"]
+        bad += ["run/mps", "/a,b", "/a:b", 5]
+    if path[-1] == "path":
+        good += ["/etc/kubernetes/node-feature-discovery/features.d/vgpu", ""]
+        bad += ["features.d/vgpu", 5]
     if path[-1] == "deviceListStrategy":
         good += ["envvar", ["volume-mounts", "cdi-cri"], list(schema["anyOf"][0]["enum"])]
         bad += [[], ["envvar", "envvar"], "bogus", ["bogus"], 3]
@@ -188,6 +197,23 @@ def test_duration_minimums_are_the_parsers(path: Path) -> None:
     assert f"At least {format_duration(minimum_s)}" in dict(leaves(VGPU))[path]["description"]
 
 
+@pytest.mark.parametrize(
+    "path", [p for p, s in leaves(VGPU) if "x-maximumSeconds" in s], ids=dotted
+)
+def test_duration_maximums_are_the_parsers(path: Path) -> None:
+    maximum_s = dict(leaves(VGPU))[path]["x-maximumSeconds"]
+
+    def at(value: str) -> dict[str, Any]:
+        data = place(path, value)
+        if path[-1] == "period":  # a period may not exceed its window
+            data["enforcement"]["compute"]["window"] = format_duration(maximum_s)
+        return data
+
+    assert parser_accepts(at(format_duration(maximum_s)))
+    assert not parser_accepts(at(f"{round(maximum_s * 1000) + 1}ms"))
+    assert f"At most {format_duration(maximum_s)}" in dict(leaves(VGPU))[path]["description"]
+
+
 def test_defaults_in_the_schema_are_the_parsers_defaults() -> None:
     document: dict[str, Any] = {}
     for path, schema in leaves(VGPU):
@@ -228,7 +254,7 @@ def example_configs() -> list[tuple[str, object]]:
             if isinstance(data, dict) and data.get("version") == "v1":
                 examples.append((f"{doc.relative_to(ROOT)} block {i}", block))
     for path in sorted(DEPLOY.rglob("*.yaml")):
-        if path.is_relative_to(CHART / "templates"):
+        if path.is_relative_to(CHART / "templates") or path.name == "Chart.yaml":
             continue  # Helm templates: YAML only once rendered (tests/deploy renders them)
         if path.is_relative_to(CHART):
             # A values file's `config:` map becomes the daemon's config file.

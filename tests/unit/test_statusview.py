@@ -81,7 +81,13 @@ def test_document_gpus() -> None:
     assert gpu0["memory_total_bytes"] == 80 * GiB
     assert gpu0["memory_used_bytes"] == 37 * GiB
     assert gpu0["sm_utilization_ratio"] == pytest.approx(0.8)
-    assert gpu0["slices"] == {"total": 4, "allocated": 4, "free": 0, "unhealthy": 0}
+    assert gpu0["slices"] == {
+        "total": 4,
+        "allocated": 4,
+        "free": 0,
+        "unhealthy": 0,
+        "unconfirmed": 0,
+    }
     assert gpu0["unattributed"] == [
         {"pid": 900, "used_memory_bytes": 512 * 1024**2, "sm_util_percent": 3.0}
     ]
@@ -90,7 +96,13 @@ def test_document_gpus() -> None:
     assert gpu1["health_reason"].startswith("Xid 79")
     assert gpu1["memory_used_bytes"] is None
     assert gpu1["sm_utilization_ratio"] is None
-    assert gpu1["slices"] == {"total": 4, "allocated": 2, "free": 0, "unhealthy": 2}
+    assert gpu1["slices"] == {
+        "total": 4,
+        "allocated": 2,
+        "free": 0,
+        "unhealthy": 2,
+        "unconfirmed": 0,
+    }
     assert [p["pid"] for p in gpu1["unattributed"]] == [901, 902]
 
 

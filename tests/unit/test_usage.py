@@ -550,22 +550,23 @@ def evidence(
 a_id, b_id, c_id = A.allocation_id, B.allocation_id, C.allocation_id
 m1_id, m2_id = M1.allocation_id, M2.allocation_id
 
-# (what, claim, pod, GPU) -> (attributed to, misattributed)
+# (what, claim, pod, GPU) -> (attributed to by its own claim, misattributed). A process whose
+# claim does not stand may still be charged by its container cgroup (see the build tests).
 RULES: list[tuple[str, str | None, str | None, str, str | None, bool]] = [
     ("honest", a_id, POD_A, UUID0, a_id, False),
     ("honest, the other GPU of its allocation", b_id, POD_B, UUID1, b_id, False),
     ("honest, one of several containers", m1_id, POD_M, UUID1, m1_id, False),
     ("honest, the other container", m2_id, POD_M, UUID1, m2_id, False),
     ("honest claim on a GPU its pod holds nothing of", a_id, POD_A, UUID1, a_id, False),
-    ("spoofed ID, pod with one allocation here", b_id, POD_A, UUID0, a_id, True),
+    ("spoofed ID, pod with one allocation here", b_id, POD_A, UUID0, None, True),
     ("spoofed ID, pod without allocations", a_id, POD_X, UUID0, None, True),
     ("spoofed ID, pod with several allocations here", b_id, POD_M, UUID1, None, True),
     ("host process, recorded ID", a_id, None, UUID0, None, True),
-    ("host process, unrecorded ID", c_id, None, UUID0, c_id, False),
+    ("host process, unrecorded ID", c_id, None, UUID0, None, True),
     ("host process, no ID", None, None, UUID0, None, False),
-    ("no or invalid ID, pod with one allocation here", None, POD_A, UUID0, a_id, False),
-    ("unrecorded ID, pod with one allocation here", UNRECORDED, POD_A, UUID0, a_id, True),
-    ("no or invalid ID, pod with several allocations here", None, POD_M, UUID1, None, True),
+    ("no or invalid ID, pod with one allocation here", None, POD_A, UUID0, None, False),
+    ("unrecorded ID, pod with one allocation here", UNRECORDED, POD_A, UUID0, None, True),
+    ("no or invalid ID, pod with several allocations here", None, POD_M, UUID1, None, False),
     ("no ID, pod holding nothing on this GPU", None, POD_A, UUID1, None, False),
     ("unrecorded ID, pod holding nothing on this GPU", UNRECORDED, POD_A, UUID1, None, True),
     ("no ID, pod without allocations", None, POD_X, UUID0, None, False),
@@ -593,16 +594,17 @@ def test_without_a_readable_checkpoint_every_claim_stands(
         assert attribute(claim, pod, gpu, evidence(checkpoint=checkpoint)) == (claim, False)
 
 
-def test_trusted_host_processes_keep_recorded_claims_but_pods_are_still_checked() -> None:
+def test_trusted_host_processes_keep_their_claims_but_pods_are_still_checked() -> None:
     trusting = evidence(trust_host=True)
     assert attribute(a_id, None, UUID0, trusting) == (a_id, False)
-    assert attribute(b_id, POD_A, UUID0, trusting) == (a_id, True)
+    assert attribute(c_id, None, UUID0, trusting) == (c_id, False)
+    assert attribute(b_id, POD_A, UUID0, trusting) == (None, True)
     assert attribute(a_id, POD_X, UUID0, trusting) == (None, True)
 
 
-def test_a_readable_empty_checkpoint_refuses_claims_from_pods_only() -> None:
+def test_a_readable_empty_checkpoint_refuses_every_claim() -> None:
     empty = evidence(checkpoint=checkpoint_of())
-    assert attribute(a_id, None, UUID0, empty) == (a_id, False)
+    assert attribute(a_id, None, UUID0, empty) == (None, True)
     assert attribute(a_id, POD_A, UUID0, empty) == (None, True)
     assert attribute(None, POD_A, UUID0, empty) == (None, False)
 
@@ -621,6 +623,7 @@ def test_build_with_evidence_refuses_spoofed_claims_and_counts_them() -> None:
     )
     claims = {101: a_id, 102: None, 201: a_id, 202: UNRECORDED, 401: c_id, 402: a_id, 501: None}
     pods = {101: POD_A, 102: POD_A, 201: POD_X, 202: POD_X, 501: POD_M}
+    cgroups = {101: "/kubepods/podA/ctr1", 102: "/kubepods/podA/ctr1", 501: "/kubepods/podM/c"}
     records = [A, B, C, M1, M2]
     builder = SnapshotBuilder("n", 5.0)
     snapshot, unknown = builder.build(
@@ -632,19 +635,21 @@ def test_build_with_evidence_refuses_spoofed_claims_and_counts_them() -> None:
         wall_s=1_700_000_000.0,
         health=HEALTH,
         previous_reading_s=9.0,
-        evidence=evidence(pods),
+        evidence=dataclasses.replace(evidence(pods), cgroup_of=cgroups.get),
     )
     a0 = usage_of(snapshot, A, UUID0)
     assert [p.pid for p in a0.processes] == [101, 102]
     assert a0.memory_used_bytes == 3 * GI  # the spoofers' 31 GiB are not charged to A
     assert a0.sm_utilization_ratio == pytest.approx(0.2)
-    assert [p.pid for p in usage_of(snapshot, C, UUID0).processes] == [401]
-    assert [p.pid for p in snapshot.gpus[0].unattributed] == [201, 202, 402]
+    assert usage_of(snapshot, C, UUID0).processes == ()  # a host process's claim is refused
+    assert [p.pid for p in snapshot.gpus[0].unattributed] == [201, 202, 401, 402]
     assert [p.pid for p in snapshot.gpus[1].unattributed] == [501]
-    assert [p.pid for p in snapshot.gpus[0].misattributed] == [201, 202, 402]
-    assert [p.pid for p in snapshot.gpus[1].misattributed] == [501]
+    assert [p.pid for p in snapshot.gpus[0].misattributed] == [201, 202, 401, 402]
+    assert snapshot.gpus[1].misattributed == ()  # no claim: nothing refused
+    assert snapshot.gpus[0].unattributed_pods == ((201, POD_X), (202, POD_X))
+    assert snapshot.gpus[1].unattributed_pods == ((501, POD_M),)
     assert unknown == frozenset()  # refused claims ask pod-resources nothing
-    for pid in (201, 202, 402, 501):
+    for pid in (201, 202, 401, 402, 501):
         assert all(pid not in {p.pid for p in c.processes} for c in snapshot.containers)
 
 

@@ -120,7 +120,8 @@ async def run(churn: int) -> dict[str, float]:
     port = free_port()
     daemon = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "deviceplugin", "serve", "--config", str(config),
-        "--backend", f"fake:{node.state}", "--device-plugin-dir", str(root / "dp"),
+        "--backend", f"fake:{node.state}", "--trust-host-processes",
+        "--device-plugin-dir", str(root / "dp"),
         "--pod-resources-socket", str(root / "podres.sock"),
         "--metrics-address", f"127.0.0.1:{port}", "--state-dir", str(root / "state"),
         "--log-level", "error",
