@@ -25,7 +25,7 @@ from pathlib import Path
 from deviceplugin import __version__, logs
 from deviceplugin.config import Config
 from deviceplugin.errors import BackendError, ConfigError, StartupError
-from deviceplugin.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
+from deviceplugin.kubelet.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
 
 log = logging.getLogger("deviceplugin")
 
@@ -250,7 +250,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log.error("config error source=%s problem=%s", e.source, problem)
         return EXIT_USAGE
     if settings.metrics_address:
-        from deviceplugin.httpserver import parse_address  # noqa: PLC0415
+        from deviceplugin.usage.httpserver import parse_address  # noqa: PLC0415
 
         try:
             parse_address(settings.metrics_address)
@@ -262,7 +262,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.error("config error source=--metrics-tls-cert problem=%s", tls_problem)
         return EXIT_USAGE
     if args.metrics_tls_cert:
-        from deviceplugin.httpserver import TlsFiles  # noqa: PLC0415
+        from deviceplugin.usage.httpserver import TlsFiles  # noqa: PLC0415
 
         settings = replace(
             settings,
@@ -320,7 +320,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from deviceplugin.demo import run_demo  # noqa: PLC0415
+    from deviceplugin.sim.demo import run_demo  # noqa: PLC0415
 
     # The demo's own view is on stdout; the daemon's log lines only with --verbose (errors always).
     logs.configure("text", logging.INFO if args.verbose else logging.ERROR)
@@ -330,14 +330,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_config_schema(args: argparse.Namespace) -> int:
     import json  # noqa: PLC0415
 
-    from deviceplugin.configschema import config_schema  # noqa: PLC0415
+    from deviceplugin.config.schema import config_schema  # noqa: PLC0415
 
     print(json.dumps(config_schema(), indent=2, ensure_ascii=False))
     return EXIT_OK
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from deviceplugin.statuscli import run_status  # noqa: PLC0415
+    from deviceplugin.usage.statuscli import run_status  # noqa: PLC0415
 
     return run_status(args.address, args.watch, as_json=args.json, out=sys.stdout, err=sys.stderr)
 

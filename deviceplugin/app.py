@@ -27,13 +27,19 @@ import grpc
 
 from deviceplugin import __version__
 from deviceplugin.allocation import mps_defaults
-from deviceplugin.checkpoint import CHECKPOINT_FILE, CheckpointReader
 from deviceplugin.config import Config, MpsConfig
 from deviceplugin.enforcer import Enforcer, RecordingControl
+from deviceplugin.enforcer.record import AllocationBook, Published
 from deviceplugin.errors import BackendError, StartupError
 from deviceplugin.gpu.backend import GpuBackend
-from deviceplugin.httpserver import HttpServer, TlsFiles
-from deviceplugin.metrics import DaemonMetrics, healthz
+from deviceplugin.gpu.mps import MpsControlDaemon
+from deviceplugin.kubelet.checkpoint import CHECKPOINT_FILE, CheckpointReader
+from deviceplugin.kubelet.lifecycle import PluginLifecycle
+from deviceplugin.kubelet.limits import DeviceListTooLargeError, device_list_problem
+from deviceplugin.kubelet.podresources import list_container_devices
+from deviceplugin.kubelet.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
+from deviceplugin.kubelet.resources import ResourceEndpoint, ResourcePlugins
+from deviceplugin.kubelet.server import DevicePluginService
 from deviceplugin.model import (
     AllocationRecord,
     DaemonHealth,
@@ -41,15 +47,7 @@ from deviceplugin.model import (
     NodeSnapshot,
     allocation_id,
 )
-from deviceplugin.mps import MpsControlDaemon
 from deviceplugin.nodelabels import NodeLabelFile
-from deviceplugin.plugin.lifecycle import PluginLifecycle
-from deviceplugin.plugin.limits import DeviceListTooLargeError, device_list_problem
-from deviceplugin.plugin.resources import ResourceEndpoint, ResourcePlugins
-from deviceplugin.plugin.server import DevicePluginService
-from deviceplugin.podresources import list_container_devices
-from deviceplugin.procs import AllocationResolver, pid_namespace_warning
-from deviceplugin.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
 from deviceplugin.reload import (
     ConfigReloader,
     ReloadMetrics,
@@ -57,9 +55,11 @@ from deviceplugin.reload import (
     report_hangups_without_a_config,
 )
 from deviceplugin.slicing import build_inventory, format_bytes, keep_held, plan_gpus
-from deviceplugin.state import AllocationBook, Published
 from deviceplugin.statedir import check_state_file, claim_state_dir
-from deviceplugin.usage import AttributionEvidence, SnapshotBuilder, mark_stale
+from deviceplugin.usage.attribution import AttributionEvidence, SnapshotBuilder, mark_stale
+from deviceplugin.usage.httpserver import HttpServer, TlsFiles
+from deviceplugin.usage.metrics import DaemonMetrics, healthz
+from deviceplugin.usage.procs import AllocationResolver, pid_namespace_warning
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from deviceplugin.allocation import (
 )
 from deviceplugin.config import Config, format_size, load_config
 from deviceplugin.errors import BackendError, ConfigError
+from deviceplugin.kubelet.limits import device_list_problem
 from deviceplugin.model import GpuInfo, GpuPlan
-from deviceplugin.plugin.limits import device_list_problem
 from deviceplugin.slicing import format_bytes, plan_gpus
 
 EXIT_OK = 0
@@ -164,7 +164,7 @@ def check_config(path: Path, backend_spec: str, out: TextIO, err: TextIO) -> int
             return EXIT_BACKEND
         print(f"\nslicing plan for the GPUs of {backend_spec}:", file=out)
     else:
-        from deviceplugin.demo import example_gpus  # noqa: PLC0415
+        from deviceplugin.sim.demo import example_gpus  # noqa: PLC0415
 
         gpus = example_gpus()
         print(

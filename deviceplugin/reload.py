@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from deviceplugin.config import Config, config_from_bytes
-from deviceplugin.dirwatch import DirectoryWatch
 from deviceplugin.errors import ConfigError
+from deviceplugin.kubelet.dirwatch import DirectoryWatch
 
 if TYPE_CHECKING:
     from deviceplugin.app import Daemon

@@ -15,8 +15,8 @@ from pathlib import Path
 from deviceplugin.app import Daemon, DaemonSettings
 from deviceplugin.config import Config, EnforcementConfig
 from deviceplugin.gpu.fake import FakeBackend, FakeGpu, FakeProcess, FakeState, write_state_file
-from deviceplugin.kubelet_sim import KubeletSimulator
-from deviceplugin.plugin.lifecycle import endpoint_name
+from deviceplugin.kubelet.lifecycle import endpoint_name
+from deviceplugin.sim.kubelet import KubeletSimulator
 
 GiB = 1024**3
 RESOURCE = "nvidia.com/vgpu"

@@ -105,7 +105,7 @@ def test_a_bad_log_level_in_the_environment_is_named() -> None:
 def test_log_levels_are_spelled_alike_in_any_case(spelling: str) -> None:
     daemon = run_cli("serve", "--log-level", spelling, "--help")
     sim = subprocess.run(
-        [sys.executable, "-m", "deviceplugin.kubelet_sim", "--log-level", spelling, "--help"],
+        [sys.executable, "-m", "deviceplugin.sim.kubelet", "--log-level", spelling, "--help"],
         capture_output=True,
         text=True,
         check=False,

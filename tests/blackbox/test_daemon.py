@@ -20,8 +20,8 @@ from deviceplugin.config import (
     SliceRule,
     SlicingConfig,
 )
-from deviceplugin.kubelet_sim import AdmissionError, ContainerGrant
-from deviceplugin.proto import HEALTHY, UNHEALTHY, dp, dp_grpc
+from deviceplugin.kubelet.proto import HEALTHY, UNHEALTHY, dp, dp_grpc
+from deviceplugin.sim.kubelet import AdmissionError, ContainerGrant
 from tests.blackbox.daemon_harness import (
     FAST,
     RESOURCE,

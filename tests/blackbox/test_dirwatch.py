@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin.dirwatch import DirectoryWatch
+from deviceplugin.kubelet.dirwatch import DirectoryWatch
 
 MODES = pytest.mark.parametrize("use_inotify", [True, False], ids=["inotify", "poll"])
 FALLBACK_S = 0.05

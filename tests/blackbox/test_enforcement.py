@@ -56,9 +56,9 @@ from deviceplugin.model import (
     ProcessSample,
     allocation_id,
 )
-from deviceplugin.procs import AllocationResolver
 from deviceplugin.slicing import build_inventory
-from deviceplugin.usage import SnapshotBuilder
+from deviceplugin.usage.attribution import SnapshotBuilder
+from deviceplugin.usage.procs import AllocationResolver
 
 GIB = 1024**3
 GPU = "GPU-00000000-0000-4000-8000-00000000e0f0"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from deviceplugin.gpu.fake import FakeProcess
-from deviceplugin.kubelet_sim import ContainerGrant
+from deviceplugin.sim.kubelet import ContainerGrant
 from tests.blackbox.daemon_harness import (
     TWO_GPUS,
     GiB,

@@ -19,10 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deviceplugin.httpserver import HttpServer, parse_address
-from deviceplugin.metrics import DaemonMetrics
 from deviceplugin.model import NodeSnapshot
-from deviceplugin.statusview import snapshot_to_json
+from deviceplugin.usage.httpserver import HttpServer, parse_address
+from deviceplugin.usage.metrics import DaemonMetrics
+from deviceplugin.usage.statusview import snapshot_to_json
 from tests.unit.test_metrics import NODE, UNNAMED, sample_snapshot
 
 CLI = [sys.executable, "-m", "deviceplugin"]

@@ -19,14 +19,7 @@ from typing import Any
 import grpc
 import pytest
 
-from deviceplugin.kubelet_sim import (
-    CHECKPOINT_FILE,
-    AdmissionError,
-    KubeletSimulator,
-    choose_devices,
-    is_extended_resource_name,
-)
-from deviceplugin.proto import (
+from deviceplugin.kubelet.proto import (
     DEVICE_PLUGIN_VERSION,
     HEALTHY,
     KUBELET_SOCKET,
@@ -35,6 +28,13 @@ from deviceplugin.proto import (
     dp_grpc,
     podres,
     podres_grpc,
+)
+from deviceplugin.sim.kubelet import (
+    CHECKPOINT_FILE,
+    AdmissionError,
+    KubeletSimulator,
+    choose_devices,
+    is_extended_resource_name,
 )
 
 RESOURCE = "nvidia.com/vgpu"
@@ -496,7 +496,7 @@ async def test_an_unusable_preference_falls_back(
 ) -> None:
     plugin = FakePlugin(preferred_available=True, preference=preference)
     await node.plug(plugin)
-    with caplog.at_level(logging.WARNING, logger="deviceplugin.kubelet_sim"):
+    with caplog.at_level(logging.WARNING, logger="deviceplugin.sim.kubelet"):
         pod = await node.sim.admit_pod("p", [("c", 2)])
     assert pod.containers[0].device_ids == expected
     assert pod.containers[0].preferred == tuple(preference([], 2))
@@ -683,7 +683,7 @@ async def test_command_line_runs_until_sigterm(short_tmp: Path) -> None:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "deviceplugin.kubelet_sim",
+        "deviceplugin.sim.kubelet",
         "--dir",
         str(plugin_dir),
         "--pod-resources-socket",

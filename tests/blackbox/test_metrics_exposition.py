@@ -19,7 +19,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
 from deviceplugin.gpu.fake import FakeState, write_state_file
-from deviceplugin.httpserver import HttpServer, TlsFiles
+from deviceplugin.usage.httpserver import HttpServer, TlsFiles
 from tests.blackbox.daemon_harness import TWO_GPUS
 from tests.blackbox.test_httpserver import Daemon
 from tests.unit.test_metrics import NAMED_A, sample_snapshot

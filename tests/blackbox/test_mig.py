@@ -23,8 +23,8 @@ from deviceplugin.config import (
     SlicingConfig,
 )
 from deviceplugin.gpu.fake import FakeGpu, FakeMigDevice, FakeProcess
-from deviceplugin.kubelet_sim import AdmissionError
-from deviceplugin.proto import HEALTHY, UNHEALTHY
+from deviceplugin.kubelet.proto import HEALTHY, UNHEALTHY
+from deviceplugin.sim.kubelet import AdmissionError
 from tests.blackbox.daemon_harness import (
     FAST,
     RESOURCE,

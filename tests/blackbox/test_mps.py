@@ -21,7 +21,7 @@ from deviceplugin.app import Daemon
 from deviceplugin.config import Config, MpsConfig
 from deviceplugin.errors import StartupError
 from deviceplugin.gpu.fake import FakeBackend
-from deviceplugin.mps import PID_FILE
+from deviceplugin.gpu.mps import PID_FILE
 from tests.blackbox.daemon_harness import (
     FAST,
     TWO_GPUS,

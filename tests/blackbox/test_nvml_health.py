@@ -17,7 +17,7 @@ import pytest
 from deviceplugin.app import Daemon
 from deviceplugin.config import HealthConfig
 from deviceplugin.gpu.nvml import NvmlBackend
-from deviceplugin.proto import UNHEALTHY, dp, dp_grpc
+from deviceplugin.kubelet.proto import UNHEALTHY, dp, dp_grpc
 from tests.blackbox.daemon_harness import RESOURCE, Node, registered
 from tests.support.nvml_model import NvmlModel, model_gpus
 

@@ -1,4 +1,4 @@
-"""deviceplugin.procs against real processes and against fake /proc trees.
+"""deviceplugin.usage.procs against real processes and against fake /proc trees.
 
 Every process here is spawned by the test in its own session; the `spawn` fixture kills each one's
 process group and reaps it whatever the outcome.
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin.checkpoint import CHECKPOINT_FILE, CheckpointReader
-from deviceplugin.procs import (
+from deviceplugin.kubelet.checkpoint import CHECKPOINT_FILE, CheckpointReader
+from deviceplugin.usage.procs import (
     ENV_NAME,
     AllocationResolver,
     pid_namespace_warning,

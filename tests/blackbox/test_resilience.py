@@ -14,8 +14,8 @@ import pytest
 from deviceplugin.app import Daemon
 from deviceplugin.errors import StartupError
 from deviceplugin.gpu.fake import FakeBackend
+from deviceplugin.kubelet.proto import KUBELET_SOCKET, dp, dp_grpc
 from deviceplugin.model import NodeReading
-from deviceplugin.proto import KUBELET_SOCKET, dp, dp_grpc
 from tests.blackbox.daemon_harness import TWO_GPUS, Node, eventually, registered
 
 

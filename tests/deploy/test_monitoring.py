@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import deviceplugin
-from deviceplugin.metrics import DaemonMetrics
+from deviceplugin.usage.metrics import DaemonMetrics
 from tests.deploy.support import (
     BASE,
     DEPLOY,

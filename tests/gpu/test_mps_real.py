@@ -31,9 +31,9 @@ import pytest
 
 from deviceplugin.allocation import mps_defaults
 from deviceplugin.config import HealthConfig, MpsConfig, SliceRule, SlicingConfig
+from deviceplugin.gpu.mps import MpsControlDaemon
 from deviceplugin.gpu.nvml import NvmlBackend
 from deviceplugin.model import GpuPlan
-from deviceplugin.mps import MpsControlDaemon
 from deviceplugin.slicing import build_inventory
 
 pytestmark = pytest.mark.gpu
@@ -216,7 +216,7 @@ async def test_the_daemon_runs_mps_and_a_container_env_reaches_it(
 
     from deviceplugin.app import Daemon, DaemonSettings, open_backend
     from deviceplugin.config import Config
-    from deviceplugin.kubelet_sim import KubeletSimulator
+    from deviceplugin.sim.kubelet import KubeletSimulator
 
     plugin_dir = short_tmp / "dp"
     podres = short_tmp / "pr" / "kubelet.sock"

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin.checkpoint import parse_checkpoint
 from deviceplugin.config import Config, EnforcementConfig, MemoryEnforcement
 from deviceplugin.enforcer.policy import EnforcementPolicy, Kill
 from deviceplugin.gpu.fake import FakeProcess
+from deviceplugin.kubelet.checkpoint import parse_checkpoint
 from deviceplugin.model import DaemonHealth, NodeSnapshot, ProcessSample, allocation_id
-from deviceplugin.procs import AllocationResolver
-from deviceplugin.usage import AttributionEvidence, SnapshotBuilder
+from deviceplugin.usage.attribution import AttributionEvidence, SnapshotBuilder
+from deviceplugin.usage.procs import AllocationResolver
 from tests.blackbox.daemon_harness import (
     TWO_GPUS,
     GiB,

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from deviceplugin.config import SliceRule, SlicingConfig
-from deviceplugin.model import GpuInfo, GpuPlan, GpuReading, NodeReading
-from deviceplugin.plugin.limits import (
+from deviceplugin.kubelet.limits import (
     KUBELET_MAX_MESSAGE_BYTES,
     device_list_bytes,
     device_list_problem,
 )
-from deviceplugin.plugin.server import device_list
+from deviceplugin.kubelet.server import device_list
+from deviceplugin.model import GpuInfo, GpuPlan, GpuReading, NodeReading
 from deviceplugin.slicing import build_inventory, plan_gpus
 
 CLI = [sys.executable, "-m", "deviceplugin"]

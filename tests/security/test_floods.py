@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from deviceplugin.httpserver import HttpServer
-from deviceplugin.metrics import DaemonMetrics
-from deviceplugin.proto import dp, dp_grpc
+from deviceplugin.kubelet.proto import dp, dp_grpc
+from deviceplugin.usage.httpserver import HttpServer
+from deviceplugin.usage.metrics import DaemonMetrics
 from tests.blackbox.daemon_harness import Node, registered
 
 CLI = [sys.executable, "-m", "deviceplugin"]

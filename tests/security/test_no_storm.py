@@ -9,10 +9,10 @@ import time
 import grpc
 import pytest
 
-import deviceplugin.plugin.lifecycle as lifecycle_module
-import deviceplugin.plugin.server as server_module
+import deviceplugin.kubelet.lifecycle as lifecycle_module
+import deviceplugin.kubelet.server as server_module
+from deviceplugin.kubelet.proto import dp, dp_grpc
 from deviceplugin.model import Inventory
-from deviceplugin.proto import dp, dp_grpc
 from tests.blackbox.daemon_harness import Node, eventually, registered, running_daemon
 
 

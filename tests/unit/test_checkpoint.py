@@ -1,4 +1,4 @@
-"""Unit tests for deviceplugin.checkpoint: the kubelet's device checkpoint, parsed and read."""
+"""Unit tests for deviceplugin.kubelet.checkpoint: the kubelet's device checkpoint, parsed, read."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin.checkpoint import (
+from deviceplugin.kubelet.checkpoint import (
     CHECKPOINT_FILE,
     CheckpointReader,
     DeviceCheckpoint,

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from deviceplugin.config import default_config_yaml, format_duration, parse_config
-from deviceplugin.configschema import config_schema
+from deviceplugin.config.schema import config_schema
 from deviceplugin.errors import ConfigError
 from tests.deploy.support import DEPLOY, ROOT
 

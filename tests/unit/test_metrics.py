@@ -13,7 +13,6 @@ import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deviceplugin.metrics import DURATION_BUCKETS_S, DaemonMetrics, healthz
 from deviceplugin.model import (
     AllocationRecord,
     ContainerUsage,
@@ -26,6 +25,7 @@ from deviceplugin.model import (
     NodeSnapshot,
     ProcessSample,
 )
+from deviceplugin.usage.metrics import DURATION_BUCKETS_S, DaemonMetrics, healthz
 
 GiB = 1024**3
 MiB = 1024**2

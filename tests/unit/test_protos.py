@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 
-from deviceplugin.proto import dp, podres
+from deviceplugin.kubelet.proto import dp, podres
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from deviceplugin.model import ContainerUsage, MpsStatus, NodeSnapshot
-from deviceplugin.statusview import (
+from deviceplugin.usage.statusview import (
     container_name,
     memory_bar,
     render_status,

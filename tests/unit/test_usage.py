@@ -1,4 +1,4 @@
-"""Unit tests for deviceplugin.usage: the utilisation window and the snapshot builder."""
+"""Unit tests for deviceplugin.usage.attribution: the utilisation window, the snapshot builder."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deviceplugin.checkpoint import DeviceCheckpoint, parse_checkpoint
+from deviceplugin.kubelet.checkpoint import DeviceCheckpoint, parse_checkpoint
 from deviceplugin.model import (
     AllocationRecord,
     ContainerUsage,
@@ -26,7 +26,7 @@ from deviceplugin.model import (
     SliceId,
     allocation_id,
 )
-from deviceplugin.usage import (
+from deviceplugin.usage.attribution import (
     AttributionEvidence,
     SnapshotBuilder,
     UtilizationWindow,

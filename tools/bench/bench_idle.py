@@ -42,7 +42,7 @@ from pathlib import Path
 import psutil
 
 from deviceplugin.gpu.fake import FakeGpu, FakeProcess, FakeState, write_state_file
-from deviceplugin.kubelet_sim import KubeletSimulator
+from deviceplugin.sim.kubelet import KubeletSimulator
 
 RESOURCE = "nvidia.com/vgpu"
 MiB = 1024**2

@@ -41,9 +41,9 @@ import grpc
 from deviceplugin.app import Daemon, DaemonSettings
 from deviceplugin.config import Config, EnforcementConfig, SliceRule, SlicingConfig
 from deviceplugin.gpu.fake import FakeBackend, FakeGpu, FakeState, write_state_file
-from deviceplugin.kubelet_sim import KubeletSimulator
-from deviceplugin.plugin.lifecycle import endpoint_name
-from deviceplugin.proto import DEVICE_PLUGIN_VERSION, HEALTHY, KUBELET_SOCKET, dp, dp_grpc
+from deviceplugin.kubelet.lifecycle import endpoint_name
+from deviceplugin.kubelet.proto import DEVICE_PLUGIN_VERSION, HEALTHY, KUBELET_SOCKET, dp, dp_grpc
+from deviceplugin.sim.kubelet import KubeletSimulator
 
 GPUS = 8
 SLICES = 32

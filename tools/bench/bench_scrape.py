@@ -25,8 +25,6 @@ from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from deviceplugin.httpserver import HttpServer
-from deviceplugin.metrics import DaemonMetrics
 from deviceplugin.model import (
     ContainerUsage,
     DaemonHealth,
@@ -37,6 +35,8 @@ from deviceplugin.model import (
     NodeSnapshot,
     ProcessSample,
 )
+from deviceplugin.usage.httpserver import HttpServer
+from deviceplugin.usage.metrics import DaemonMetrics
 
 GiB = 1024**3
 

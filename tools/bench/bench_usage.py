@@ -46,8 +46,8 @@ from deviceplugin.model import (
     SliceId,
     allocation_id,
 )
-from deviceplugin.procs import ENV_NAME, AllocationResolver
-from deviceplugin.usage import SnapshotBuilder
+from deviceplugin.usage.attribution import SnapshotBuilder
+from deviceplugin.usage.procs import ENV_NAME, AllocationResolver
 
 GPUS = 8
 SLICES_PER_GPU = 32

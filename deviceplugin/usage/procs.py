@@ -10,7 +10,7 @@ environment is kept, returned or logged: it may hold secrets.
 That variable is only a claim: any process can set it, and the ID is predictable. So the daemon
 also reads the pod a process runs in from `/proc/<pid>/cgroup` (`pod_uid_in_cgroup`), which the
 process cannot choose, and `usage.attribute` checks the claim against the kubelet's device
-checkpoint (`deviceplugin.checkpoint`): a claim stands when the checkpoint records that
+checkpoint (`deviceplugin.kubelet.checkpoint`): a claim stands when the checkpoint records that
 allocation for the process's own pod; a process in a pod that holds exactly one allocation on
 its GPU belongs to that one whatever its environment says; a claim of another pod's allocation is
 refused (misattributed), from a host process too; a host process keeps a claim the checkpoint

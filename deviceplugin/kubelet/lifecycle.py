@@ -25,9 +25,9 @@ from pathlib import Path
 
 import grpc
 
-from deviceplugin.dirwatch import DEFAULT_FALLBACK_INTERVAL_S, DirectoryWatch
-from deviceplugin.plugin.server import DevicePluginService
-from deviceplugin.proto import DEVICE_PLUGIN_VERSION, KUBELET_SOCKET, dp, dp_grpc
+from deviceplugin.kubelet.dirwatch import DEFAULT_FALLBACK_INTERVAL_S, DirectoryWatch
+from deviceplugin.kubelet.proto import DEVICE_PLUGIN_VERSION, KUBELET_SOCKET, dp, dp_grpc
+from deviceplugin.kubelet.server import DevicePluginService
 
 log = logging.getLogger(__name__)
 

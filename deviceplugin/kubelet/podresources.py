@@ -7,7 +7,7 @@ from pathlib import Path
 
 import grpc
 
-from deviceplugin.proto import podres, podres_grpc
+from deviceplugin.kubelet.proto import podres, podres_grpc
 
 
 @dataclass(frozen=True, slots=True)

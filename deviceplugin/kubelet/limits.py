@@ -10,8 +10,8 @@ from collections.abc import Iterable
 
 from deviceplugin.config import MAX_REPLICAS, SlicingConfig
 from deviceplugin.errors import BackendError
+from deviceplugin.kubelet.proto import UNHEALTHY, dp
 from deviceplugin.model import GpuPlan
-from deviceplugin.proto import UNHEALTHY, dp
 
 # The kubelet's gRPC client keeps grpc-go's default receive limit.
 KUBELET_MAX_MESSAGE_BYTES = 4 << 20

@@ -25,9 +25,9 @@ from typing import Any
 from prometheus_client.exposition import gzip_accepted
 
 from deviceplugin.errors import StartupError
-from deviceplugin.metrics import DaemonMetrics
 from deviceplugin.model import NodeSnapshot
-from deviceplugin.statusview import snapshot_to_json
+from deviceplugin.usage.metrics import DaemonMetrics
+from deviceplugin.usage.statusview import snapshot_to_json
 
 log = logging.getLogger(__name__)
 

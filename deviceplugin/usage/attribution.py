@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
-from deviceplugin.checkpoint import DeviceCheckpoint
+from deviceplugin.kubelet.checkpoint import DeviceCheckpoint
 from deviceplugin.model import (
     AllocationRecord,
     ContainerUsage,

@@ -54,10 +54,10 @@ from deviceplugin.gpu.fake import (
     FakeState,
     write_state_file,
 )
-from deviceplugin.kubelet_sim import KubeletSimulator, PodGrant
 from deviceplugin.model import GpuInfo, Inventory, NodeSnapshot
+from deviceplugin.sim.kubelet import KubeletSimulator, PodGrant
 from deviceplugin.slicing import format_bytes
-from deviceplugin.statusview import render_status, snapshot_to_json
+from deviceplugin.usage.statusview import render_status, snapshot_to_json
 
 GiB = 1024**3
 MiB = 1024**2

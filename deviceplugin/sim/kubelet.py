@@ -40,7 +40,7 @@ from typing import Any, cast
 import grpc
 from google.protobuf.message import DecodeError
 
-from deviceplugin.proto import (
+from deviceplugin.kubelet.proto import (
     DEVICE_PLUGIN_VERSION,
     HEALTHY,
     KUBELET_SOCKET,

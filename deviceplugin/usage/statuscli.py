@@ -11,8 +11,8 @@ import urllib.error
 import urllib.request
 from typing import TextIO
 
-from deviceplugin.httpserver import parse_address
-from deviceplugin.statusview import render_status
+from deviceplugin.usage.httpserver import parse_address
+from deviceplugin.usage.statusview import render_status
 
 EXIT_OK = 0
 EXIT_RUNTIME = 1

@@ -1,1 +1,0 @@
-"""The kubelet-facing side: the DevicePlugin gRPC service and its registration life cycle."""
