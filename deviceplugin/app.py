@@ -33,6 +33,7 @@ from deviceplugin.enforcer import Enforcer, RecordingControl
 from deviceplugin.errors import BackendError, StartupError
 from deviceplugin.gpu.backend import GpuBackend
 from deviceplugin.httpserver import HttpServer
+from deviceplugin.incremental import InventoryCache
 from deviceplugin.metrics import DaemonMetrics, healthz
 from deviceplugin.model import (
     AllocationRecord,
@@ -53,7 +54,7 @@ from deviceplugin.reload import (
     apply_config,
     report_hangups_without_a_config,
 )
-from deviceplugin.slicing import build_inventory, format_bytes, keep_held_slices
+from deviceplugin.slicing import format_bytes, keep_held_slices
 from deviceplugin.state import AllocationBook, Published
 from deviceplugin.usage import AttributionEvidence, SnapshotBuilder, mark_stale
 
@@ -210,6 +211,8 @@ class Poller:
         self._resolver = resolver or AllocationResolver()
         self._builder_node = node_name
         self._builder = SnapshotBuilder(node_name, config.enforcement.compute.window_s)
+        # The inventory is rebuilt only when a GPU's facts or health, or the slicing, change.
+        self._inventories = InventoryCache()
         self._checkpoint = checkpoint
         self._checkpoint_reason: str | None = None
         self._enforce = enforce
@@ -234,7 +237,7 @@ class Poller:
         reading = self._backend.poll()
         now_s = time.monotonic()
         inventory = keep_held_slices(
-            build_inventory(reading, self._config.slicing),
+            self._inventories.build(reading, self._config.slicing),
             self._inventory.value,
             (slice_id for record in allocations for slice_id in record.slice_ids),
         )
