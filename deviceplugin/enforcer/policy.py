@@ -287,10 +287,16 @@ class EnforcementPolicy:
             if gpu_uuid not in healthy_gpus:
                 decisions.extend(self._release_gpu(containers, "GPU unhealthy or not reported"))
                 continue
+            own: dict[ContainerKey, tuple[ProcessSample, ...]] = {}
             for c in containers:
-                processes = tuple(p for p in c.processes if p.pid not in excluded)
+                processes = (
+                    tuple(p for p in c.processes if p.pid not in excluded)
+                    if excluded
+                    else c.processes
+                )
+                own[(c.allocation_id, c.gpu_uuid)] = processes
                 decisions.extend(self._decide_memory(c, processes, now_s))
-            decisions.extend(self._decide_compute(snapshot, gpu_uuid, containers, excluded))
+            decisions.extend(self._decide_compute(snapshot, gpu_uuid, containers, own))
 
         for key in [k for k in self._compute if k not in seen]:
             if self._compute[key].throttled:
@@ -353,7 +359,16 @@ class EnforcementPolicy:
         self, c: ContainerUsage, processes: tuple[ProcessSample, ...], now_s: float
     ) -> list[Decision]:
         key = (c.allocation_id, c.gpu_uuid)
-        state = self._memory.setdefault(key, _MemoryState())
+        state = self._memory.get(key)
+        if state is None:
+            state = self._memory[key] = _MemoryState()
+        limit = c.memory_limit_bytes
+        if not state.killed and (limit <= 0 or c.memory_used_bytes <= limit):
+            # Within its limit with no kill pending (what nearly every container is, every
+            # poll): the general case below, without building what it needs for kills.
+            state.over_since_s = None
+            state.recorded = False
+            return []
         listed = {p.pid: p for p in processes}
         for pid in [pid for pid in state.killed if pid not in listed]:
             del state.killed[pid]  # gone from the GPU: its memory is free
@@ -361,7 +376,6 @@ class EnforcementPolicy:
             return []  # wait for the killed process to go before looking again
         dying_bytes = sum(listed[pid].used_memory_bytes or 0 for pid in state.killed)
         used = c.memory_used_bytes - dying_bytes
-        limit = c.memory_limit_bytes
         if limit <= 0 or used <= limit:
             state.over_since_s = None
             state.recorded = False
@@ -416,19 +430,17 @@ class EnforcementPolicy:
         snapshot: NodeSnapshot,
         gpu_uuid: str,
         containers: list[ContainerUsage],
-        excluded: set[int],
+        processes: Mapping[ContainerKey, tuple[ProcessSample, ...]],
     ) -> list[Decision]:
+        """`processes`: each container's processes on the GPU, the excluded PIDs left out."""
         t = self.tuning
         enforcing = self.config.compute.action is ComputeAction.THROTTLE
 
         # 1. Smoothed utilisation and gain.
-        processes: dict[ContainerKey, tuple[ProcessSample, ...]] = {}
         states: dict[ContainerKey, _ComputeState] = {}
         for c in containers:
             key = (c.allocation_id, c.gpu_uuid)
-            own = tuple(p for p in c.processes if p.pid not in excluded)
-            processes[key] = own
-            u = _util_ratio(own)
+            u = _util_ratio(processes[key])
             state = self._compute.get(key)
             if state is None:
                 state = self._compute[key] = _ComputeState(u, u)
@@ -500,12 +512,12 @@ class EnforcementPolicy:
             share = c.compute_share_ratio
             entitled = entitlements[key]
             state.entitlement_ratio = min(entitled, 1.0) if entitled < float("inf") else None
-            pids = frozenset(p.pid for p in processes[key])
+            own = processes[key]
             if not enforcing:
-                decisions.extend(self._monitor(c, state, entitled, busy=bool(pids)))
+                decisions.extend(self._monitor(c, state, entitled, busy=bool(own)))
                 continue
             if not state.throttled:
-                if pids and state.util_ratio > entitled + slack + t.start_tolerance_ratio:
+                if own and state.util_ratio > entitled + slack + t.start_tolerance_ratio:
                     # Unthrottled, this poll's utilisation is the gain itself: start from it.
                     state.gain_ratio = max(state.last_ratio, t.idle_ratio)
                     target = entitled / state.gain_ratio
@@ -516,7 +528,7 @@ class EnforcementPolicy:
                             SetDuty(
                                 c.allocation_id,
                                 c.gpu_uuid,
-                                pids,
+                                frozenset(p.pid for p in own),
                                 state.duty,
                                 True,
                                 state.util_ratio,
@@ -525,7 +537,7 @@ class EnforcementPolicy:
                             )
                         )
                 continue
-            if not pids:
+            if not own:
                 state.duty = 1.0
                 decisions.append(Release(c.allocation_id, c.gpu_uuid, "no GPU processes left"))
                 continue
@@ -546,7 +558,7 @@ class EnforcementPolicy:
                 SetDuty(
                     c.allocation_id,
                     c.gpu_uuid,
-                    pids,
+                    frozenset(p.pid for p in own),
                     state.duty,
                     False,
                     state.util_ratio,
