@@ -214,12 +214,21 @@ class _ComputeState:
         return self.duty < 1.0
 
 
+# Plain loops rather than max()/sum() over a generator: called for every container on every poll,
+# mostly with one or two processes, where a generator's set-up costs more than the arithmetic.
 def _peak_ratio(processes: Iterable[ProcessSample]) -> float:
-    return max((p.sm_util_percent or 0.0 for p in processes), default=0.0) / 100.0
+    peak: float | None = None
+    for p in processes:
+        util = p.sm_util_percent or 0.0
+        if peak is None or util > peak:
+            peak = util
+    return (peak if peak is not None else 0.0) / 100.0
 
 
 def _util_ratio(processes: Iterable[ProcessSample]) -> float:
-    total = sum(p.sm_util_percent or 0.0 for p in processes)
+    total = 0.0
+    for p in processes:
+        total += p.sm_util_percent or 0.0
     return min(max(total / 100.0, 0.0), 1.0)
 
 
