@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from deviceplugin import incremental
+from deviceplugin import incremental, slicing
 from deviceplugin.config import SlicingConfig
 from deviceplugin.model import Inventory, NodeReading
 from tests.blackbox.daemon_harness import (
@@ -23,7 +23,7 @@ async def test_idle_polls_neither_rebuild_the_inventory_nor_resend_the_device_li
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     built: list[Inventory] = []
-    build = incremental.build_inventory
+    build = slicing.build_inventory
 
     def counting_build(reading: NodeReading, cfg: SlicingConfig) -> Inventory:
         inventory = build(reading, cfg)
