@@ -1,6 +1,6 @@
 """The daemon's CPU use when nothing happens, and while it tracks a full node.
 
-    .venv/bin/python tools/bench/bench_idle.py [--seconds 30] [--scenario idle|tracking|all]
+    .venv/bin/python tools/bench/bench_idle.py [--seconds 30] [--scenario idle|tracking|floor|all]
 
 Runs `vgpu-device-plugin serve` as its own process on the fake backend, the kubelet simulator in
 this process, and measures the daemon process's CPU time (all its threads: event loop, poll
@@ -13,6 +13,9 @@ and steady:
   processes (512 processes, 64 per GPU) that carry their container's Allocate env, at the default
   poll interval (500 ms), nothing scraped. Every poll reads the 8 GPUs, attributes the 512
   processes and builds the snapshot; the enforcer checks every container.
+- `floor`: not vgpu, a Python program that only wakes its event loop every 500 ms and awaits a
+  no-op handed to a worker thread: what Python and the kernel charge for the poll loop's shape
+  alone, on this machine, which `idle` cannot go below.
 
 Each scenario reports the process's CPU (all threads, psutil), and per thread (each thread's
 schedstat, in nanoseconds): the event loop (the main thread), the poll worker (`vgpu-poll`,
@@ -151,7 +154,41 @@ async def measure(pid: int, seconds: float) -> dict[str, float]:
     }
 
 
+# The least an asyncio daemon polling in a worker thread every 500 ms can cost: a timer on the
+# event loop, a no-op handed to the worker and awaited, nothing else. What `idle` pays beyond this
+# is vgpu's own work; this is Python's and the kernel's.
+FLOOR_MAIN = """
+import asyncio, concurrent.futures, ctypes, queue, threading
+calls = queue.SimpleQueue()
+def work():
+    ctypes.CDLL(None).prctl(15, b"vgpu-poll", 0, 0, 0)  # PR_SET_NAME, as NAMED_THREADS_MAIN
+    while True:
+        future, call = calls.get()
+        future.set_result(call())
+threading.Thread(target=work, name="vgpu-poll", daemon=True).start()
+async def main():
+    while True:
+        await asyncio.sleep(0.5)
+        future = concurrent.futures.Future()
+        calls.put((future, lambda: None))
+        await asyncio.wrap_future(future)
+asyncio.run(main())
+"""
+
+
+async def run_floor(seconds: float) -> dict[str, float]:
+    floor = await asyncio.create_subprocess_exec(sys.executable, "-c", FLOOR_MAIN)
+    try:
+        await asyncio.sleep(2)
+        return await measure(floor.pid, seconds)
+    finally:
+        floor.kill()
+        await floor.wait()
+
+
 async def run(scenario: str, seconds: float) -> dict[str, float]:
+    if scenario == "floor":
+        return await run_floor(seconds)
     root = Path(tempfile.mkdtemp(prefix="vgi", dir="/tmp"))
     tracking = scenario == "tracking"
     gpus = [fake_gpu(i) for i in range(TRACKED_GPUS if tracking else 1)]
@@ -250,10 +287,10 @@ async def restart_to_registered_ms(repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=30.0)
-    parser.add_argument("--scenario", choices=["idle", "tracking", "all"], default="all")
+    parser.add_argument("--scenario", choices=["idle", "tracking", "floor", "all"], default="all")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
-    scenarios = ["idle", "tracking"] if args.scenario == "all" else [args.scenario]
+    scenarios = ["idle", "tracking", "floor"] if args.scenario == "all" else [args.scenario]
     results: dict[str, float] = {}
     for scenario in scenarios:
         measured = asyncio.run(run(scenario, args.seconds))
