@@ -586,22 +586,23 @@ class FakeBackend:
                     self._unhealthy_transitions.get(gpu.uuid, 0) + 1
                 )
             self._healthy_before[gpu.uuid] = gpu.healthy
-            samples = tuple(
-                ProcessSample(
-                    pid=p.pid,
-                    used_memory_bytes=p.used_memory_bytes,
-                    sm_util_percent=average.get((gpu.uuid, p.pid), 0.0),
-                )
-                for p in gpu.processes
-            )
+            # One plain loop over the processes: hundreds of them on a full node, every poll.
+            samples: list[ProcessSample] = []
+            memory_used_bytes = 0
+            sm_util_percent = 0.0
+            for p in gpu.processes:
+                util = average.get((gpu.uuid, p.pid), 0.0)
+                samples.append(ProcessSample(p.pid, p.used_memory_bytes, util))
+                memory_used_bytes += p.used_memory_bytes
+                sm_util_percent += util
             readings.append(
                 GpuReading(
                     info=gpu.info,
                     healthy=gpu.healthy,
                     health_reason=gpu.health_reason,
-                    memory_used_bytes=sum(p.used_memory_bytes for p in gpu.processes),
-                    sm_util_percent=min(100.0, sum(s.sm_util_percent or 0.0 for s in samples)),
-                    processes=samples,
+                    memory_used_bytes=memory_used_bytes,
+                    sm_util_percent=min(100.0, sm_util_percent),
+                    processes=tuple(samples),
                     unhealthy_transitions=self._unhealthy_transitions.get(gpu.uuid, 0),
                 )
             )
