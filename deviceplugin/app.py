@@ -33,6 +33,7 @@ from deviceplugin.enforcer.record import AllocationBook, Published
 from deviceplugin.errors import BackendError, StartupError
 from deviceplugin.gpu.backend import GpuBackend
 from deviceplugin.gpu.mps import MpsControlDaemon
+from deviceplugin.incremental import InventoryCache
 from deviceplugin.kubelet.checkpoint import CHECKPOINT_FILE, CheckpointReader
 from deviceplugin.kubelet.lifecycle import PluginLifecycle
 from deviceplugin.kubelet.limits import DeviceListTooLargeError, device_list_problem
@@ -54,7 +55,7 @@ from deviceplugin.reload import (
     apply_config,
     report_hangups_without_a_config,
 )
-from deviceplugin.slicing import build_inventory, format_bytes, keep_held, plan_gpus
+from deviceplugin.slicing import format_bytes, keep_held, plan_gpus
 from deviceplugin.statedir import check_state_file, claim_state_dir
 from deviceplugin.usage.attribution import AttributionEvidence, SnapshotBuilder, mark_stale
 from deviceplugin.usage.httpserver import HttpServer, TlsFiles
@@ -221,6 +222,8 @@ class Poller:
         self._resolver = resolver or AllocationResolver()
         self._builder_node = node_name
         self._builder = SnapshotBuilder(node_name, config.enforcement.compute.window_s)
+        # The inventory is rebuilt only when a GPU's facts or health, or the slicing, change.
+        self._inventories = InventoryCache()
         self._checkpoint = checkpoint
         self._checkpoint_reason: str | None = None
         self._trust_host_processes = trust_host_processes
@@ -262,7 +265,9 @@ class Poller:
         # Held slices that a new plan or a MIG layout change dropped stay, Unhealthy, until freed.
         inventory = keep_held(
             self._inventory.value,
-            build_inventory(reading, cfg.slicing, mig=cfg.mig, resource_name=cfg.resource_name),
+            self._inventories.build(
+                reading, cfg.slicing, mig=cfg.mig, resource_name=cfg.resource_name
+            ),
             (slice_id for record in allocations for slice_id in record.slice_ids),
         )
         pids = {p.pid for gpu in reading.gpus for p in gpu.processes}

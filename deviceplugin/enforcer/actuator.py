@@ -491,6 +491,21 @@ class DutyCycler:
                 total += self._clock() - group.stopped_since_s
             return total
 
+    def figures(self) -> dict[Hashable, tuple[float | None, float]]:
+        """`(duty(key), stopped_seconds(key))` of every key that has a group or a stopped-time
+        total, read at one instant; any other key's are (None, 0.0)."""
+        with self._cond:
+            now = self._clock()
+            result: dict[Hashable, tuple[float | None, float]] = {
+                key: (None, total) for key, total in self._totals.items()
+            }
+            for key, group in self._groups.items():
+                total = self._totals.get(key, 0.0)
+                if group.stopped_since_s is not None:
+                    total += now - group.stopped_since_s
+                result[key] = (group.duty, total)
+            return result
+
     def pids(self) -> frozenset[int]:
         """Every PID in a group: those that may be stopped at any moment."""
         with self._cond:

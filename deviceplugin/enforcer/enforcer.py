@@ -34,7 +34,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,7 @@ from deviceplugin.enforcer.policy import (
     SetDuty,
 )
 from deviceplugin.errors import DevicePluginError
-from deviceplugin.model import EnforcementCount, NodeSnapshot
+from deviceplugin.model import ContainerUsage, EnforcementCount, NodeSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,28 @@ _KILL_OUTCOME = {
 }
 
 _Names = tuple[str, str, str, int]  # namespace, pod, container, GPU index
+
+
+# ContainerUsage's fields in order, read at once; and where the enforcer's three go among them.
+# Every container of every snapshot is copied with them filled in: a positional constructor call
+# costs about half of dataclasses.replace, which looks the fields up again on every call.
+_USAGE_FIELDS = tuple(f.name for f in fields(ContainerUsage))
+_usage_values = attrgetter(*_USAGE_FIELDS)
+_DUTY = _USAGE_FIELDS.index("duty_cycle_ratio")
+_STOPPED = _USAGE_FIELDS.index("throttled_seconds_total")
+_ENTITLEMENT = _USAGE_FIELDS.index("entitlement_ratio")
+_NOT_THROTTLED: tuple[float | None, float] = (None, 0.0)
+
+
+def _annotated(
+    c: ContainerUsage, duty: float | None, stopped_s: float, entitlement: float | None
+) -> ContainerUsage:
+    """`c` with the enforcement fields set (dataclasses.replace, faster)."""
+    values = list(_usage_values(c))
+    values[_DUTY] = duty
+    values[_STOPPED] = stopped_s
+    values[_ENTITLEMENT] = entitlement
+    return ContainerUsage(*values)
 
 
 class EnforcementError(DevicePluginError):
@@ -633,12 +656,13 @@ class Enforcer:
             self._cycler.forget(key)
 
     def _annotate(self, snapshot: NodeSnapshot) -> NodeSnapshot:
+        figures = self._cycler.figures()
+        entitlement = self.policy.entitlement
         containers = tuple(
-            replace(
+            _annotated(
                 c,
-                duty_cycle_ratio=self._cycler.duty((c.allocation_id, c.gpu_uuid)),
-                throttled_seconds_total=self._cycler.stopped_seconds((c.allocation_id, c.gpu_uuid)),
-                entitlement_ratio=self.policy.entitlement((c.allocation_id, c.gpu_uuid)),
+                *figures.get((c.allocation_id, c.gpu_uuid), _NOT_THROTTLED),
+                entitlement((c.allocation_id, c.gpu_uuid)),
             )
             for c in snapshot.containers
         )

@@ -214,12 +214,21 @@ class _ComputeState:
         return self.duty < 1.0
 
 
+# Plain loops rather than max()/sum() over a generator: called for every container on every poll,
+# mostly with one or two processes, where a generator's set-up costs more than the arithmetic.
 def _peak_ratio(processes: Iterable[ProcessSample]) -> float:
-    return max((p.sm_util_percent or 0.0 for p in processes), default=0.0) / 100.0
+    peak: float | None = None
+    for p in processes:
+        util = p.sm_util_percent or 0.0
+        if peak is None or util > peak:
+            peak = util
+    return (peak if peak is not None else 0.0) / 100.0
 
 
 def _util_ratio(processes: Iterable[ProcessSample]) -> float:
-    total = sum(p.sm_util_percent or 0.0 for p in processes)
+    total = 0.0
+    for p in processes:
+        total += p.sm_util_percent or 0.0
     return min(max(total / 100.0, 0.0), 1.0)
 
 
@@ -288,13 +297,19 @@ class EnforcementPolicy:
             if gpu_uuid not in healthy_gpus:
                 decisions.extend(self._release_gpu(containers, "GPU unhealthy or not reported"))
                 continue
+            own: dict[ContainerKey, tuple[ProcessSample, ...]] = {}
             for c in containers:
-                processes = tuple(p for p in c.processes if p.pid not in excluded)
+                processes = (
+                    tuple(p for p in c.processes if p.pid not in excluded)
+                    if excluded
+                    else c.processes
+                )
+                own[(c.allocation_id, c.gpu_uuid)] = processes
                 decisions.extend(self._decide_memory(c, processes, now_s))
             if gpu_uuid in mig_devices:
                 # NVML measures no utilisation per MIG device: no compute share to enforce.
                 continue
-            decisions.extend(self._decide_compute(snapshot, gpu_uuid, containers, excluded))
+            decisions.extend(self._decide_compute(snapshot, gpu_uuid, containers, own))
 
         for key in [k for k in self._compute if k not in seen]:
             if self._compute[key].throttled:
@@ -357,7 +372,16 @@ class EnforcementPolicy:
         self, c: ContainerUsage, processes: tuple[ProcessSample, ...], now_s: float
     ) -> list[Decision]:
         key = (c.allocation_id, c.gpu_uuid)
-        state = self._memory.setdefault(key, _MemoryState())
+        state = self._memory.get(key)
+        if state is None:
+            state = self._memory[key] = _MemoryState()
+        limit = c.memory_limit_bytes
+        if not state.killed and (limit <= 0 or c.memory_used_bytes <= limit):
+            # Within its limit with no kill pending (what nearly every container is, every
+            # poll): the general case below, without building what it needs for kills.
+            state.over_since_s = None
+            state.recorded = False
+            return []
         listed = {p.pid: p for p in processes}
         for pid in [pid for pid in state.killed if pid not in listed]:
             del state.killed[pid]  # gone from the GPU: its memory is free
@@ -365,7 +389,6 @@ class EnforcementPolicy:
             return []  # wait for the killed process to go before looking again
         dying_bytes = sum(listed[pid].used_memory_bytes or 0 for pid in state.killed)
         used = c.memory_used_bytes - dying_bytes
-        limit = c.memory_limit_bytes
         if limit <= 0 or used <= limit:
             state.over_since_s = None
             state.recorded = False
@@ -420,19 +443,17 @@ class EnforcementPolicy:
         snapshot: NodeSnapshot,
         gpu_uuid: str,
         containers: list[ContainerUsage],
-        excluded: set[int],
+        processes: Mapping[ContainerKey, tuple[ProcessSample, ...]],
     ) -> list[Decision]:
+        """`processes`: each container's processes on the GPU, the excluded PIDs left out."""
         t = self.tuning
         enforcing = self.config.compute.action is ComputeAction.THROTTLE
 
         # 1. Smoothed utilisation and gain.
-        processes: dict[ContainerKey, tuple[ProcessSample, ...]] = {}
         states: dict[ContainerKey, _ComputeState] = {}
         for c in containers:
             key = (c.allocation_id, c.gpu_uuid)
-            own = tuple(p for p in c.processes if p.pid not in excluded)
-            processes[key] = own
-            u = _util_ratio(own)
+            u = _util_ratio(processes[key])
             state = self._compute.get(key)
             if state is None:
                 state = self._compute[key] = _ComputeState(u, u)
@@ -504,12 +525,12 @@ class EnforcementPolicy:
             share = c.compute_share_ratio
             entitled = entitlements[key]
             state.entitlement_ratio = min(entitled, 1.0) if entitled < float("inf") else None
-            pids = frozenset(p.pid for p in processes[key])
+            own = processes[key]
             if not enforcing:
-                decisions.extend(self._monitor(c, state, entitled, busy=bool(pids)))
+                decisions.extend(self._monitor(c, state, entitled, busy=bool(own)))
                 continue
             if not state.throttled:
-                if pids and state.util_ratio > entitled + slack + t.start_tolerance_ratio:
+                if own and state.util_ratio > entitled + slack + t.start_tolerance_ratio:
                     # Unthrottled, this poll's utilisation is the gain itself: start from it.
                     state.gain_ratio = max(state.last_ratio, t.idle_ratio)
                     target = entitled / state.gain_ratio
@@ -520,7 +541,7 @@ class EnforcementPolicy:
                             SetDuty(
                                 c.allocation_id,
                                 c.gpu_uuid,
-                                pids,
+                                frozenset(p.pid for p in own),
                                 state.duty,
                                 True,
                                 state.util_ratio,
@@ -529,7 +550,7 @@ class EnforcementPolicy:
                             )
                         )
                 continue
-            if not pids:
+            if not own:
                 state.duty = 1.0
                 decisions.append(Release(c.allocation_id, c.gpu_uuid, "no GPU processes left"))
                 continue
@@ -550,7 +571,7 @@ class EnforcementPolicy:
                 SetDuty(
                     c.allocation_id,
                     c.gpu_uuid,
-                    pids,
+                    frozenset(p.pid for p in own),
                     state.duty,
                     False,
                     state.util_ratio,

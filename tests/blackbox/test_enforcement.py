@@ -980,3 +980,24 @@ def test_watch_acquires_and_retain_only_keeps(spawn: Spawn) -> None:
         assert control.send(second.pid, signal.SIGCONT) is SignalResult.GONE
     finally:
         control.close()
+
+
+def test_the_duty_cyclers_figures_match_its_readings_key_by_key() -> None:
+    control = RecordingControl()
+    control.watch([7, 8])
+    cycler = DutyCycler(control, PERIOD_S)
+    try:
+        cycler.set("throttled", [7], 0.5)
+        cycler.set("released", [8], 0.5)
+        assert wait_until(lambda: cycler.stopped_seconds("released") > 0, 2.0)
+        cycler.release("released")
+        figures = cycler.figures()
+        assert figures["released"] == (None, cycler.stopped_seconds("released"))
+        duty, stopped_s = figures["throttled"]
+        assert duty == cycler.duty("throttled") == 0.5
+        assert 0 < stopped_s <= cycler.stopped_seconds("throttled")
+        assert "never throttled" not in figures  # read as (None, 0.0)
+        assert cycler.duty("never throttled") is None
+        assert cycler.stopped_seconds("never throttled") == 0.0
+    finally:
+        cycler.stop()

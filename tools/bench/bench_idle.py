@@ -1,6 +1,6 @@
 """The daemon's CPU use when nothing happens, and while it tracks a full node.
 
-    .venv/bin/python tools/bench/bench_idle.py [--seconds 30] [--scenario idle|tracking|all]
+    .venv/bin/python tools/bench/bench_idle.py [--seconds 30] [--scenario idle|tracking|floor|all]
 
 Runs `vgpu-device-plugin serve` as its own process on the fake backend, the kubelet simulator in
 this process, and measures the daemon process's CPU time (all its threads: event loop, poll
@@ -12,9 +12,18 @@ and steady:
 - `tracking`: 8 fake GPUs x 32 slices, 256 one-slice containers each running two real GPU
   processes (512 processes, 64 per GPU) that carry their container's Allocate env, at the default
   poll interval (500 ms), nothing scraped. Every poll reads the 8 GPUs, attributes the 512
-  processes and builds the snapshot; the enforcer checks every container. The fake backend's
-  sampler, which models utilisation from the processes' run state, is inside this figure: on a
-  real node NVML's own sampling runs in the driver instead.
+  processes and builds the snapshot; the enforcer checks every container.
+- `floor`: not vgpu, a Python program that only wakes its event loop every 500 ms and awaits a
+  no-op handed to a worker thread: what Python and the kernel charge for the poll loop's shape
+  alone, on this machine, which `idle` cannot go below.
+
+Each scenario reports the process's CPU (all threads, psutil), and per thread (each thread's
+schedstat, in nanoseconds): the event loop (the main thread), the poll worker (`vgpu-poll`,
+`vgpu-stale`), the fake backend's sampler, and every other thread (gRPC's, HTTP, duty cycle).
+The sampler models utilisation from the processes' run state; on a real node NVML's sampling runs
+in the driver instead, so `daemon_cpu_percent_of_a_core` is every thread but the sampler: what
+vgpu itself costs. The daemon runs with each Python thread's OS name set to its Python name, to
+tell the threads apart.
 
 Also measures, for each scenario, how many times a second the daemon's event loop is woken up
 (the voluntary context switches of its main thread, as Linux counts them in /proc/PID/status).
@@ -62,6 +71,27 @@ def fake_gpu(i: int) -> FakeGpu:
     )
 
 
+# Runs `python -m deviceplugin` with every Python thread's OS name set to its Python name
+# (cut to the 15 characters Linux keeps), so that the threads' CPU time can be told apart in
+# /proc/PID/task/TID/comm. Python 3.11 does not name OS threads; nothing else changes.
+NAMED_THREADS_MAIN = """
+import ctypes, runpy, sys, threading
+prctl = ctypes.CDLL(None, use_errno=True).prctl
+run = threading.Thread.run
+def named_run(self):
+    prctl(15, self.name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    run(self)
+threading.Thread.run = named_run
+sys.argv[0] = "vgpu-device-plugin"
+runpy.run_module("deviceplugin", run_name="__main__", alter_sys=True)
+"""
+
+# Thread roles, by OS name. The fake backend's sampler stands for what the GPU driver does on a
+# real node (NVML's sampling); everything else is the daemon's own.
+SAMPLER_PREFIX = "fake-gpu-sample"
+POLL_THREADS = ("vgpu-poll", "vgpu-stale")
+
+
 def cpu_s(proc: psutil.Process) -> float:
     times = proc.cpu_times()
     return times.user + times.system
@@ -71,18 +101,94 @@ def wakeups(proc: psutil.Process) -> int:
     return int(proc.num_ctx_switches().voluntary)
 
 
+def thread_role(pid: int, tid: int) -> str:
+    if tid == pid:
+        return "event_loop"
+    try:
+        name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+    except OSError:
+        return "other"  # exited meanwhile
+    if name.startswith(SAMPLER_PREFIX):
+        return "fake_sampler"
+    if name in POLL_THREADS:
+        return "poll_worker"
+    return "other"
+
+
+def thread_cpu_s(pid: int, tid: int, ticks_s: float) -> float:
+    """The thread's CPU time: from its schedstat (nanoseconds) where the kernel has it, since
+    user and system times come in clock ticks (10 ms), too coarse for an idle daemon."""
+    try:
+        return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return ticks_s
+
+
+def cpu_by_role(proc: psutil.Process) -> dict[str, float]:
+    """CPU seconds so far per thread role (threads alive now; see thread_role)."""
+    roles: dict[str, float] = {}
+    for thread in proc.threads():
+        role = thread_role(proc.pid, thread.id)
+        ticks_s = thread.user_time + thread.system_time
+        roles[role] = roles.get(role, 0.0) + thread_cpu_s(proc.pid, thread.id, ticks_s)
+    return roles
+
+
 async def measure(pid: int, seconds: float) -> dict[str, float]:
     proc = psutil.Process(pid)
+    roles_before = cpu_by_role(proc)
     cpu_before, ctx_before, started = cpu_s(proc), wakeups(proc), time.monotonic()
     await asyncio.sleep(seconds)
     elapsed = time.monotonic() - started
+    cpu_after, roles_after = cpu_s(proc), cpu_by_role(proc)
+    total = 100 * (cpu_after - cpu_before) / elapsed
+    by_role = {
+        role: 100 * (roles_after.get(role, 0.0) - roles_before.get(role, 0.0)) / elapsed
+        for role in ("event_loop", "poll_worker", "other", "fake_sampler")
+    }
     return {
-        "cpu_percent_of_a_core": 100 * (cpu_s(proc) - cpu_before) / elapsed,
+        "cpu_percent_of_a_core": total,
+        "daemon_cpu_percent_of_a_core": sum(v for k, v in by_role.items() if k != "fake_sampler"),
+        **{f"{role}_cpu_percent_of_a_core": value for role, value in by_role.items()},
         "wakeups_per_s": (wakeups(proc) - ctx_before) / elapsed,
     }
 
 
+# The least an asyncio daemon polling in a worker thread every 500 ms can cost: a timer on the
+# event loop, a no-op handed to the worker and awaited, nothing else. What `idle` pays beyond this
+# is vgpu's own work; this is Python's and the kernel's.
+FLOOR_MAIN = """
+import asyncio, concurrent.futures, ctypes, queue, threading
+calls = queue.SimpleQueue()
+def work():
+    ctypes.CDLL(None).prctl(15, b"vgpu-poll", 0, 0, 0)  # PR_SET_NAME, as NAMED_THREADS_MAIN
+    while True:
+        future, call = calls.get()
+        future.set_result(call())
+threading.Thread(target=work, name="vgpu-poll", daemon=True).start()
+async def main():
+    while True:
+        await asyncio.sleep(0.5)
+        future = concurrent.futures.Future()
+        calls.put((future, lambda: None))
+        await asyncio.wrap_future(future)
+asyncio.run(main())
+"""
+
+
+async def run_floor(seconds: float) -> dict[str, float]:
+    floor = await asyncio.create_subprocess_exec(sys.executable, "-c", FLOOR_MAIN)
+    try:
+        await asyncio.sleep(2)
+        return await measure(floor.pid, seconds)
+    finally:
+        floor.kill()
+        await floor.wait()
+
+
 async def run(scenario: str, seconds: float) -> dict[str, float]:
+    if scenario == "floor":
+        return await run_floor(seconds)
     root = Path(tempfile.mkdtemp(prefix="vgi", dir="/tmp"))
     tracking = scenario == "tracking"
     gpus = [fake_gpu(i) for i in range(TRACKED_GPUS if tracking else 1)]
@@ -93,7 +199,7 @@ async def run(scenario: str, seconds: float) -> dict[str, float]:
     sim = KubeletSimulator(root / "dp", root / "podres.sock")
     await sim.start()
     daemon = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "deviceplugin", "serve", "--config", str(config),
+        sys.executable, "-c", NAMED_THREADS_MAIN, "serve", "--config", str(config),
         "--backend", f"fake:{state}", "--device-plugin-dir", str(root / "dp"),
         "--pod-resources-socket", str(root / "podres.sock"),
         "--metrics-address", "127.0.0.1:0", "--state-dir", str(root / "state"),
@@ -181,10 +287,10 @@ async def restart_to_registered_ms(repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=30.0)
-    parser.add_argument("--scenario", choices=["idle", "tracking", "all"], default="all")
+    parser.add_argument("--scenario", choices=["idle", "tracking", "floor", "all"], default="all")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
-    scenarios = ["idle", "tracking"] if args.scenario == "all" else [args.scenario]
+    scenarios = ["idle", "tracking", "floor"] if args.scenario == "all" else [args.scenario]
     results: dict[str, float] = {}
     for scenario in scenarios:
         measured = asyncio.run(run(scenario, args.seconds))
