@@ -861,7 +861,7 @@ def test_an_event_set_that_cannot_be_created_turns_xid_checks_off(
 def test_failed_event_waits_are_counted_and_retried(
     rig: Rig, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("deviceplugin.gpu.nvml.EVENT_RETRY_S", 0.01)
+    monkeypatch.setattr("deviceplugin.gpu.nvml.health.EVENT_RETRY_S", 0.01)
     rig.model.fail("nvmlEventSetWait_v2", rig.model.NVML_ERROR_UNKNOWN, times=2)
     rig.model.fail("nvmlEventSetWait_v2", RuntimeError("binding bug"), times=1)
     backend = rig.backend()
