@@ -1,10 +1,11 @@
 """The JSON Schema of the config file (docs/design.md §7), for editors and `check-jsonschema`.
 
-`vgpu-device-plugin config-schema` prints it. It is written out by hand next to the parser in
-`config.py`, with the parser's own enums, defaults and minimums, and tests/unit/test_configschema.py
-checks the two against each other in both directions: every key the parser reads is here with the
-same type, choices and bounds, every key here is one the parser reads, unknown keys are refused by
-both, and the example configs validate. A key added to the parser without its schema fails them.
+`vgpu-device-plugin config-schema` prints it. It is written out by hand next to the parser (the
+rest of this package), with the parser's own enums, defaults and minimums, and
+tests/unit/test_configschema.py checks the two against each other in both directions: every key
+the parser reads is here with the same type, choices and bounds, every key here is one the parser
+reads, unknown keys are refused by both, and the example configs validate. A key added to the
+parser without its schema fails them.
 
 Durations and sizes are strings with a unit, which JSON Schema cannot compare: their bounds
 travel as `x-minimumSeconds`, `x-maximumSeconds` and `x-minimumBytes` and are enforced by the
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deviceplugin.config import (
+from deviceplugin.config.model import (
     MAX_DURATION_S,
     MAX_POLL_INTERVAL_S,
     MAX_REPLICAS,
@@ -32,9 +33,8 @@ from deviceplugin.config import (
     MemoryAction,
     MigStrategy,
     RecoveryPolicy,
-    format_duration,
-    format_size,
 )
+from deviceplugin.config.reader import format_duration, format_size
 
 Schema = dict[str, Any]
 
