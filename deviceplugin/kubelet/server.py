@@ -19,7 +19,7 @@ from deviceplugin.errors import AllocationError
 from deviceplugin.kubelet.proto import HEALTHY, UNHEALTHY, dp, dp_grpc
 from deviceplugin.logs import brief, brief_list
 from deviceplugin.model import AllocationRecord, ContainerAllocation, Inventory
-from deviceplugin.slicing import preferred_allocation
+from deviceplugin.preferred import preferred_allocation
 
 log = logging.getLogger(__name__)
 
