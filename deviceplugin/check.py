@@ -26,7 +26,7 @@ EXIT_BACKEND = 3
 
 
 def _gpus_of(backend_spec: str) -> list[GpuInfo]:
-    from deviceplugin.app import open_backend  # noqa: PLC0415 (grpc only when a backend is asked)
+    from deviceplugin.gpu.backend import open_backend  # noqa: PLC0415 (only when asked)
 
     backend = open_backend(backend_spec)
     try:

@@ -19,8 +19,8 @@ import os
 import re
 from pathlib import Path
 
-from deviceplugin.enforcer.record import Published
 from deviceplugin.model import Inventory
+from deviceplugin.state import Published
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,9 @@ stopped, and resumes everything it stopped when a group is released and when it 
 reported gone leaves its group at once and is never signalled again unless a later `set` names it.
 A denied signal is logged once per PID and counted; a PID whose resume was denied is kept as
 "unresumed" and retried, so that the enforcer can keep it in its stopped-process record.
+
+Over 400 lines: every signal the daemon sends starts here, kept in one file for whoever checks
+that none reaches a process it must not.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ overwritten, and the first fresh snapshot is scanned for stopped (state T) GPU p
 daemon's allocations, which are resumed. `close()` resumes everything; it is also registered with
 atexit. A process whose resume was denied stays in the record (at `close()` and at `recover()`),
 so that the next start tries again.
+
+Over 400 lines: the stopped-process record and the enforcer that writes, recovers and clears it
+keep one promise (nothing stays stopped), read together.
 """
 
 from __future__ import annotations

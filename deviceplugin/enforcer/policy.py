@@ -49,6 +49,9 @@ A lone container is never throttled with work conservation (its level covers the
 held to its share without it. Only processes listed in a container's usage are ever named in a
 decision; a PID that also appears among a GPU's unattributed processes, or in two allocations, is
 left out, and so is every process of a GPU reported unhealthy (its figures cannot be trusted).
+
+Over 400 lines: the memory and compute rules above share the state `EnforcementPolicy` keeps
+between snapshots; one class, read against the rules.
 """
 
 from __future__ import annotations

@@ -8,12 +8,16 @@ Shaped after what NVML offers, so that the real backend and the fake one answer 
 - health: from NVML events (Xid, ECC) and from calls that fail with GPU_IS_LOST.
 
 A backend is polled from one place (the poll loop), off the event loop, one call at a time.
+`open_backend` opens the one a command line names.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
+from deviceplugin.config import Config
+from deviceplugin.errors import BackendError
 from deviceplugin.model import NodeReading
 
 
@@ -35,3 +39,20 @@ class GpuBackend(Protocol):
     def close(self) -> None:
         """Release the backend's resources (threads, NVML). Idempotent."""
         ...
+
+
+def open_backend(spec: str, config: Config | None = None) -> GpuBackend:
+    """`fake:PATH` or `nvml`. Raises BackendError with what to do instead. `config` (default:
+    the defaults) sets the nvml backend's health checks and call timeout."""
+    if spec.startswith("fake:"):
+        from deviceplugin.gpu.fake import FakeBackend  # noqa: PLC0415 (only the chosen backend)
+
+        path = spec.removeprefix("fake:")
+        if not path:
+            raise BackendError("--backend fake:PATH needs the path of a state file")
+        return FakeBackend(Path(path))
+    if spec == "nvml":
+        from deviceplugin.gpu.nvml import open_nvml_backend  # noqa: PLC0415 (pynvml only here)
+
+        return open_nvml_backend(config or Config())
+    raise BackendError(f"unknown backend {spec!r}: use nvml or fake:PATH")

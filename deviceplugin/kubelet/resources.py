@@ -28,10 +28,10 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from deviceplugin.enforcer.record import Published
 from deviceplugin.kubelet.lifecycle import PluginLifecycle
 from deviceplugin.kubelet.server import DevicePluginService
 from deviceplugin.model import Inventory
+from deviceplugin.state import Published
 
 log = logging.getLogger(__name__)
 

@@ -14,12 +14,12 @@ import grpc
 
 from deviceplugin.allocation import build_container_allocation
 from deviceplugin.config import Config
-from deviceplugin.enforcer.record import AllocationBook, Published
 from deviceplugin.errors import AllocationError
 from deviceplugin.kubelet.proto import HEALTHY, UNHEALTHY, dp, dp_grpc
 from deviceplugin.logs import brief, brief_list
 from deviceplugin.model import AllocationRecord, ContainerAllocation, Inventory
-from deviceplugin.slicing import preferred_allocation
+from deviceplugin.preferred import preferred_allocation
+from deviceplugin.state import AllocationBook, Published
 
 log = logging.getLogger(__name__)
 

@@ -29,6 +29,9 @@ allocation it claimed; it is counted apart per GPU.
 
 Utilisation ratios are time-weighted averages over a sliding window (docs/design.md §5), so that a
 scrape does not beat against a duty cycle.
+
+Over 400 lines: the attribution rules above and the snapshot built from them are one decision,
+best checked in one file.
 """
 
 from __future__ import annotations

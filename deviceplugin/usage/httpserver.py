@@ -27,7 +27,7 @@ from prometheus_client.exposition import gzip_accepted
 from deviceplugin.errors import StartupError
 from deviceplugin.model import NodeSnapshot
 from deviceplugin.usage.metrics import DaemonMetrics
-from deviceplugin.usage.statusview import snapshot_to_json
+from deviceplugin.usage.statusdoc import snapshot_to_json
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from deviceplugin.model import NodeSnapshot
 from deviceplugin.usage.httpserver import HttpServer, parse_address
 from deviceplugin.usage.metrics import DaemonMetrics
-from deviceplugin.usage.statusview import snapshot_to_json
+from deviceplugin.usage.statusdoc import snapshot_to_json
 from tests.unit.test_metrics import NODE, UNNAMED, sample_snapshot
 
 CLI = [sys.executable, "-m", "deviceplugin"]

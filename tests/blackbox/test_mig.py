@@ -157,7 +157,7 @@ async def test_single_advertises_mig_devices_under_the_one_resource(node: Node) 
 async def test_single_with_two_profiles_leaves_the_mig_gpus_out(
     mig_node: Node, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="deviceplugin.app")
+    caplog.set_level(logging.INFO, logger="deviceplugin.poller")
     config = Config(enforcement=FAST, mig=MigConfig(strategy=MigStrategy.SINGLE))
     async with running_daemon(mig_node, config) as daemon:
         await registered(mig_node, 4)

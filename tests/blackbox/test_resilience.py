@@ -90,7 +90,7 @@ async def test_a_hung_backend_never_stalls_allocate_or_registration(node: Node) 
 def test_a_call_hung_in_the_poll_worker_does_not_keep_the_process_alive() -> None:
     script = (
         "import threading\n"
-        "from deviceplugin.app import DaemonWorker\n"
+        "from deviceplugin.poller import DaemonWorker\n"
         "worker = DaemonWorker('vgpu-poll')\n"
         "worker.submit(threading.Event().wait)\n"
         "worker.shutdown()\n"

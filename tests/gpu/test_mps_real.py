@@ -214,8 +214,9 @@ async def test_the_daemon_runs_mps_and_a_container_env_reaches_it(
     import asyncio
     import dataclasses
 
-    from deviceplugin.app import Daemon, DaemonSettings, open_backend
+    from deviceplugin.app import Daemon, DaemonSettings
     from deviceplugin.config import Config
+    from deviceplugin.gpu.backend import open_backend
     from deviceplugin.sim.kubelet import KubeletSimulator
 
     plugin_dir = short_tmp / "dp"

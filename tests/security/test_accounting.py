@@ -14,11 +14,11 @@ import grpc
 import pytest
 
 import deviceplugin.usage.attribution as usage_module
-from deviceplugin.enforcer.record import AllocationBook
 from deviceplugin.kubelet.proto import dp, dp_grpc
 from deviceplugin.model import AllocationRecord, DaemonHealth
+from deviceplugin.state import AllocationBook
 from deviceplugin.usage.attribution import UNCONFIRMED_AFTER_S, SnapshotBuilder
-from deviceplugin.usage.statusview import snapshot_to_json
+from deviceplugin.usage.statusdoc import snapshot_to_json
 from tests.blackbox.daemon_harness import Node, eventually, registered, running_daemon
 from tests.unit.test_usage import INVENTORY, UUID0, reading, record, sid
 

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from deviceplugin.config import AllocationPolicy, GpuMatch, SliceOverride, SliceRule, SlicingConfig
 from deviceplugin.errors import AllocationError
 from deviceplugin.model import GpuInfo, GpuReading, Inventory, NodeReading
-from deviceplugin.slicing import build_inventory, preferred_allocation
+from deviceplugin.preferred import preferred_allocation
+from deviceplugin.slicing import build_inventory
 
 GI = 1 << 30
 PACK = AllocationPolicy.PACK

@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 from typing import cast
 
-from deviceplugin.enforcer.record import Published
 from deviceplugin.kubelet.lifecycle import LifecycleStats, PluginLifecycle
 from deviceplugin.kubelet.resources import ResourceEndpoint, ResourcePlugins
 from deviceplugin.kubelet.server import DevicePluginService
 from deviceplugin.model import GpuInfo, GpuPlan, Inventory, Slice, SliceId
+from deviceplugin.state import Published
 
 PRIMARY = "nvidia.com/vgpu"
 SMALL = "nvidia.com/mig-1g.10gb"

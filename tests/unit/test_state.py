@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from deviceplugin.enforcer.record import AllocationBook, Published
 from deviceplugin.model import AllocationRecord
+from deviceplugin.state import AllocationBook, Published
 
 
 def rec(allocation: str, at: float = 0.0, pod: str = "", container: str = "") -> AllocationRecord:

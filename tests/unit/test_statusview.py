@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 from deviceplugin.model import ContainerUsage, MpsStatus, NodeSnapshot
+from deviceplugin.usage.statusdoc import snapshot_to_json
 from deviceplugin.usage.statusview import (
     container_name,
     memory_bar,
     render_status,
     share_bar,
-    snapshot_to_json,
 )
 from tests.unit.test_metrics import (
     LONG_POD,

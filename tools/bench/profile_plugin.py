@@ -25,11 +25,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from deviceplugin.config import Config, SliceRule, SlicingConfig
-from deviceplugin.enforcer.record import AllocationBook, Published
 from deviceplugin.kubelet.proto import dp
 from deviceplugin.kubelet.server import DevicePluginService
 from deviceplugin.model import GpuInfo, GpuReading, NodeReading
 from deviceplugin.slicing import build_inventory
+from deviceplugin.state import AllocationBook, Published
 
 GPUS = 8
 SLICES = 32

@@ -1,0 +1,334 @@
+"""The snapshot collector (docs/design.md §5, a contract): every metric family derived from the
+latest `NodeSnapshot`, built afresh on each scrape, and the labels they carry.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from deviceplugin.model import ContainerUsage, EnforcementCount, NodeSnapshot, ProcessSample
+
+# A MIG device is a GPU of its own (gpu_uuid is its MIG UUID, gpu_index its GPU's index); its
+# series also name its parent GPU, profile and instance IDs, all "" on a full GPU's series.
+MIG_LABELS = ("parent_gpu_uuid", "mig_profile", "gpu_instance_id", "compute_instance_id")
+GPU_LABELS = ("node", "gpu_uuid", "gpu_index", *MIG_LABELS)
+GPU_INFO_LABELS = (*GPU_LABELS, "model", "minor", "numa_node", "pci_bus_id")
+SLICE_LABELS = (*GPU_LABELS, "state")
+XID_LABELS = (*GPU_LABELS, "xid")
+# namespace/pod/container are "" until pod-resources has named the container; allocation_id
+# identifies it from the moment it was allocated.
+CONTAINER_LABELS = ("node", "namespace", "pod", "container", "gpu_uuid", "allocation_id")
+ENFORCEMENT_LABELS = (*CONTAINER_LABELS, "kind", "action")
+NODE_LABELS = ("node",)
+BUILD_LABELS = ("node", "version")
+# Every (kind, action) the enforcer can count: each container's series exist at 0 from its first
+# scrape, so that rate() and a dashboard panel see the first action as an increase.
+ENFORCEMENT_ACTIONS = (
+    ("memory", "kill"),
+    ("memory", "monitor"),
+    ("compute", "throttle"),
+    ("compute", "monitor"),
+)
+
+
+def _ratio(value: float) -> float:
+    """A ratio as exposed: within 0..1 (per-process SM figures can sum past 100 %)."""
+    if math.isnan(value):
+        return 0.0
+    return min(max(value, 0.0), 1.0)
+
+
+def _flag(value: bool) -> float:
+    return 1.0 if value else 0.0
+
+
+def _memory_of(processes: Iterable[ProcessSample]) -> int:
+    return sum(p.used_memory_bytes for p in processes if p.used_memory_bytes is not None)
+
+
+def _container_labels(node: str, c: ContainerUsage | EnforcementCount) -> list[str]:
+    return [node, c.namespace, c.pod, c.container, c.gpu_uuid, c.allocation_id]
+
+
+def _gauge(name: str, doc: str, labels: tuple[str, ...]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=labels)
+
+
+def _counter(name: str, doc: str, labels: tuple[str, ...]) -> CounterMetricFamily:
+    # CounterMetricFamily exposes `<name>_total`: `name` is given without the suffix.
+    return CounterMetricFamily(name, doc, labels=labels)
+
+
+class SnapshotCollector(Collector):
+    """Builds every snapshot-derived family from one snapshot reference per scrape."""
+
+    def __init__(
+        self,
+        node_name: str,
+        get_snapshot: Callable[[], NodeSnapshot | None],
+        *,
+        version: str,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._node = node_name
+        self._get_snapshot = get_snapshot
+        self._version = version
+        self._clock = clock
+
+    def describe(self) -> Iterable[Metric]:
+        # Names only, for the registry's duplicate check; no snapshot is read.
+        return [self._build_info(), *self._families(None, 0.0)]
+
+    def collect(self) -> Iterable[Metric]:
+        snapshot = self._get_snapshot()  # one reference: every family sees the same poll
+        yield self._build_info()
+        if snapshot is not None:
+            yield from self._families(snapshot, self._clock())
+
+    def _build_info(self) -> Metric:
+        build = _gauge("vgpu_build_info", "Build of the vgpu daemon; always 1.", BUILD_LABELS)
+        build.add_metric([self._node, self._version], 1.0)
+        return build
+
+    def _families(self, snapshot: NodeSnapshot | None, now_s: float) -> Iterator[Metric]:
+        node = self._node
+        gpu_info = _gauge(
+            "vgpu_gpu_info",
+            "Static facts about a physical GPU as labels; always 1.",
+            GPU_INFO_LABELS,
+        )
+        gpu_healthy = _gauge(
+            "vgpu_gpu_healthy",
+            "1 if the GPU is healthy, 0 if not (its slices are withdrawn).",
+            GPU_LABELS,
+        )
+        gpu_mem_total = _gauge(
+            "vgpu_gpu_memory_total_bytes", "Total memory of the GPU, in bytes.", GPU_LABELS
+        )
+        gpu_mem_used = _gauge(
+            "vgpu_gpu_memory_used_bytes",
+            "Memory in use on the GPU, in bytes, as the driver reports it.",
+            GPU_LABELS,
+        )
+        gpu_util = _gauge(
+            "vgpu_gpu_utilization_ratio",
+            "Utilisation of the GPU, 0..1: the share of time a kernel was running on it (NVML's "
+            "GPU utilisation), averaged over the compute window.",
+            GPU_LABELS,
+        )
+        transitions = _counter(
+            "vgpu_gpu_unhealthy_transitions",
+            "Times the GPU went from healthy to unhealthy since the daemon started, a count.",
+            GPU_LABELS,
+        )
+        xid_errors = _counter(
+            "vgpu_gpu_xid_errors",
+            "Xid errors the driver reported for the GPU since the daemon started, by Xid "
+            "(critical and application-caused alike), a count.",
+            XID_LABELS,
+        )
+        slices = _gauge(
+            "vgpu_slices",
+            "Slices of the GPU by state (allocated, free, unhealthy), a count.",
+            SLICE_LABELS,
+        )
+        unattributed = _gauge(
+            "vgpu_gpu_unattributed_processes",
+            "GPU processes that belong to no allocation of this daemon, a count; never acted on.",
+            GPU_LABELS,
+        )
+        misattributed = _gauge(
+            "vgpu_gpu_misattributed_processes",
+            "GPU processes whose claimed allocation their pod does not hold (per the kubelet's "
+            "checkpoint), a count; never charged to the allocation they claimed.",
+            GPU_LABELS,
+        )
+        unattributed_mem = _gauge(
+            "vgpu_gpu_unattributed_memory_bytes",
+            "GPU memory used by processes that belong to no allocation of this daemon, in bytes.",
+            GPU_LABELS,
+        )
+        c_mem_used = _gauge(
+            "vgpu_container_gpu_memory_used_bytes",
+            "GPU memory used by the container's processes on the GPU, in bytes.",
+            CONTAINER_LABELS,
+        )
+        c_mem_limit = _gauge(
+            "vgpu_container_gpu_memory_limit_bytes",
+            "The container's GPU memory limit on the GPU (its slices' share), in bytes.",
+            CONTAINER_LABELS,
+        )
+        c_sm = _gauge(
+            "vgpu_container_sm_utilization_ratio",
+            "SM utilisation of the GPU by the container, 0..1, averaged over the compute window.",
+            CONTAINER_LABELS,
+        )
+        c_share = _gauge(
+            "vgpu_container_compute_share_ratio",
+            "The container's compute share of the GPU (its slices' share), 0..1.",
+            CONTAINER_LABELS,
+        )
+        c_throttled = _counter(
+            "vgpu_container_throttled_seconds",
+            "Time the container's processes on the GPU have spent stopped by the throttle, "
+            "in seconds.",
+            CONTAINER_LABELS,
+        )
+        enforcement = _counter(
+            "vgpu_enforcement_actions",
+            "Enforcement actions taken on the container, by kind (memory, compute) and action "
+            "(kill, throttle, monitor), a count.",
+            ENFORCEMENT_LABELS,
+        )
+        registrations = _counter(
+            "vgpu_kubelet_registrations",
+            "Successful registrations of the plugin with the kubelet, a count.",
+            NODE_LABELS,
+        )
+        registration_failures = _counter(
+            "vgpu_kubelet_registration_failures",
+            "Failed attempts to register the plugin with the kubelet, a count.",
+            NODE_LABELS,
+        )
+        registered = _gauge(
+            "vgpu_kubelet_registered",
+            "1 while the plugin is registered with the kubelet, else 0.",
+            NODE_LABELS,
+        )
+        pod_resources_up = _gauge(
+            "vgpu_pod_resources_up",
+            "1 if the kubelet's pod-resources API answered the last query, else 0.",
+            NODE_LABELS,
+        )
+        stale = _gauge(
+            "vgpu_snapshot_stale",
+            "1 if the latest poll failed and the figures are from an earlier one, else 0.",
+            NODE_LABELS,
+        )
+        last_poll = _gauge(
+            "vgpu_last_successful_poll_timestamp_seconds",
+            "Unix time of the last successful GPU poll, in seconds; 0 if none yet.",
+            NODE_LABELS,
+        )
+        age = _gauge(
+            "vgpu_snapshot_age_seconds",
+            "Age of the figures this scrape exposes at scrape time, in seconds.",
+            NODE_LABELS,
+        )
+        mps_up = _gauge(
+            "vgpu_mps_daemon_up",
+            "1 while the node's MPS control daemon runs, else 0; only with mps.enabled.",
+            NODE_LABELS,
+        )
+        mps_restarts = _counter(
+            "vgpu_mps_daemon_restarts",
+            "Times the MPS control daemon was found dead and started again, a count.",
+            NODE_LABELS,
+        )
+
+        if snapshot is not None:
+            for gpu in snapshot.gpus:
+                info = gpu.info
+                g = [
+                    node,
+                    info.uuid,
+                    str(info.index),
+                    info.parent_uuid,
+                    info.mig_profile,
+                    "" if info.gpu_instance_id is None else str(info.gpu_instance_id),
+                    "" if info.compute_instance_id is None else str(info.compute_instance_id),
+                ]
+                gpu_info.add_metric(
+                    [
+                        *g,
+                        info.name,
+                        str(info.minor),
+                        "" if info.numa_node is None else str(info.numa_node),
+                        info.pci_bus_id or "",
+                    ],
+                    1.0,
+                )
+                gpu_healthy.add_metric(g, _flag(gpu.reading.healthy))
+                transitions.add_metric(g, gpu.reading.unhealthy_transitions)
+                for xid, count in gpu.reading.xid_errors:
+                    xid_errors.add_metric([*g, str(xid)], count)
+                gpu_mem_total.add_metric(g, float(info.memory_total_bytes))
+                if gpu.reading.memory_used_bytes is not None:
+                    gpu_mem_used.add_metric(g, float(gpu.reading.memory_used_bytes))
+                if gpu.sm_utilization_ratio is not None:
+                    gpu_util.add_metric(g, _ratio(gpu.sm_utilization_ratio))
+                slices.add_metric([*g, "allocated"], float(gpu.slices_allocated))
+                slices.add_metric([*g, "free"], float(max(gpu.slices_free, 0)))
+                slices.add_metric([*g, "unhealthy"], float(gpu.slices_unhealthy))
+                slices.add_metric([*g, "unconfirmed"], float(gpu.slices_unconfirmed))
+                unattributed.add_metric(g, float(len(gpu.unattributed)))
+                misattributed.add_metric(g, float(len(gpu.misattributed)))
+                unattributed_mem.add_metric(g, float(_memory_of(gpu.unattributed)))
+
+            # NVML has no utilisation per MIG device: no series rather than a made-up 0.
+            mig_devices = {g.info.uuid for g in snapshot.gpus if g.info.is_mig_device}
+            for c in snapshot.containers:
+                labels = _container_labels(node, c)
+                c_mem_used.add_metric(labels, float(c.memory_used_bytes))
+                c_mem_limit.add_metric(labels, float(c.memory_limit_bytes))
+                if c.gpu_uuid not in mig_devices:
+                    c_sm.add_metric(labels, _ratio(c.sm_utilization_ratio))
+                c_share.add_metric(labels, _ratio(c.compute_share_ratio))
+                c_throttled.add_metric(labels, c.throttled_seconds_total)
+
+            counted = {
+                (e.allocation_id, e.gpu_uuid, e.kind, e.action) for e in snapshot.enforcement
+            }
+            for c in snapshot.containers:
+                for kind, action in ENFORCEMENT_ACTIONS:
+                    if (c.allocation_id, c.gpu_uuid, kind, action) not in counted:
+                        enforcement.add_metric([*_container_labels(node, c), kind, action], 0.0)
+            for e in snapshot.enforcement:
+                enforcement.add_metric([*_container_labels(node, e), e.kind, e.action], e.count)
+
+            health = snapshot.health
+            n = [node]
+            registrations.add_metric(n, health.registrations_total)
+            registration_failures.add_metric(n, health.registration_failures_total)
+            registered.add_metric(n, _flag(health.registered))
+            pod_resources_up.add_metric(n, _flag(health.pod_resources_ok))
+            stale.add_metric(n, _flag(snapshot.stale))
+            last_poll.add_metric(n, health.last_poll_success_s)
+            age.add_metric(n, max(now_s - snapshot.taken_at_s, 0.0))
+            if health.mps is not None:
+                mps_up.add_metric(n, _flag(health.mps.up))
+                mps_restarts.add_metric(n, health.mps.restarts_total)
+
+        yield from (
+            gpu_info,
+            gpu_healthy,
+            transitions,
+            xid_errors,
+            gpu_mem_total,
+            gpu_mem_used,
+            gpu_util,
+            slices,
+            unattributed,
+            misattributed,
+            unattributed_mem,
+            c_mem_used,
+            c_mem_limit,
+            c_sm,
+            c_share,
+            c_throttled,
+            enforcement,
+            registrations,
+            registration_failures,
+            registered,
+            pod_resources_up,
+            stale,
+            last_poll,
+            age,
+            mps_up,
+            mps_restarts,
+        )

@@ -1,0 +1,172 @@
+"""The /status document (docs/design.md §5). Pure: no I/O.
+
+`snapshot_to_json` turns a `NodeSnapshot` into plain JSON data; `statusview` draws that data.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+from typing import Any
+
+from deviceplugin.model import (
+    AllocationRecord,
+    ContainerUsage,
+    DaemonHealth,
+    EnforcementCount,
+    GpuUsage,
+    NodeSnapshot,
+    ProcessSample,
+)
+
+
+def rfc3339(epoch_s: float) -> str:
+    """Wall-clock seconds as RFC 3339 UTC, to the second ("2024-05-01T12:00:00Z")."""
+    return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _num(value: float | None) -> float | None:
+    """A float JSON can carry: NaN and infinities become null."""
+    if value is None or not math.isfinite(value):
+        return None
+    return value
+
+
+def _process(p: ProcessSample) -> dict[str, Any]:
+    return {
+        "pid": p.pid,
+        "used_memory_bytes": p.used_memory_bytes,
+        "sm_util_percent": _num(p.sm_util_percent),
+    }
+
+
+def _health(h: DaemonHealth) -> dict[str, Any]:
+    return {
+        "registered": h.registered,
+        "unregistered_since_s": h.unregistered_since_s,
+        "registrations_total": h.registrations_total,
+        "registration_failures_total": h.registration_failures_total,
+        "last_poll_success": rfc3339(h.last_poll_success_s) if h.last_poll_success_s > 0 else None,
+        "last_poll_success_s": h.last_poll_success_s,
+        "poll_failures_consecutive": h.poll_failures_consecutive,
+        "pod_resources_ok": h.pod_resources_ok,
+        "mps": None
+        if h.mps is None
+        else {
+            "up": h.mps.up,
+            "pid": h.mps.pid,
+            "restarts_total": h.mps.restarts_total,
+            "pipe_directory": h.mps.pipe_directory,
+            "error": h.mps.error,
+        },
+    }
+
+
+def _gpu(g: GpuUsage) -> dict[str, Any]:
+    info = g.info
+    pods = dict(g.unattributed_pods)
+    return {
+        "uuid": info.uuid,
+        "index": info.index,
+        "model": info.name,
+        "minor": info.minor,
+        "numa_node": info.numa_node,
+        "pci_bus_id": info.pci_bus_id,
+        "mig_enabled": info.mig_enabled,
+        # A MIG device: its parent GPU, profile and instance IDs (null for a full GPU). NVML
+        # measures no utilisation per MIG device, so its compute share is not enforced.
+        "parent_gpu_uuid": info.parent_uuid or None,
+        "mig_profile": info.mig_profile or None,
+        "gpu_instance_id": info.gpu_instance_id,
+        "compute_instance_id": info.compute_instance_id,
+        "compute_enforced": not info.is_mig_device,
+        "healthy": g.reading.healthy,
+        "health_reason": g.reading.health_reason,
+        "misattributed_processes": len(g.misattributed),
+        "unhealthy_transitions": g.reading.unhealthy_transitions,
+        "xid_errors": {str(xid): count for xid, count in g.reading.xid_errors},
+        "memory_total_bytes": info.memory_total_bytes,
+        "memory_used_bytes": g.reading.memory_used_bytes,
+        "sm_utilization_ratio": _num(g.sm_utilization_ratio),
+        "slices": {
+            "total": g.slices_total,
+            "allocated": g.slices_allocated,
+            "free": g.slices_free,
+            "unhealthy": g.slices_unhealthy,
+            "unconfirmed": g.slices_unconfirmed,
+        },
+        "unattributed": [_unattributed(p, pods) for p in g.unattributed],
+    }
+
+
+def _unattributed(p: ProcessSample, pods: dict[int, str]) -> dict[str, Any]:
+    """An unattributed process, with the UID of the pod it runs in when it runs in one."""
+    shown = _process(p)
+    if p.pid in pods:
+        shown["pod_uid"] = pods[p.pid]
+    return shown
+
+
+def _container(c: ContainerUsage, mig_devices: frozenset[str] = frozenset()) -> dict[str, Any]:
+    on_mig = c.gpu_uuid in mig_devices
+    return {
+        "allocation_id": c.allocation_id,
+        "namespace": c.namespace,
+        "pod": c.pod,
+        "container": c.container,
+        "gpu_uuid": c.gpu_uuid,
+        "gpu_index": c.gpu_index,
+        "slices": c.slices,
+        "memory_used_bytes": c.memory_used_bytes,
+        "memory_limit_bytes": c.memory_limit_bytes,
+        # None on a MIG device: NVML has no utilisation there, and none is made up.
+        "sm_utilization_ratio": None if on_mig else _num(c.sm_utilization_ratio),
+        "compute_share_ratio": _num(c.compute_share_ratio),
+        "entitlement_ratio": _num(c.entitlement_ratio),
+        "compute_enforced": not on_mig,
+        "throttled": c.duty_cycle_ratio is not None,
+        "duty_cycle_ratio": _num(c.duty_cycle_ratio),
+        "throttled_seconds_total": _num(c.throttled_seconds_total),
+        "processes": [_process(p) for p in c.processes],
+    }
+
+
+def _allocation(a: AllocationRecord) -> dict[str, Any]:
+    return {
+        "allocation_id": a.allocation_id,
+        "namespace": a.namespace,
+        "pod": a.pod,
+        "container": a.container,
+        "slice_ids": list(a.slice_ids),
+        "allocated_at": rfc3339(a.allocated_at_s) if a.allocated_at_s > 0 else None,
+        "allocated_at_s": a.allocated_at_s,
+    }
+
+
+def _enforcement(e: EnforcementCount) -> dict[str, Any]:
+    return {
+        "allocation_id": e.allocation_id,
+        "namespace": e.namespace,
+        "pod": e.pod,
+        "container": e.container,
+        "gpu_uuid": e.gpu_uuid,
+        "kind": e.kind,
+        "action": e.action,
+        "count": e.count,
+    }
+
+
+def snapshot_to_json(snapshot: NodeSnapshot) -> dict[str, Any]:
+    """The /status document: plain JSON data with a fixed key order."""
+    mig_devices = frozenset(g.info.uuid for g in snapshot.gpus if g.info.is_mig_device)
+    return {
+        "node": snapshot.node_name,
+        "taken_at": rfc3339(snapshot.taken_at_s),
+        "taken_at_s": snapshot.taken_at_s,
+        "stale": snapshot.stale,
+        "health": _health(snapshot.health),
+        "gpus": [_gpu(g) for g in snapshot.gpus],
+        "containers": [_container(c, mig_devices) for c in snapshot.containers],
+        "allocations": [_allocation(a) for a in snapshot.allocations],
+        "enforcement": [_enforcement(e) for e in snapshot.enforcement],
+    }
