@@ -259,7 +259,11 @@ class Poller:
                 self._worker.submit(functools.partial(self._tick, allocations))
             )
         # A hung call keeps its worker; the next tick waits on the same call, never stacks more.
-        tick = await asyncio.wait_for(asyncio.shield(self._pending), self.timeout_s)
+        # (asyncio.wait leaves it running on a timeout, as wait_for on a shield would, for less.)
+        done, _ = await asyncio.wait((self._pending,), timeout=self.timeout_s)
+        if not done:
+            raise TimeoutError
+        tick = self._pending.result()
         self._pending = None
         old = self._inventory.value
         if self._inventory.set(tick.inventory):
@@ -276,19 +280,17 @@ class Poller:
             self.names_wanted.set()
 
     async def run(self, stop: asyncio.Event) -> None:
+        # One waiter on `stop` for the whole run and one on `wake` until it fires: a tick that
+        # only times out creates no task.
+        stopped = asyncio.ensure_future(stop.wait())
+        woken = asyncio.ensure_future(self.wake.wait())
         try:
             while not stop.is_set():
-                waiters = {
-                    asyncio.ensure_future(stop.wait()),
-                    asyncio.ensure_future(self.wake.wait()),
-                }
-                try:
-                    await asyncio.wait(
-                        waiters, timeout=self._interval_s, return_when=asyncio.FIRST_COMPLETED
-                    )
-                finally:
-                    for waiter in waiters:
-                        waiter.cancel()
+                if woken.done():
+                    woken = asyncio.ensure_future(self.wake.wait())
+                await asyncio.wait(
+                    (stopped, woken), timeout=self._interval_s, return_when=asyncio.FIRST_COMPLETED
+                )
                 if stop.is_set():
                     return
                 self.wake.clear()
@@ -311,6 +313,8 @@ class Poller:
                             mark_stale(self.snapshot, self._health())
                         )
         finally:
+            stopped.cancel()
+            woken.cancel()
             self._worker.shutdown()
             self._stale_worker.shutdown()
 

@@ -9,6 +9,10 @@ import grpc
 
 from deviceplugin.kubelet.proto import podres, podres_grpc
 
+# A local unix socket: no retries or keepalive pings of gRPC's own (a failed call is asked again
+# at the next refresh), so that a channel kept between refreshes costs nothing while it waits.
+_CHANNEL_OPTIONS = (("grpc.enable_retries", 0), ("grpc.keepalive_time_ms", 2**31 - 1))
+
 
 @dataclass(frozen=True, slots=True)
 class ContainerDevices:
@@ -19,13 +23,52 @@ class ContainerDevices:
     device_ids: tuple[str, ...]
 
 
+class PodResourcesClient:
+    """Asks `List` over one channel, kept from one call to the next: a refresh every few seconds
+    then costs one request, not a new connection. A call that fails closes the channel, so the
+    next one connects afresh (to a kubelet that restarted and made its socket again) instead of
+    waiting out gRPC's reconnect backoff. Use from one event loop."""
+
+    def __init__(self, socket: Path, *, timeout_s: float = 2.0) -> None:
+        self.socket = socket
+        self._timeout_s = timeout_s
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: podres_grpc.PodResourcesListerStub | None = None
+        self.channels_opened = 0
+
+    async def list_container_devices(self) -> list[ContainerDevices]:
+        """Every container's device IDs, per resource. Raises grpc.aio.AioRpcError when the
+        kubelet does not answer within the timeout."""
+        if self._channel is None or self._stub is None:
+            self._channel = grpc.aio.insecure_channel(
+                f"unix://{self.socket}", options=_CHANNEL_OPTIONS
+            )
+            self._stub = podres_grpc.PodResourcesListerStub(self._channel)
+            self.channels_opened += 1
+        try:
+            reply = await self._stub.List(podres.ListPodResourcesRequest(), timeout=self._timeout_s)
+        except grpc.aio.AioRpcError:
+            await self.close()
+            raise
+        return _merged(reply)
+
+    async def close(self) -> None:
+        channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            await channel.close()
+
+
 async def list_container_devices(socket: Path, *, timeout_s: float = 2.0) -> list[ContainerDevices]:
-    """Every container's device IDs, per resource, from `List`. Raises grpc.aio.AioRpcError when
-    the kubelet does not answer within the timeout."""
-    async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
-        reply = await podres_grpc.PodResourcesListerStub(channel).List(
-            podres.ListPodResourcesRequest(), timeout=timeout_s
-        )
+    """Every container's device IDs, per resource, from `List`, over a channel of its own. Raises
+    grpc.aio.AioRpcError when the kubelet does not answer within the timeout."""
+    client = PodResourcesClient(socket, timeout_s=timeout_s)
+    try:
+        return await client.list_container_devices()
+    finally:
+        await client.close()
+
+
+def _merged(reply: podres.ListPodResourcesResponse) -> list[ContainerDevices]:
     # The kubelet reports a container's devices in several entries (one per device and NUMA
     # node), so merge them per container and resource.
     merged: dict[tuple[str, str, str, str], list[str]] = {}

@@ -10,7 +10,8 @@ resource that the inventory names, plus the primary resource, which is always se
 - `reconcile(inventory)` is the one place that decides which endpoints exist. It publishes each
   resource's part of the inventory to its endpoint (its ListAndWatch streams wake), creates
   endpoints for new resources and stops those whose resource has no slice left. The poll loop
-  calls it after every poll; a MIG re-partitioning or a new config goes through it the same way.
+  calls it after every poll (a poll that changed nothing hands the same inventory, which costs
+  nothing); a MIG re-partitioning or a new config goes through it the same way.
   A resource whose devices vanished while allocated keeps its (Unhealthy) slices in the inventory
   until the kubelet frees them, so its endpoint stays until then.
 - `run(stop)` runs every endpoint's life cycle concurrently: a kubelet restart makes each of them
@@ -66,6 +67,9 @@ class ResourcePlugins:
         # the old one, which removes its socket on the way out.
         self._stopping: dict[str, asyncio.Task[None]] = {}
         self._changed = asyncio.Event()
+        # The inventory (this very object) and primary resource of the last `reconcile`: a poll
+        # that changed nothing hands the same inventory again, and then nothing is to be done.
+        self._reconciled: tuple[Inventory, str] | None = None
 
     def __iter__(self) -> Iterator[ResourceEndpoint]:
         return iter(self._all)
@@ -102,6 +106,9 @@ class ResourcePlugins:
     def reconcile(self, inventory: Inventory) -> None:
         """Make the endpoints match `inventory`: each resource it names (and the primary one) has
         an endpoint advertising its slices; endpoints of resources it no longer names stop."""
+        last = self._reconciled
+        if last is not None and last[0] is inventory and last[1] == self.primary:
+            return
         desired = {self.primary, *inventory.resource_names}
         for name in sorted(desired):
             endpoint = self._endpoints.get(name)
@@ -120,6 +127,7 @@ class ResourcePlugins:
             self._changed.set()
         self.names = frozenset(self._endpoints)
         self._all = tuple(self._endpoints.values())
+        self._reconciled = (inventory, self.primary)
 
     async def _run_endpoint(self, endpoint: ResourceEndpoint) -> None:
         previous = self._stopping.get(endpoint.resource_name)

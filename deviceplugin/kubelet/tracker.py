@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 
-from deviceplugin.kubelet.podresources import list_container_devices
+from deviceplugin.kubelet.podresources import PodResourcesClient
 from deviceplugin.model import AllocationRecord, allocation_id
 from deviceplugin.state import AllocationBook
 
@@ -44,6 +44,8 @@ class AllocationTracker:
     ) -> None:
         self._book = book
         self._socket = socket
+        # One channel for every refresh (a new one only after a failed call).
+        self._client = PodResourcesClient(socket)
         # The resources whose allocations are ours: one name, or the names currently served.
         self._resources: Callable[[], Collection[str]] = (
             (lambda: (resource_name,)) if isinstance(resource_name, str) else resource_name
@@ -56,7 +58,7 @@ class AllocationTracker:
 
     async def refresh(self) -> None:
         """Ask pod-resources once; raises grpc.aio.AioRpcError when it does not answer."""
-        containers = await list_container_devices(self._socket)
+        containers = await self._client.list_container_devices()
         now = time.time()
         resources = self._resources()
         live = [
@@ -82,6 +84,12 @@ class AllocationTracker:
             )
 
     async def run(self, stop: asyncio.Event, wake: asyncio.Event) -> None:
+        try:
+            await self._run(stop, wake)
+        finally:
+            await self._client.close()
+
+    async def _run(self, stop: asyncio.Event, wake: asyncio.Event) -> None:
         while not stop.is_set():
             wake.clear()
             try:

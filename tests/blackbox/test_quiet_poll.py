@@ -1,13 +1,21 @@
 """Polls that find nothing changed do no more than they must: the slice inventory is not built
-again, and the kubelet is not sent the device list again."""
+again, and the kubelet is not sent the device list again; pod-resources refreshes reuse one
+connection."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from pathlib import Path
+
+import grpc
 import pytest
 
 from deviceplugin import incremental, slicing
 from deviceplugin.config import DEFAULT_RESOURCE_NAME, MigConfig, SlicingConfig
+from deviceplugin.kubelet.podresources import PodResourcesClient
 from deviceplugin.model import Inventory, NodeReading
+from deviceplugin.sim.kubelet import KubeletSimulator
 from tests.blackbox.daemon_harness import (
     RESOURCE,
     TWO_GPUS,
@@ -54,3 +62,67 @@ async def test_idle_polls_neither_rebuild_the_inventory_nor_resend_the_device_li
         await node.sim.wait_for(lambda: len(node.sim.unhealthy_ids(RESOURCE)) == 4)
         assert len(built) == builds + 1
         assert node.sim.list_and_watch_updates(RESOURCE) == updates + 1
+
+
+class _CountingProxy:
+    """A unix-socket proxy in front of the simulated kubelet's pod-resources socket, counting the
+    connections made through it; `stop` drops the listener and every open connection, as a
+    kubelet restart does."""
+
+    def __init__(self, listen: Path, upstream: Path) -> None:
+        self.listen, self.upstream = listen, upstream
+        self.connections = 0
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._relay, path=str(self.listen))
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in self._writers:
+            writer.close()
+        await self._server.wait_closed()
+        self.listen.unlink(missing_ok=True)
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        up_reader, up_writer = await asyncio.open_unix_connection(str(self.upstream))
+        self._writers += [writer, up_writer]
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+async def test_pod_resources_refreshes_share_one_connection_and_reconnect_after_a_restart(
+    short_tmp: Path,
+) -> None:
+    sim = KubeletSimulator(short_tmp / "dp", short_tmp / "podres.sock")
+    await sim.start()
+    proxy = _CountingProxy(short_tmp / "proxy.sock", short_tmp / "podres.sock")
+    await proxy.start()
+    client = PodResourcesClient(proxy.listen, timeout_s=2.0)
+    try:
+        for _ in range(3):
+            assert await client.list_container_devices() == []
+        assert proxy.connections == 1
+
+        # The kubelet goes away: the refresh fails; once it is back the next one answers at
+        # once, over a new connection, without waiting out a reconnect backoff.
+        await proxy.stop()
+        with pytest.raises(grpc.aio.AioRpcError):
+            await client.list_container_devices()
+        await proxy.start()
+        assert await client.list_container_devices() == []
+        assert proxy.connections == 2
+    finally:
+        await client.close()
+        await proxy.stop()
+        await sim.stop()

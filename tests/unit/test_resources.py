@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import cast
 
+import pytest
+
 from deviceplugin.kubelet.lifecycle import LifecycleStats, PluginLifecycle
 from deviceplugin.kubelet.resources import ResourceEndpoint, ResourcePlugins
 from deviceplugin.kubelet.server import DevicePluginService
@@ -122,6 +124,44 @@ async def test_a_new_primary_starts_at_once_and_the_old_goes_when_no_slice_is_le
         await settle()
         assert resources.names == {renamed}
         assert events[-1] == f"stop {PRIMARY}"
+    finally:
+        stop.set()
+        await asyncio.wait_for(runner, 5)
+
+
+async def test_a_poll_that_changed_nothing_costs_no_reconcile_but_a_new_primary_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After every poll the daemon reconciles with the inventory; one that changed nothing hands
+    the very same inventory, and nothing is split per resource or compared again. A new primary
+    resource still takes effect with that same inventory: the old one, no longer named, stops."""
+    split: list[str] = []
+    for_resource = Inventory.for_resource
+
+    def counting(self: Inventory, resource_name: str) -> Inventory:
+        split.append(resource_name)
+        return for_resource(self, resource_name)
+
+    monkeypatch.setattr(Inventory, "for_resource", counting)
+    renamed = "example.com/gpu"
+    events: list[str] = []
+    resources = plugins(events)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(resources.run(stop))
+    try:
+        polled = inventory(SMALL)
+        resources.reconcile(polled)
+        await settle()
+        assert sorted(split) == sorted([PRIMARY, SMALL])
+        for _ in range(3):
+            resources.reconcile(polled)
+        assert len(split) == 2
+
+        resources.set_primary(renamed)
+        resources.reconcile(polled)
+        await settle()
+        assert resources.names == {renamed, SMALL}
+        assert f"stop {PRIMARY}" in events
     finally:
         stop.set()
         await asyncio.wait_for(runner, 5)
