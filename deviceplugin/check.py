@@ -164,7 +164,7 @@ def check_config(path: Path, backend_spec: str, out: TextIO, err: TextIO) -> int
             return EXIT_BACKEND
         print(f"\nslicing plan for the GPUs of {backend_spec}:", file=out)
     else:
-        from deviceplugin.sim.demo import example_gpus  # noqa: PLC0415
+        from deviceplugin.gpu.examples import example_gpus  # noqa: PLC0415
 
         gpus = example_gpus()
         print(

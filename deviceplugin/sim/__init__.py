@@ -1,1 +1,2 @@
-"""The kubelet simulator as a command: `python -m deviceplugin.sim` (see `kubelet_sim`)."""
+"""Around the daemon: the kubelet simulator (`kubelet`, run with `python -m deviceplugin.sim`) and
+the demo built on it. Nothing in the daemon imports this package."""

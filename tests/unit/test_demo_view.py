@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from deviceplugin.sim.demo import CLEAR_BELOW, CURSOR_UP, LiveView
+from deviceplugin.sim.demo_view import CLEAR_BELOW, CURSOR_UP, LiveView
 
 
 class Terminal(io.StringIO):
