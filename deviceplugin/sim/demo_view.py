@@ -209,8 +209,10 @@ async def _live(
             (namespace, pod, container), memory = GROWN
             pid = workloads.grow(f"{namespace}/{pod}/{container}", memory)
             view.event(
-                f"{namespace}/{pod}/{container} (pid {pid}) now uses {format_bytes(memory)} of "
-                "GPU memory, over its limit",
+                f"{namespace}/{pod}/{container} has no running process to grow: it exited"
+                if pid is None
+                else f"{namespace}/{pod}/{container} (pid {pid}) now uses "
+                f"{format_bytes(memory)} of GPU memory, over its limit",
                 "",
             )
         exits.extend((now, pid, owner, code) for pid, owner, code in workloads.reap())

@@ -158,8 +158,9 @@ class DemoWorkloads:
         proc = subprocess.Popen(["sleep", "86400"], env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
         self._work[proc.pid] = (proc, gpu_uuid, FakeProcess(proc.pid, memory, demand), owner)
 
-    def grow(self, owner: str, memory: int) -> int:
-        """Make `owner`'s process use `memory`; returns its pid."""
+    def grow(self, owner: str, memory: int) -> int | None:
+        """Make `owner`'s process use `memory`; returns its pid, or None when `owner` has no
+        running process (it exited already)."""
         for pid, (proc, uuid, work, who) in self._work.items():
             if who == owner:
                 self._work[pid] = (
@@ -170,7 +171,7 @@ class DemoWorkloads:
                 )
                 self.write()
                 return pid
-        raise KeyError(owner)
+        return None
 
     def reap(self) -> list[tuple[int, str, int]]:
         """Forget processes that have exited (the driver stops listing them); (pid, owner,
