@@ -273,6 +273,11 @@ class Enforcer:
         self._signals_denied = 0
         self._counts: dict[tuple[str, str, str, str], int] = {}
         self._names: dict[ContainerKey, _Names] = {}
+        # The last poll's annotated usage per container, with what it was made from: handed out
+        # again while the snapshot builder hands out the same usage and the figures are equal.
+        self._annotations: dict[
+            ContainerKey, tuple[ContainerUsage, float | None, float, float | None, ContainerUsage]
+        ] = {}
         atexit.register(self.close)
         log.info(
             "enforcer started memory_action=%s grace_period_s=%s compute_action=%s "
@@ -661,15 +666,30 @@ class Enforcer:
     def _annotate(self, snapshot: NodeSnapshot) -> NodeSnapshot:
         figures = self._cycler.figures()
         entitlement = self.policy.entitlement
-        containers = tuple(
-            _annotated(
-                c,
-                *figures.get((c.allocation_id, c.gpu_uuid), _NOT_THROTTLED),
-                entitlement((c.allocation_id, c.gpu_uuid)),
-            )
-            for c in snapshot.containers
-        )
-        return replace(snapshot, containers=containers, enforcement=self.counts())
+        previous = self._annotations
+        annotations: dict[
+            ContainerKey, tuple[ContainerUsage, float | None, float, float | None, ContainerUsage]
+        ] = {}
+        containers: list[ContainerUsage] = []
+        for c in snapshot.containers:
+            key = (c.allocation_id, c.gpu_uuid)
+            duty, stopped_s = figures.get(key, _NOT_THROTTLED)
+            entitled = entitlement(key)
+            kept = previous.get(key)
+            if (
+                kept is not None
+                and kept[0] is c
+                and kept[1] == duty
+                and kept[2] == stopped_s
+                and kept[3] == entitled
+            ):
+                annotated = kept[4]
+            else:
+                annotated = _annotated(c, duty, stopped_s, entitled)
+            annotations[key] = (c, duty, stopped_s, entitled, annotated)
+            containers.append(annotated)
+        self._annotations = annotations
+        return replace(snapshot, containers=tuple(containers), enforcement=self.counts())
 
     def counts(self) -> tuple[EnforcementCount, ...]:
         """Every enforcement count so far, for containers whose allocation still exists."""

@@ -484,10 +484,14 @@ class EnforcementPolicy:
         load_now = u_other + sum(s.last_ratio for s in states.values())
         load_smoothed = other + sum(s.util_ratio for s in states.values())
         full = max(load_now, load_smoothed) >= t.saturated_ratio
-        peaks = {key: _peak_ratio(processes[key]) for key in states}
-        level_now = max(
-            (peak for key, peak in peaks.items() if not states[key].throttled), default=0.0
-        )
+        # The processes' peaks matter only on a full GPU (most polls, most GPUs are not).
+        peaks: dict[ContainerKey, float] = {}
+        level_now = 0.0
+        if full:
+            peaks = {key: _peak_ratio(processes[key]) for key in states}
+            level_now = max(
+                (peak for key, peak in peaks.items() if not states[key].throttled), default=0.0
+            )
         for key, state in states.items():
             busy = max(state.last_ratio, state.util_ratio)
             if enforcing and state.throttled:

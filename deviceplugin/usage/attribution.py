@@ -243,6 +243,10 @@ class SnapshotBuilder:
     def __init__(self, node_name: str, window_s: float) -> None:
         self.node_name = node_name
         self._window = UtilizationWindow(window_s)
+        # The previous build's ContainerUsage per (allocation ID, GPU UUID), with the values it
+        # was made of: one whose values did not change is handed out again rather than rebuilt
+        # (most containers, most polls), which also lets the enforcer see it is unchanged.
+        self._containers: dict[tuple[str, str], tuple[tuple[object, ...], ContainerUsage]] = {}
 
     def build(
         self,
@@ -360,34 +364,42 @@ class SnapshotBuilder:
             acc.sm_util_percent += process.sm_util_percent or 0.0
         order = {p.pid: n for gpu in gpus for n, p in enumerate(gpu.processes)}
         for processes in unattributed.values():
-            processes.sort(key=lambda p: order.get(p.pid, 0))
+            if len(processes) > 1:
+                processes.sort(key=lambda p: order.get(p.pid, 0))
         for acc in accumulators.values():
-            acc.processes.sort(key=lambda p: order.get(p.pid, 0))
+            if len(acc.processes) > 1:
+                acc.processes.sort(key=lambda p: order.get(p.pid, 0))
 
         window = self._window
         live_keys: set[Hashable] = set(gpu_by_uuid)
         containers: list[ContainerUsage] = []
-        for (allocation_id, uuid), acc in accumulators.items():
-            key = (allocation_id, uuid)
+        previous = self._containers
+        built: dict[tuple[str, str], tuple[tuple[object, ...], ContainerUsage]] = {}
+        for key, acc in accumulators.items():
             live_keys.add(key)
             window.add(key, now_s, duration_s, _ratio(acc.sm_util_percent))
             record = acc.record
-            containers.append(
-                ContainerUsage(
-                    allocation_id=allocation_id,
-                    gpu_uuid=uuid,
-                    gpu_index=gpu_by_uuid[uuid].info.index,
-                    slices=acc.slices,
-                    memory_used_bytes=acc.memory_used_bytes,
-                    memory_limit_bytes=acc.memory_limit_bytes,
-                    sm_utilization_ratio=window.average(key, now_s) or 0.0,
-                    compute_share_ratio=acc.compute_share_ratio,
-                    processes=tuple(acc.processes),
-                    namespace=record.namespace,
-                    pod=record.pod,
-                    container=record.container,
-                )
+            # ContainerUsage's fields in order, up to `container`.
+            values = (
+                key[0],
+                key[1],
+                gpu_by_uuid[key[1]].info.index,
+                acc.slices,
+                acc.memory_used_bytes,
+                acc.memory_limit_bytes,
+                window.average(key, now_s) or 0.0,
+                acc.compute_share_ratio,
+                tuple(acc.processes),
+                record.namespace,
+                record.pod,
+                record.container,
             )
+            kept = previous.get(key)
+            unchanged = kept is not None and kept[0] == values
+            usage = kept[1] if kept is not None and unchanged else ContainerUsage(*values)
+            built[key] = (values, usage)
+            containers.append(usage)
+        self._containers = built
         containers.sort(
             key=lambda c: (c.gpu_index, c.namespace, c.pod, c.container, c.allocation_id)
         )
