@@ -146,6 +146,9 @@ class Poller:
         self._builder = SnapshotBuilder(node_name, config.enforcement.compute.window_s)
         # The inventory is rebuilt only when a GPU's facts or health, or the slicing, change.
         self._inventories = InventoryCache()
+        # The device list's size check, kept with what it was computed from.
+        self._list_check_key: object = None
+        self._list_check_problem: str | None = None
         self._checkpoint = checkpoint
         self._checkpoint_reason: str | None = None
         self._trust_host_processes = trust_host_processes
@@ -173,15 +176,16 @@ class Poller:
         now_s = time.monotonic()
         cfg = self._config
         # Refused before a single slice is built: the kubelet could not take the list anyway.
-        problem = device_list_problem(
-            plan_gpus(
-                [g.info for g in reading.gpus],
+        # Checked again only when the GPUs' facts or the slicing change (idle polls: never).
+        infos = [g.info for g in reading.gpus]
+        key = (cfg.slicing, cfg.mig, cfg.resource_name, infos)
+        if key != self._list_check_key:
+            self._list_check_problem = device_list_problem(
+                plan_gpus(infos, cfg.slicing, mig=cfg.mig, resource_name=cfg.resource_name),
                 cfg.slicing,
-                mig=cfg.mig,
-                resource_name=cfg.resource_name,
-            ),
-            cfg.slicing,
-        )
+            )
+            self._list_check_key = key
+        problem = self._list_check_problem
         if problem is not None:
             raise DeviceListTooLargeError(problem)
         # Held slices that a new plan or a MIG layout change dropped stay, Unhealthy, until freed.
