@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import queue
@@ -77,7 +78,7 @@ class DaemonWorker:
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue[
-            tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None
+            tuple[concurrent.futures.Future[Any] | None, Callable[[], Any]] | None
         ] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -87,9 +88,33 @@ class DaemonWorker:
         self._queue.put((future, call))
         return future
 
+    def run_for(self, loop: asyncio.AbstractEventLoop, call: Callable[[], T]) -> asyncio.Future[T]:
+        """Like `submit`, for a caller on `loop`: the outcome comes back as one callback on the
+        loop, with no concurrent Future to lock, notify and copy from in between (the poll does
+        this twice a second, idle or not)."""
+        future: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            if future.cancelled():  # read off the loop: at worst, one call made for nothing
+                return
+            settle: Callable[[], None]
+            try:
+                settle = functools.partial(_set_result, future, call())
+            except BaseException as e:  # noqa: BLE001 (handed to whoever awaits the future)
+                settle = functools.partial(_set_exception, future, e)
+            if not loop.is_closed():
+                with contextlib.suppress(RuntimeError):  # closed meanwhile: nobody awaits it
+                    loop.call_soon_threadsafe(settle)
+
+        self._queue.put((None, run))
+        return future
+
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             future, call = item
+            if future is None:
+                call()
+                continue
             if not future.set_running_or_notify_cancel():
                 continue
             try:
@@ -100,6 +125,16 @@ class DaemonWorker:
     def shutdown(self) -> None:
         """Finish the call under way (if it ever returns), then stop; does not wait."""
         self._queue.put(None)
+
+
+def _set_result(future: asyncio.Future[T], result: T) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future[Any], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +181,9 @@ class Poller:
         self._builder = SnapshotBuilder(node_name, config.enforcement.compute.window_s)
         # The inventory is rebuilt only when a GPU's facts or health, or the slicing, change.
         self._inventories = InventoryCache()
+        # The device list's size check, kept with what it was computed from.
+        self._list_check_key: object = None
+        self._list_check_problem: str | None = None
         self._checkpoint = checkpoint
         self._checkpoint_reason: str | None = None
         self._trust_host_processes = trust_host_processes
@@ -173,15 +211,16 @@ class Poller:
         now_s = time.monotonic()
         cfg = self._config
         # Refused before a single slice is built: the kubelet could not take the list anyway.
-        problem = device_list_problem(
-            plan_gpus(
-                [g.info for g in reading.gpus],
+        # Checked again only when the GPUs' facts or the slicing change (idle polls: never).
+        infos = [g.info for g in reading.gpus]
+        key = (cfg.slicing, cfg.mig, cfg.resource_name, infos)
+        if key != self._list_check_key:
+            self._list_check_problem = device_list_problem(
+                plan_gpus(infos, cfg.slicing, mig=cfg.mig, resource_name=cfg.resource_name),
                 cfg.slicing,
-                mig=cfg.mig,
-                resource_name=cfg.resource_name,
-            ),
-            cfg.slicing,
-        )
+            )
+            self._list_check_key = key
+        problem = self._list_check_problem
         if problem is not None:
             raise DeviceListTooLargeError(problem)
         # Held slices that a new plan or a MIG layout change dropped stay, Unhealthy, until freed.
@@ -255,8 +294,8 @@ class Poller:
         """One poll; raises BackendError or TimeoutError when the backend does not answer."""
         if self._pending is None or self._pending.done():
             allocations = tuple(self._book)
-            self._pending = asyncio.wrap_future(
-                self._worker.submit(functools.partial(self._tick, allocations))
+            self._pending = self._worker.run_for(
+                asyncio.get_running_loop(), functools.partial(self._tick, allocations)
             )
         # A hung call keeps its worker; the next tick waits on the same call, never stacks more.
         # (asyncio.wait leaves it running on a timeout, as wait_for on a shield would, for less.)

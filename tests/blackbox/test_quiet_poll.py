@@ -12,13 +12,22 @@ import grpc
 import pytest
 
 from deviceplugin import incremental, slicing
-from deviceplugin.config import DEFAULT_RESOURCE_NAME, MigConfig, SlicingConfig
+from deviceplugin.config import (
+    DEFAULT_RESOURCE_NAME,
+    Config,
+    MigConfig,
+    SliceRule,
+    SlicingConfig,
+)
+from deviceplugin.kubelet.limits import device_list_problem
 from deviceplugin.kubelet.podresources import PodResourcesClient
 from deviceplugin.model import Inventory, NodeReading
 from deviceplugin.sim.kubelet import KubeletSimulator
 from tests.blackbox.daemon_harness import (
+    FAST,
     RESOURCE,
     TWO_GPUS,
+    GiB,
     Node,
     eventually,
     gpu,
@@ -62,6 +71,47 @@ async def test_idle_polls_neither_rebuild_the_inventory_nor_resend_the_device_li
         await node.sim.wait_for(lambda: len(node.sim.unhealthy_ids(RESOURCE)) == 4)
         assert len(built) == builds + 1
         assert node.sim.list_and_watch_updates(RESOURCE) == updates + 1
+
+
+async def test_idle_polls_do_not_size_the_device_list_again_but_a_gpu_change_does(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checks: list[str | None] = []
+
+    def counting_check(plans: object, cfg: SlicingConfig) -> str | None:
+        problem = device_list_problem(plans, cfg)  # type: ignore[arg-type]
+        checks.append(problem)
+        return problem
+
+    monkeypatch.setattr("deviceplugin.poller.device_list_problem", counting_check)
+    # 1 GiB slices: 80 and 24 slices on the two GPUs.
+    config = Config(
+        slicing=SlicingConfig(default=SliceRule(memory_per_slice_bytes=GiB)), enforcement=FAST
+    )
+    async with running_daemon(node, config) as daemon:  # polls every 50 ms
+        await registered(node, 104)
+        checked = len(checks)
+        polled_s = daemon.poller.last_success_wall_s
+        await eventually(
+            lambda: daemon.poller.last_success_wall_s > polled_s + 0.5, what="ten more polls"
+        )
+        assert len(checks) == checked
+
+        # A GPU whose slices would not fit is still refused at the next poll: the poll fails
+        # and the kubelet keeps the last device list.
+        node.write_gpus((TWO_GPUS[0], gpu(1, name="NVIDIA L4", memory_gib=2000)))
+        await eventually(lambda: daemon.poller.failures >= 2, what="the refused polls")
+        assert len(checks) == checked + 1
+        assert checks[-1] is not None
+        assert "GPU 1" in checks[-1]
+        assert len(node.sim.devices(RESOURCE)) == 104
+        assert daemon.poller.last_success_wall_s > polled_s
+
+        # Back to a GPU that fits: checked once more, and polling recovers.
+        node.write_gpus(TWO_GPUS)
+        await eventually(lambda: daemon.poller.failures == 0, what="polling to recover")
+        assert len(checks) == checked + 2
+        assert checks[-1] is None
 
 
 class _CountingProxy:
