@@ -120,6 +120,17 @@ async def running_daemon(
         backend.close()
 
 
+def serve_args(node: Node) -> list[str]:
+    """The `serve` flags that put a daemon on `node`: its fake GPUs, the simulator's sockets and
+    a state directory of its own."""
+    return [
+        "--backend", f"fake:{node.state_file}",
+        "--device-plugin-dir", str(node.plugin_dir),
+        "--pod-resources-socket", str(node.podres_socket),
+        "--state-dir", str(node.root / "state"),
+    ]  # fmt: skip
+
+
 async def registered(node: Node, count: int, resource: str = RESOURCE) -> None:
     sim = node.sim
     await sim.wait_for(

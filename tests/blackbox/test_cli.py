@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from deviceplugin.gpu.fake import FakeState, write_state_file
-from tests.blackbox.daemon_harness import RESOURCE, TWO_GPUS, Node, registered
+from tests.blackbox.daemon_harness import RESOURCE, TWO_GPUS, Node, registered, serve_args
 
 CLI = [sys.executable, "-m", "deviceplugin"]
 
@@ -30,14 +30,7 @@ async def _serve(node: Node, *extra: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         *CLI,
         "serve",
-        "--backend",
-        f"fake:{node.state_file}",
-        "--device-plugin-dir",
-        str(node.plugin_dir),
-        "--pod-resources-socket",
-        str(node.podres_socket),
-        "--state-dir",
-        str(node.root / "state"),
+        *serve_args(node),
         "--metrics-address",
         "127.0.0.1:0",
         *extra,

@@ -29,6 +29,7 @@ from tests.blackbox.daemon_harness import (
     eventually,
     registered,
     running_daemon,
+    serve_args,
 )
 from tests.blackbox.test_reload import configmap, daemon_with_config, reloads
 
@@ -313,10 +314,7 @@ async def test_serve_sends_quit_on_sigterm(node: Node) -> None:
     )
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "deviceplugin", "serve", "--config", str(config),
-        "--backend", f"fake:{node.state_file}",
-        "--device-plugin-dir", str(node.plugin_dir),
-        "--pod-resources-socket", str(node.podres_socket),
-        "--state-dir", str(node.root / "state"),
+        *serve_args(node),
         "--metrics-address", "127.0.0.1:0",
         stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip

@@ -23,7 +23,14 @@ from deviceplugin.check import check_config
 from deviceplugin.gpu.fake import FakeBackend
 from deviceplugin.kubelet.lifecycle import PluginLifecycle
 from deviceplugin.reload import config_hash, read_config
-from tests.blackbox.daemon_harness import RESOURCE, Node, eventually, gpu, registered
+from tests.blackbox.daemon_harness import (
+    RESOURCE,
+    Node,
+    eventually,
+    gpu,
+    registered,
+    serve_args,
+)
 from tests.blackbox.test_cli import CLI
 from tests.blackbox.test_mig import LAYOUT, MIG_1G, MIG_3G, mig_gpu
 
@@ -258,14 +265,7 @@ async def test_sighup_reloads_serve_without_stopping_it(node: Node) -> None:
             "serve",
             "--config",
             str(path),
-            "--backend",
-            f"fake:{node.state_file}",
-            "--device-plugin-dir",
-            str(node.plugin_dir),
-            "--pod-resources-socket",
-            str(node.podres_socket),
-            "--state-dir",
-            str(node.root / "state"),
+            *serve_args(node),
             "--metrics-address",
             "127.0.0.1:0",
             stderr=stderr,
@@ -348,14 +348,7 @@ async def test_sighup_without_a_config_file_keeps_serving_and_says_why(node: Nod
         proc = await asyncio.create_subprocess_exec(
             *CLI,
             "serve",
-            "--backend",
-            f"fake:{node.state_file}",
-            "--device-plugin-dir",
-            str(node.plugin_dir),
-            "--pod-resources-socket",
-            str(node.podres_socket),
-            "--state-dir",
-            str(node.root / "state"),
+            *serve_args(node),
             "--metrics-address",
             "127.0.0.1:0",
             stderr=stderr,

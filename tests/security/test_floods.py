@@ -19,7 +19,7 @@ import pytest
 from deviceplugin.kubelet.proto import dp, dp_grpc
 from deviceplugin.usage.httpserver import HttpServer
 from deviceplugin.usage.metrics import DaemonMetrics
-from tests.blackbox.daemon_harness import Node, registered
+from tests.blackbox.daemon_harness import Node, registered, serve_args
 
 CLI = [sys.executable, "-m", "deviceplugin"]
 
@@ -102,10 +102,7 @@ async def allocate(node: Node, ids: list[str]) -> grpc.aio.AioRpcError:
 
 async def test_forged_and_flooding_device_ids_stay_on_one_short_log_line(node: Node) -> None:
     proc = await asyncio.create_subprocess_exec(
-        *CLI, "serve", "--backend", f"fake:{node.state_file}",
-        "--device-plugin-dir", str(node.plugin_dir),
-        "--pod-resources-socket", str(node.podres_socket),
-        "--state-dir", str(node.root / "state"), "--metrics-address", "",
+        *CLI, "serve", *serve_args(node), "--metrics-address", "",
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.blackbox.daemon_harness import Node, registered
+from tests.blackbox.daemon_harness import Node, registered, serve_args
 
 CLI = [sys.executable, "-m", "deviceplugin"]
 
@@ -30,15 +30,6 @@ async def start_serve(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
-
-
-def serve_args(node: Node) -> list[str]:
-    return [
-        "--backend", f"fake:{node.state_file}",
-        "--device-plugin-dir", str(node.plugin_dir),
-        "--pod-resources-socket", str(node.podres_socket),
-        "--state-dir", str(node.root / "state"),
-    ]  # fmt: skip
 
 
 async def stop(proc: asyncio.subprocess.Process, *, terminate: bool = True) -> tuple[int, str]:
