@@ -5,7 +5,6 @@ file."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import os
 import signal
@@ -95,15 +94,17 @@ GROWN = (("default", "notebook", "jupyter"), 14 * GiB)
 # A process on the node that no pod asked slices for: counted as unattributed, never touched.
 HOST_PROCESS = (2 * GiB, 30.0)
 
-_PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-
-
-def _die_with_parent() -> None:
-    """In a child between fork and exec: have the kernel SIGKILL it when the demo dies. Only a
-    system call here (prctl is async-signal-safe); the library was loaded before the fork."""
-    if _libc is not None:
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+# A workload: a process that sleeps, set to be SIGKILLed by the kernel when the demo dies (even
+# while it is stopped). It asks for that itself and then becomes `sleep` (the same pid and env):
+# a `preexec_fn` would run Python between fork and exec in the threaded demo, where a child can
+# abort on a lock another thread held at the fork.
+_WORKLOAD = """
+import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(0)  # the demo died before the request took hold
+os.execvp("sleep", ["sleep", "86400"])
+"""
 
 
 class DemoWorkloads:
@@ -155,7 +156,7 @@ class DemoWorkloads:
     ) -> None:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **envs}
         # Dies with the demo, even when the demo is SIGKILLed (and even while stopped).
-        proc = subprocess.Popen(["sleep", "86400"], env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
+        proc = subprocess.Popen([sys.executable, "-c", _WORKLOAD, str(os.getpid())], env=env)
         self._work[proc.pid] = (proc, gpu_uuid, FakeProcess(proc.pid, memory, demand), owner)
 
     def grow(self, owner: str, memory: int) -> int | None:
