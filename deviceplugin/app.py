@@ -35,7 +35,7 @@ from deviceplugin.kubelet.server import DevicePluginService
 from deviceplugin.kubelet.tracker import POD_RESOURCES_INTERVAL_S, AllocationTracker
 from deviceplugin.model import DaemonHealth, Inventory, NodeSnapshot
 from deviceplugin.nodelabels import NodeLabelFile
-from deviceplugin.poller import Poller
+from deviceplugin.poller import Poller, idle_interval_s
 from deviceplugin.reload import (
     ConfigReloader,
     ReloadMetrics,
@@ -51,9 +51,11 @@ from deviceplugin.usage.procs import pid_namespace_warning
 
 log = logging.getLogger(__name__)
 
-# /healthz fails when no poll has succeeded for this many intervals (and at least this long), or
-# when the plugin has not been registered with the kubelet for this long.
+# /healthz fails when no poll has succeeded for this many intervals (and this many idle intervals,
+# and at least this long), or when the plugin has not been registered with the kubelet for this
+# long.
 HEALTHZ_STALE_POLLS = 20
+HEALTHZ_STALE_IDLE_POLLS = 5
 HEALTHZ_MIN_STALE_S = 10.0
 HEALTHZ_UNREGISTERED_S = 60.0
 
@@ -203,7 +205,7 @@ class Daemon:
             on_allocate_duration=self.metrics.observe_allocate,
             # The kubelet lists an allocation in pod-resources right after Allocate: ask soon,
             # so that the container's series and any action on it carry its pod's name.
-            on_allocated=self.poller.names_wanted.set,
+            on_allocated=self.poller.allocated,
         )
         lifecycle = PluginLifecycle(
             service,
@@ -328,12 +330,17 @@ class Daemon:
         )
 
     def healthz(self) -> tuple[bool, str]:
-        interval = self.settings.config.enforcement.poll_interval_s
+        config = self.settings.config
+        interval = config.enforcement.poll_interval_s
         return healthz(
             self.poller.snapshot,
             now_mono_s=time.monotonic(),
             now_wall_s=time.time(),
-            poll_stale_after_s=max(HEALTHZ_STALE_POLLS * interval, HEALTHZ_MIN_STALE_S),
+            poll_stale_after_s=max(
+                HEALTHZ_STALE_POLLS * interval,
+                HEALTHZ_STALE_IDLE_POLLS * idle_interval_s(config),
+                HEALTHZ_MIN_STALE_S,
+            ),
             unregistered_after_s=HEALTHZ_UNREGISTERED_S,
         )
 

@@ -3,6 +3,10 @@ turns the reading into the slice inventory and the usage snapshot, hands the sna
 enforcer, and publishes both. ListAndWatch streams wake on an inventory change; the exporter and
 /status read the latest snapshot. A backend that stops answering leaves the last device list in
 force and stale snapshots published.
+
+While no slice is allocated and the GPUs run no process there is nothing to attribute or
+enforce: the loop then polls every `idlePollInterval` (2 s by default) instead of every
+`pollInterval`, and an Allocate ends the wait at once.
 """
 
 from __future__ import annotations
@@ -69,6 +73,12 @@ def describe_inventory_change(old: Inventory, new: Inventory) -> list[str]:
     return lines
 
 
+def idle_interval_s(config: Config) -> float:
+    """How long the poll loop waits while idle: `idlePollInterval`, never below `pollInterval`."""
+    enforcement = config.enforcement
+    return max(enforcement.idle_poll_interval_s, enforcement.poll_interval_s)
+
+
 class DaemonWorker:
     """One daemon thread that runs submitted calls in order.
 
@@ -125,6 +135,15 @@ class DaemonWorker:
     def shutdown(self) -> None:
         """Finish the call under way (if it ever returns), then stop; does not wait."""
         self._queue.put(None)
+
+
+def _wake_from_any_thread(loop: asyncio.AbstractEventLoop, wake: asyncio.Event) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+        loop.call_soon_threadsafe(wake.set)
+
+
+def _no_wake() -> None:
+    pass
 
 
 def _set_result(future: asyncio.Future[T], result: T) -> None:
@@ -191,6 +210,10 @@ class Poller:
         self._on_poll_duration = on_poll_duration
         self._on_inventory = on_inventory
         self._interval_s = config.enforcement.poll_interval_s
+        self._idle_interval_s = idle_interval_s(config)
+        # True after a poll that saw no GPU process while no slice was allocated: the next one
+        # comes after the idle interval (an Allocate, a reload or a failure ends that).
+        self.idle = False
         self.timeout_s = timeout_s if timeout_s is not None else max(5.0, 4 * self._interval_s)
         self._worker = DaemonWorker("vgpu-poll")
         # Stale snapshots reach the enforcer through a worker of their own: the poll worker may
@@ -252,6 +275,7 @@ class Poller:
         """Poll with a new config from the next tick on (a live reload)."""
         old, self._config = self._config, config
         self._interval_s = config.enforcement.poll_interval_s
+        self._idle_interval_s = idle_interval_s(config)
         self.timeout_s = max(5.0, 4 * self._interval_s)
         if config.enforcement.compute.window_s != old.enforcement.compute.window_s:
             self._builder = SnapshotBuilder(self._builder_node, config.enforcement.compute.window_s)
@@ -286,6 +310,13 @@ class Poller:
             cgroup_of=self._resolver.cgroup_of,
         )
 
+    def allocated(self) -> None:
+        """An Allocate was answered: ask pod-resources for the container's name soon, and end an
+        idle wait, so that the container is measured from its first process on."""
+        self.names_wanted.set()
+        if self.idle:
+            self.wake.set()
+
     def submit(self, call: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run `call` on the poll worker, between two ticks."""
         return self._worker.submit(call)
@@ -312,6 +343,16 @@ class Poller:
         self.last_success_wall_s = tick.snapshot.taken_at_s
         self.failures = 0
         self.snapshot = replace(tick.snapshot, health=self._health())
+        idle = not tick.snapshot.allocations and not any(
+            gpu.reading.processes for gpu in tick.snapshot.gpus
+        )
+        if idle != self.idle:
+            log.debug(
+                "polling every %gs: %s",
+                self._idle_interval_s if idle else self._interval_s,
+                "no slice allocated and no GPU process" if idle else "slices or processes in use",
+            )
+            self.idle = idle
         self._on_poll_duration(tick.duration_s)
         # Ask pod-resources again when processes carry an allocation this daemon does not know
         # (made before it started) or a container has no name yet (allocated since the last ask).
@@ -323,12 +364,17 @@ class Poller:
         # only times out creates no task.
         stopped = asyncio.ensure_future(stop.wait())
         woken = asyncio.ensure_future(self.wake.wait())
+        self._backend.set_wake(
+            functools.partial(_wake_from_any_thread, asyncio.get_running_loop(), self.wake)
+        )
         try:
             while not stop.is_set():
                 if woken.done():
                     woken = asyncio.ensure_future(self.wake.wait())
                 await asyncio.wait(
-                    (stopped, woken), timeout=self._interval_s, return_when=asyncio.FIRST_COMPLETED
+                    (stopped, woken),
+                    timeout=self._idle_interval_s if self.idle else self._interval_s,
+                    return_when=asyncio.FIRST_COMPLETED,
                 )
                 if stop.is_set():
                     return
@@ -339,6 +385,7 @@ class Poller:
                     if failures:
                         log.info("polling recovered after_failures=%d", failures)
                 except (BackendError, TimeoutError) as e:
+                    self.idle = False  # retried at the poll interval
                     self.failures += 1
                     level = logging.ERROR if self.failures == 1 else logging.DEBUG
                     log.log(
@@ -352,6 +399,7 @@ class Poller:
                             mark_stale(self.snapshot, self._health())
                         )
         finally:
+            self._backend.set_wake(_no_wake)
             stopped.cancel()
             woken.cancel()
             self._worker.shutdown()

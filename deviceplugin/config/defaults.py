@@ -69,6 +69,9 @@ allocation:
 enforcement:
   # How often GPU memory and utilisation are measured.
   pollInterval: {format_duration(e.poll_interval_s)}
+  # How often while no slice is allocated and no GPU process runs: nothing is enforced then, and
+  # an Allocate brings back pollInterval at once. Never faster than pollInterval.
+  idlePollInterval: {format_duration(e.idle_poll_interval_s)}
   # Decide, log and count every enforcement action, but send no signal to any process.
   dryRun: {"true" if e.dry_run else "false"}
   memory:

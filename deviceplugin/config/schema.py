@@ -223,6 +223,13 @@ def _vgpu_schema() -> Schema:
                 MIN_POLL_INTERVAL_S,
                 MAX_POLL_INTERVAL_S,
             ),
+            "idlePollInterval": _duration(
+                "How often while no slice is allocated and no GPU process runs (never faster "
+                "than pollInterval).",
+                e.idle_poll_interval_s,
+                MIN_POLL_INTERVAL_S,
+                MAX_POLL_INTERVAL_S,
+            ),
             "dryRun": _boolean("Decide, log and count every action; send no signal.", e.dry_run),
             "memory": _section(
                 "A container above its memory limit.",

@@ -70,7 +70,7 @@ _OVERRIDE_KEYS = ("match", "replicas", "memoryPerSlice")
 _MATCH_KEYS = ("model", "index", "uuid", "profile")
 _MIG_KEYS = ("strategy",)
 _ALLOCATION_KEYS = ("policy", "deviceListStrategy", "frameworkHints", "contextReserve")
-_ENFORCEMENT_KEYS = ("pollInterval", "dryRun", "memory", "compute")
+_ENFORCEMENT_KEYS = ("pollInterval", "idlePollInterval", "dryRun", "memory", "compute")
 _MEMORY_KEYS = ("action", "gracePeriod")
 _COMPUTE_KEYS = ("action", "window", "period", "workConserving")
 _MPS_KEYS = ("enabled", "root", "controlCommand")
@@ -198,6 +198,15 @@ def _enforcement(r: _Reader, value: object) -> EnforcementConfig:
             MAX_POLL_INTERVAL_S,
         )
         poll = defaults.poll_interval_s if parsed is None else parsed
+    idle_poll = defaults.idle_poll_interval_s
+    if "idlePollInterval" in section:
+        parsed = r.duration(
+            section["idlePollInterval"],
+            _join(path, "idlePollInterval"),
+            MIN_POLL_INTERVAL_S,
+            MAX_POLL_INTERVAL_S,
+        )
+        idle_poll = defaults.idle_poll_interval_s if parsed is None else parsed
 
     dry_run = defaults.dry_run
     if "dryRun" in section:
@@ -246,6 +255,7 @@ def _enforcement(r: _Reader, value: object) -> EnforcementConfig:
 
     return EnforcementConfig(
         poll_interval_s=poll,
+        idle_poll_interval_s=idle_poll,
         dry_run=dry_run,
         memory=MemoryEnforcement(action=memory_action, grace_period_s=grace),
         compute=ComputeEnforcement(

@@ -13,6 +13,7 @@ A backend is polled from one place (the poll loop), off the event loop, one call
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -38,6 +39,12 @@ class GpuBackend(Protocol):
 
     def close(self) -> None:
         """Release the backend's resources (threads, NVML). Idempotent."""
+        ...
+
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        """Have `wake` called, from any thread, when the backend learns between two polls of
+        something the next poll should report at once (a GPU turned unhealthy by an Xid): the
+        poll loop then polls without waiting out its interval."""
         ...
 
 

@@ -27,10 +27,11 @@ class AllocationTracker:
 
     The allocation ID is derived from the slice IDs, so what the kubelet reports is enough to
     know every allocation made before this daemon (re)started, and who holds it. Asked again
-    every `interval_s`, and at once (at most every `min_gap_s`) after an Allocate, when a GPU
-    process carries an allocation this daemon does not know, or when a container has no name
-    yet. An allocation the kubelet listed and no longer lists (its pod is gone) is dropped; one
-    it never listed is dropped `grace_s` after it was handed out."""
+    every `interval_s` while it holds any allocation (or the last ask failed), and at once (at
+    most every `min_gap_s`) after an Allocate, when a GPU process carries an allocation this
+    daemon does not know, or when a container has no name yet. An allocation the kubelet
+    listed and no longer lists (its pod is gone) is dropped; one it never listed is dropped
+    `grace_s` after it was handed out."""
 
     def __init__(
         self,
@@ -113,9 +114,14 @@ class AllocationTracker:
             if stop.is_set():
                 return
             waiters = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(wake.wait())}
+            # With no allocation to name or drop there is nothing to ask about until an Allocate
+            # or a process carrying an unknown allocation (both set `wake`).
+            idle = self.ok and not len(self._book)
             try:
                 await asyncio.wait(
-                    waiters, timeout=self._interval_s, return_when=asyncio.FIRST_COMPLETED
+                    waiters,
+                    timeout=None if idle else self._interval_s,
+                    return_when=asyncio.FIRST_COMPLETED,
                 )
             finally:
                 for waiter in waiters:

@@ -20,7 +20,8 @@ from deviceplugin.sim.kubelet import KubeletSimulator
 
 GiB = 1024**3
 RESOURCE = "nvidia.com/vgpu"
-FAST = EnforcementConfig(poll_interval_s=0.05)
+# Every 50 ms, idle or not (test_quiet_poll covers the idle interval).
+FAST = EnforcementConfig(poll_interval_s=0.05, idle_poll_interval_s=0.05)
 
 
 def gpu(

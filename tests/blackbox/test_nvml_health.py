@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from deviceplugin.app import Daemon
-from deviceplugin.config import HealthConfig
+from deviceplugin.config import Config, EnforcementConfig, HealthConfig
 from deviceplugin.gpu.nvml import NvmlBackend
 from deviceplugin.kubelet.proto import UNHEALTHY, dp, dp_grpc
 from tests.blackbox.daemon_harness import RESOURCE, Node, registered
@@ -36,7 +36,9 @@ class Rig:
 
 
 @contextlib.asynccontextmanager
-async def nvml_daemon(root: Path, health: HealthConfig) -> AsyncIterator[Rig]:
+async def nvml_daemon(
+    root: Path, health: HealthConfig, config: Config | None = None
+) -> AsyncIterator[Rig]:
     node = Node(root, ())
     numa = root / "sys" / "bus" / "pci" / "devices" / "0000:10:00.0"
     numa.mkdir(parents=True)
@@ -49,7 +51,7 @@ async def nvml_daemon(root: Path, health: HealthConfig) -> AsyncIterator[Rig]:
         event_wait_timeout_s=0.05,
         sysfs_root=root / "sys",
     )
-    daemon = Daemon(node.settings(), backend)
+    daemon = Daemon(node.settings(config), backend)
     await node.sim.start()
     stop = asyncio.Event()
     task = asyncio.create_task(daemon.run(stop))
@@ -106,6 +108,21 @@ async def test_an_xid_on_one_gpu_reaches_the_kubelet_while_the_other_keeps_alloc
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         stats = rig.backend.health_stats[1]
         assert (stats.healthy, stats.xids, stats.unhealthy_transitions) == (False, {79: 1}, 1)
+
+
+async def test_an_xid_on_an_idle_node_is_reported_without_waiting_for_the_idle_poll(
+    short_tmp: Path,
+) -> None:
+    # Nothing allocated, no GPU process: the GPUs are read every 30 s, but an Xid wakes the poll.
+    idle = EnforcementConfig(poll_interval_s=POLL_INTERVAL_S, idle_poll_interval_s=30.0)
+    async with nvml_daemon(short_tmp, HealthConfig(), Config(enforcement=idle)) as rig:
+        sim = rig.node.sim
+        await registered(rig.node, 8)
+        assert rig.daemon.poller.idle
+        started = time.monotonic()
+        rig.model.emit_xid(0, 79)
+        await sim.wait_for(lambda: sim.unhealthy_ids(RESOURCE) == rig.slices(0), timeout_s=5)
+        assert time.monotonic() - started < 1.0
 
 
 async def test_an_ignored_xid_changes_nothing(short_tmp: Path) -> None:

@@ -1,26 +1,31 @@
 """Polls that find nothing changed do no more than they must: the slice inventory is not built
 again, and the kubelet is not sent the device list again; pod-resources refreshes reuse one
-connection."""
+connection. With nothing allocated and no GPU process the GPUs are read every
+`idlePollInterval`, and pod-resources is not asked at all."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from pathlib import Path
 
 import grpc
 import pytest
 
 from deviceplugin import incremental, slicing
+from deviceplugin.app import Daemon
 from deviceplugin.config import (
     DEFAULT_RESOURCE_NAME,
     Config,
+    EnforcementConfig,
     MigConfig,
     SliceRule,
     SlicingConfig,
 )
+from deviceplugin.gpu.fake import FakeProcess
 from deviceplugin.kubelet.limits import device_list_problem
-from deviceplugin.kubelet.podresources import PodResourcesClient
+from deviceplugin.kubelet.podresources import ContainerDevices, PodResourcesClient
 from deviceplugin.model import Inventory, NodeReading
 from deviceplugin.sim.kubelet import KubeletSimulator
 from tests.blackbox.daemon_harness import (
@@ -29,10 +34,12 @@ from tests.blackbox.daemon_harness import (
     TWO_GPUS,
     GiB,
     Node,
+    Workloads,
     eventually,
     gpu,
     registered,
     running_daemon,
+    with_processes,
 )
 
 
@@ -176,3 +183,133 @@ async def test_pod_resources_refreshes_share_one_connection_and_reconnect_after_
         await client.close()
         await proxy.stop()
         await sim.stop()
+
+
+def _polls(daemon: Daemon) -> float:
+    """Polls so far, as /metrics counts them."""
+    count = daemon.metrics.registry.get_sample_value(
+        "vgpu_poll_duration_seconds_count", {"node": "test-node"}
+    )
+    assert count is not None
+    return count
+
+
+async def _polls_during(daemon: Daemon, seconds: float) -> float:
+    before = _polls(daemon)
+    await asyncio.sleep(seconds)
+    return _polls(daemon) - before
+
+
+IDLE_AFTER_1S = EnforcementConfig(poll_interval_s=0.05, idle_poll_interval_s=1.0)
+
+
+async def test_with_nothing_allocated_and_no_gpu_process_the_gpus_are_read_at_the_idle_interval(
+    node: Node,
+) -> None:
+    async with running_daemon(node, Config(enforcement=IDLE_AFTER_1S)) as daemon:
+        await registered(node, 8)
+        await eventually(lambda: daemon.poller.idle, what="the first idle poll")
+        # 50 ms polls would make 30 in 1.5 s; the idle interval makes one or two.
+        assert await _polls_during(daemon, 1.5) <= 2
+
+        # An Allocate ends the idle wait at once: the new container is in the next snapshot
+        # long before the idle interval is out, and the GPUs are read at pollInterval again.
+        before = _polls(daemon)
+        pod = await node.sim.admit_pod("train", [("main", 1)])
+        allocation_id = pod.containers[0].envs["VGPU_ALLOCATION_ID"]
+
+        def measured() -> bool:
+            snapshot = daemon.poller.snapshot
+            assert snapshot is not None
+            return any(c.allocation_id == allocation_id for c in snapshot.containers)
+
+        await eventually(
+            measured,
+            timeout_s=0.6,
+            what="the container in a snapshot",
+        )
+        assert _polls(daemon) > before
+        assert not daemon.poller.idle
+        assert await _polls_during(daemon, 0.5) >= 4
+
+
+async def test_a_gpu_process_outside_every_allocation_brings_back_the_fast_poll(
+    node: Node,
+) -> None:
+    workloads = Workloads()
+    try:
+        async with running_daemon(node, Config(enforcement=IDLE_AFTER_1S)) as daemon:
+            await registered(node, 8)
+            await eventually(lambda: daemon.poller.idle, what="the first idle poll")
+
+            # A process no container of ours owns (a host job): seen at the next idle poll,
+            # and read every pollInterval from then on, while it runs.
+            pid = workloads.spawn()
+            node.write_gpus((with_processes(TWO_GPUS[0], FakeProcess(pid, GiB)), TWO_GPUS[1]))
+            await eventually(lambda: not daemon.poller.idle, timeout_s=3, what="a busy poll")
+            assert await _polls_during(daemon, 0.5) >= 4
+
+            # It is gone: idle again.
+            node.write_gpus(TWO_GPUS)
+            await eventually(lambda: daemon.poller.idle, what="idle again")
+            assert await _polls_during(daemon, 1.5) <= 2
+    finally:
+        workloads.close()
+
+
+async def test_an_idle_poll_interval_below_the_poll_interval_means_always_the_poll_interval(
+    node: Node,
+) -> None:
+    config = Config(enforcement=EnforcementConfig(poll_interval_s=0.05, idle_poll_interval_s=0.05))
+    async with running_daemon(node, config) as daemon:
+        await registered(node, 8)
+        await eventually(lambda: daemon.poller.idle, what="the first idle poll")
+        assert await _polls_during(daemon, 0.5) >= 4
+
+
+async def test_a_long_idle_interval_does_not_fail_healthz(node: Node) -> None:
+    # 20 polls of 50 ms, or 10 s, would be the limit without the idle interval.
+    config = Config(enforcement=EnforcementConfig(poll_interval_s=0.05, idle_poll_interval_s=30.0))
+    async with running_daemon(node, config) as daemon:
+        await registered(node, 8)
+        await eventually(lambda: daemon.poller.idle, what="the first idle poll")
+        polled_s = daemon.poller.last_success_wall_s
+        daemon.poller.last_success_wall_s = polled_s - 20  # as if idle for 20 s
+        snapshot = daemon.poller.snapshot
+        assert snapshot is not None
+        daemon.poller.snapshot = dataclasses.replace(
+            snapshot,
+            health=dataclasses.replace(snapshot.health, last_poll_success_s=polled_s - 20),
+        )
+        ok, reason = daemon.healthz()
+        assert ok, reason
+        daemon.poller.snapshot = dataclasses.replace(
+            snapshot,
+            health=dataclasses.replace(snapshot.health, last_poll_success_s=polled_s - 200),
+        )
+        ok, reason = daemon.healthz()
+        assert not ok
+        assert "limit 150s" in reason
+
+
+async def test_pod_resources_is_asked_while_allocations_are_held_and_not_while_none_are(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[float] = []
+    ask = PodResourcesClient.list_container_devices
+
+    async def counting_ask(client: PodResourcesClient) -> list[ContainerDevices]:
+        asked.append(asyncio.get_running_loop().time())
+        return await ask(client)
+
+    monkeypatch.setattr(PodResourcesClient, "list_container_devices", counting_ask)
+    async with running_daemon(node, pod_resources_interval_s=0.2) as daemon:
+        await registered(node, 8)
+        await eventually(lambda: daemon.tracker.refreshes >= 1, what="the first ask")
+        await asyncio.sleep(1.0)
+        # Nothing allocated: asked once at the start, not every 200 ms.
+        assert len(asked) == 1
+
+        await node.sim.admit_pod("train", [("main", 1)])
+        await eventually(lambda: len(asked) >= 5, timeout_s=3, what="asks every 200 ms")
+        assert any(record.pod == "train" for record in daemon.book)

@@ -6,6 +6,7 @@ import asyncio
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -39,6 +40,9 @@ class HangingBackend:
     def close(self) -> None:
         self.release.set()
         self.inner.close()
+
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        self.inner.set_wake(wake)
 
 
 async def test_a_first_poll_that_never_answers_is_a_clear_start_up_error(node: Node) -> None:

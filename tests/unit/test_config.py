@@ -97,6 +97,7 @@ def test_a_full_file_gives_every_setting() -> None:
           deviceListStrategy: [volume-mounts, cdi-cri, device-specs]
         enforcement:
           pollInterval: 250ms
+          idlePollInterval: 5s
           dryRun: true
           memory: {action: monitor, gracePeriod: 1m30s}
           compute: {action: monitor, window: 10s, period: 100ms, workConserving: false}
@@ -135,6 +136,7 @@ def test_a_full_file_gives_every_setting() -> None:
         ),
         enforcement=EnforcementConfig(
             poll_interval_s=0.25,
+            idle_poll_interval_s=5.0,
             dry_run=True,
             memory=MemoryEnforcement(action=MemoryAction.MONITOR, grace_period_s=90.0),
             compute=ComputeEnforcement(
@@ -277,6 +279,8 @@ ERRORS = [
     ),
     ("enforcement: {pollInterval: 10ms}", "enforcement.pollInterval", '"10ms"'),
     ("enforcement: {dryRun: sometimes}", "enforcement.dryRun", '"sometimes"'),
+    ("enforcement: {idlePollInterval: 2m}", "enforcement.idlePollInterval", '"2m"'),
+    ("enforcement: {idlePollInterval: 1}", "enforcement.idlePollInterval", "1 has no unit"),
     ("enforcement: {pollInterval: 2}", "enforcement.pollInterval", "2 has no unit"),
     ("enforcement: {pollInterval: '500'}", "enforcement.pollInterval", '"500" has no unit'),
     ("enforcement: {pollInterval: fast}", "enforcement.pollInterval", '"fast"'),
@@ -1070,6 +1074,7 @@ def test_default_config_yaml_shows_every_setting() -> None:
         "allocation.frameworkHints",
         "allocation.contextReserve",
         "enforcement.pollInterval",
+        "enforcement.idlePollInterval",
         "enforcement.dryRun",
         "enforcement.memory.action",
         "enforcement.memory.gracePeriod",

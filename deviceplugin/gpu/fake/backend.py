@@ -237,6 +237,9 @@ class FakeBackend:
         else:
             logger.info("fake GPU backend closed path=%s", self._path)
 
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        """Nothing to report between polls: the state file is read at each poll."""
+
     def __enter__(self) -> FakeBackend:
         return self
 

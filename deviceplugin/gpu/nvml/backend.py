@@ -39,6 +39,10 @@ DEFAULT_CALL_TIMEOUT_S = 0.5
 DEFAULT_EVENT_WAIT_TIMEOUT_S = 1.0
 
 
+def _no_wake() -> None:
+    pass
+
+
 class NvmlBackend(HealthChecks):
     """The GpuBackend of the node's real GPUs. See the package docstring for threads and errors.
 
@@ -78,6 +82,7 @@ class NvmlBackend(HealthChecks):
         self._by_handle: dict[object, Gpu] = {}
         self._event_set: object = None
         self._watcher: threading.Thread | None = None
+        self._wake: Callable[[], None] = _no_wake
         self.event_wait_errors = 0
         self.driver_version: str | None = None
         self.cuda_version: str | None = None
@@ -248,6 +253,9 @@ class NvmlBackend(HealthChecks):
                 )
         readings.sort(key=lambda r: r.info.index)
         return NodeReading(timestamp_s=now, gpus=tuple(readings))
+
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
 
     def close(self) -> None:
         with self._lock:

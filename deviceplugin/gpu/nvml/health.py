@@ -119,6 +119,7 @@ class HealthChecks:
     _clock: Callable[[], float]
     _lock: threading.Lock
     _stop: threading.Event
+    _wake: Callable[[], None]
     _health: dict[int, Health]
     _gpus: list[Gpu]
     _by_handle: dict[object, Gpu]
@@ -182,6 +183,7 @@ class HealthChecks:
             recovery.value,
             then,
         )
+        self._wake()  # reported by a poll now, not after an idle interval
 
     def _mig_faults(self, health: Health, now: float) -> dict[int, str]:
         """The MIG devices a critical Xid took out of service, by GPU instance ID (caller holds
