@@ -402,6 +402,7 @@ class Poller:
             self._backend.set_wake(_no_wake)
             stopped.cancel()
             woken.cancel()
+            self._worker.submit(self._resolver.close)  # after the tick under way, if any
             self._worker.shutdown()
             self._stale_worker.shutdown()
 

@@ -17,13 +17,22 @@ refused (misattributed), from a host process too; a host process keeps a claim t
 does not record; and without a readable checkpoint every claim stands, as before.
 
 Everything is read under an injected `proc_root`, so tests use a fake tree in a temporary directory.
+
+On the real /proc, every resolved process is also held by a pidfd (Linux 5.3+): a pidfd refers to
+one process, never to a later one that reuses its PID, and turns readable when that process exits.
+One poll(2) over all of them then tells which cached processes are still the same, where a stat of
+each one's /proc entry would cost a system call per process and poll. Where a pidfd cannot be had
+(an older kernel, too few file descriptors) that process is checked by its stat file as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import re
+import resource
+import select
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,6 +169,67 @@ def pod_cgroup(content: bytes) -> tuple[str, str] | None:
     return first
 
 
+# Use at most this share of the process's file descriptor limit for pidfds.
+_PIDFD_SHARE_OF_FD_LIMIT = 2
+
+
+def _pidfd_budget() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 65536
+    return max(0, soft // _PIDFD_SHARE_OF_FD_LIMIT - 64)
+
+
+class _PidfdWatch:
+    """Pidfds of resolved processes, and one poll object over them all."""
+
+    def __init__(self) -> None:
+        self._fds: dict[int, int] = {}  # pid -> pidfd
+        self._pids: dict[int, int] = {}  # pidfd -> pid
+        self._poll = select.poll()
+        self._budget = _pidfd_budget()
+        self.available = self._budget > 0
+
+    def __len__(self) -> int:
+        return len(self._fds)
+
+    def __contains__(self, pid: int) -> bool:
+        return pid in self._fds
+
+    def hold(self, pid: int) -> int | None:
+        """A pidfd for `pid`, held until `drop`; None where none can be had."""
+        if not self.available or len(self._fds) >= self._budget:
+            return None
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError as e:
+            if e.errno in (errno.ENOSYS, errno.EPERM):
+                self.available = False  # this kernel or sandbox gives none: stop asking
+            return None
+        os.set_inheritable(fd, False)
+        self._fds[pid] = fd
+        self._pids[fd] = pid
+        self._poll.register(fd, select.POLLIN)
+        return fd
+
+    def exited(self) -> set[int]:
+        """The held PIDs whose process has exited since it was held (one poll(2) call)."""
+        if not self._fds:
+            return set()
+        return {self._pids[fd] for fd, _ in self._poll.poll(0)}
+
+    def drop(self, pid: int) -> None:
+        fd = self._fds.pop(pid, None)
+        if fd is not None:
+            del self._pids[fd]
+            self._poll.unregister(fd)
+            os.close(fd)
+
+    def close(self) -> None:
+        for pid in list(self._fds):
+            self.drop(pid)
+
+
 class AllocationResolver:
     """Maps GPU process PIDs to the allocation IDs found in their (or an ancestor's) environment,
     and knows the pod each of them runs in.
@@ -175,8 +245,21 @@ class AllocationResolver:
         self._root = str(proc_root)
         self._max_ancestors = max_ancestors
         self._cache: dict[int, _Entry] = {}
+        # Only the real /proc names real processes to hold.
+        self._pidfds = _PidfdWatch() if os.path.realpath(proc_root) == "/proc" else None
         self.hits = 0
         self.misses = 0
+
+    @property
+    def pidfds(self) -> int:
+        """How many resolved processes are held by a pidfd."""
+        return 0 if self._pidfds is None else len(self._pidfds)
+
+    def close(self) -> None:
+        """Release the pidfds; the cache empties, so a later call resolves afresh."""
+        if self._pidfds is not None:
+            self._pidfds.close()
+        self._cache = {}
 
     def __len__(self) -> int:
         """How many PIDs the cache holds."""
@@ -190,14 +273,30 @@ class AllocationResolver:
         found: dict[int, str | None] = {}
         # Ancestors resolved during this call, shared by siblings.
         memo: dict[int, str | None] = {}
+        watch = self._pidfds
+        exited = watch.exited() if watch is not None else set()
+        for pid in exited:
+            # Gone, or its PID already taken by another process: resolved afresh below.
+            if watch is not None:
+                watch.drop(pid)
+            previous.pop(pid, None)
         for pid in pids:
             if pid in found:
+                continue
+            cached = previous.get(pid)
+            if cached is not None and cached.settled and watch is not None and pid in watch:
+                # Held by a pidfd that is not readable: the very process resolved before.
+                self.hits += 1
+                fresh[pid] = cached
+                found[pid] = cached.allocation_id
                 continue
             found[pid] = None
             if pid <= 0:
                 continue
             try:
-                entry, hit = self._lookup(pid, previous.get(pid), memo)
+                entry, hit = self._lookup(pid, cached, memo)
+                if watch is not None and pid not in watch:
+                    entry = self._hold(watch, pid, entry)
             except _GoneError:
                 self.misses += 1
                 continue
@@ -207,8 +306,27 @@ class AllocationResolver:
                 self.misses += 1
             fresh[pid] = entry
             found[pid] = entry.allocation_id
+        if watch is not None:
+            for pid in previous.keys() - fresh.keys():
+                watch.drop(pid)
         self._cache = fresh
         return found
+
+    def _hold(self, watch: _PidfdWatch, pid: int, entry: _Entry) -> _Entry:
+        """Hold `pid` by a pidfd, once the process behind it is proven to be the one `entry`
+        was read from (its start time read again after the pidfd was opened). Raises _GoneError
+        when it is not: that PID now names another process, to be resolved at the next call."""
+        if watch.hold(pid) is None:
+            return entry
+        try:
+            _, start_time, _ = self._stat(f"{self._root}/{pid}/stat")
+        except _GoneError:
+            watch.drop(pid)
+            raise
+        if start_time != entry.start_time:
+            watch.drop(pid)
+            raise _GoneError
+        return entry
 
     def pod_uid_of(self, pid: int) -> str | None:
         """The UID of the pod whose cgroup holds `pid` (from `/proc/<pid>/cgroup`, read once per

@@ -7,6 +7,7 @@ process group and reaps it whatever the outcome.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -143,6 +144,69 @@ def test_a_process_that_exited_is_none_and_dropped(spawn: Spawn) -> None:
     child.wait(timeout=10)
     assert resolver.resolve([child.pid]) == {child.pid: None}
     assert len(resolver) == 0
+
+
+def test_resolved_processes_are_held_by_pidfds_and_let_go_when_they_exit(spawn: Spawn) -> None:
+    first = spawn(["sleep", "30"], {**PATH_ONLY, ENV_NAME: ALLOC})
+    second = spawn(["sleep", "30"], {**PATH_ONLY, ENV_NAME: OTHER})
+    resolver = AllocationResolver()
+    pids = [first.pid, second.pid]
+    assert resolver.resolve(pids) == {first.pid: ALLOC, second.pid: OTHER}
+    assert resolver.pidfds == 2
+    assert resolver.resolve(pids) == {first.pid: ALLOC, second.pid: OTHER}
+    assert (resolver.hits, resolver.misses) == (2, 2)
+
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(timeout=10)
+    assert resolver.resolve(pids) == {first.pid: None, second.pid: OTHER}
+    assert resolver.pidfds == 1
+    # A PID no longer asked about is let go too.
+    assert resolver.resolve([]) == {}
+    assert resolver.pidfds == 0
+    resolver.close()
+
+
+def test_without_pidfds_processes_are_still_told_apart_by_their_stat(
+    spawn: Spawn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_pidfds(pid: int, flags: int = 0) -> int:
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfds)
+    child = spawn(["sleep", "30"], {**PATH_ONLY, ENV_NAME: ALLOC})
+    resolver = AllocationResolver()
+    assert resolver.resolve([child.pid]) == {child.pid: ALLOC}
+    assert resolver.resolve([child.pid]) == {child.pid: ALLOC}
+    assert (resolver.hits, resolver.misses, resolver.pidfds) == (1, 1, 0)
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait(timeout=10)
+    assert resolver.resolve([child.pid]) == {child.pid: None}
+
+
+NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
+
+
+def test_a_pid_taken_by_a_new_process_is_resolved_afresh(spawn: Spawn) -> None:
+    """The PID of a resolved process that exited goes to a new process (the kernel's next PID
+    set back by hand): the new one gets its own allocation, not the cached one."""
+    if not os.access(NS_LAST_PID, os.W_OK):
+        pytest.skip("needs root to choose the next PID (/proc/sys/kernel/ns_last_pid)")
+    old = spawn(["sleep", "30"], {**PATH_ONLY, ENV_NAME: ALLOC})
+    resolver = AllocationResolver()
+    assert resolver.resolve([old.pid]) == {old.pid: ALLOC}
+    pid = old.pid
+    os.killpg(pid, signal.SIGKILL)
+    old.wait(timeout=10)
+    for _ in range(20):  # another process on the machine may take the PID first: try again
+        NS_LAST_PID.write_text(str(pid - 1))
+        new = spawn(["sleep", "30"], {**PATH_ONLY, ENV_NAME: OTHER})
+        if new.pid == pid:
+            break
+    else:
+        pytest.skip(f"could not get PID {pid} again")
+    assert resolver.resolve([pid]) == {pid: OTHER}
+    assert resolver.resolve([pid]) == {pid: OTHER}
+    resolver.close()
 
 
 def test_pid_namespace_warning_matches_this_machine() -> None:
