@@ -204,6 +204,9 @@ async def run(scenario: str, seconds: float) -> dict[str, float]:
         "--pod-resources-socket", str(root / "podres.sock"),
         "--metrics-address", "127.0.0.1:0", "--state-dir", str(root / "state"),
         "--log-level", "error",
+        # The workloads run outside pod cgroups: without this every claim would be refused
+        # (counted as misattributed) and no container would hold a process.
+        "--trust-host-processes",
     )  # fmt: skip
     work: list[subprocess.Popen[bytes]] = []
     try:
