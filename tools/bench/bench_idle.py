@@ -7,12 +7,14 @@ this process, and measures the daemon process's CPU time (all its threads: event
 worker, the fake backend's sampler, HTTP) with psutil over `--seconds`, once it is registered
 and steady:
 
-- `idle`: one fake GPU, no GPU process, registered, nothing scraped. What a node without GPU
-  work pays for the daemon.
+- `idle`: one fake GPU, no GPU process, nothing allocated, registered, nothing scraped: the
+  daemon polls every `idlePollInterval`. What a node without GPU work pays for the daemon.
 - `tracking`: 8 fake GPUs x 32 slices, 256 one-slice containers each running two real GPU
   processes (512 processes, 64 per GPU) that carry their container's Allocate env, at the default
-  poll interval (500 ms), nothing scraped. Every poll reads the 8 GPUs, attributes the 512
-  processes and builds the snapshot; the enforcer checks every container.
+  poll interval (500 ms), nothing scraped. The processes run outside pod cgroups, so the daemon
+  runs with `--trust-host-processes` (as the demo does) for their claims to stand. Every poll
+  reads the 8 GPUs, attributes the 512 processes and builds the snapshot; the enforcer checks
+  every container.
 - `floor`: not vgpu, a Python program that only wakes its event loop every 500 ms and awaits a
   no-op handed to a worker thread: what Python and the kernel charge for the poll loop's shape
   alone, on this machine, which `idle` cannot go below.
