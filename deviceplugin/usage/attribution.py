@@ -317,44 +317,21 @@ class SnapshotBuilder:
         unattributed: dict[str, list[ProcessSample]] = {uuid: [] for uuid in gpu_by_uuid}
         misattributed: dict[str, list[ProcessSample]] = {uuid: [] for uuid in gpu_by_uuid}
         unattributed_pods: dict[str, list[tuple[int, str]]] = {uuid: [] for uuid in gpu_by_uuid}
-        decided: list[tuple[str, ProcessSample, str | None]] = []
         # Processes of a pod whose claim did not stand, and the allocations that stood per
         # container cgroup: rule 4 charges the former to the latter.
         pending: list[tuple[str, ProcessSample, str, str | None]] = []
         cgroup_allocations: dict[str, set[str]] = {}
-        for gpu in gpus:
-            uuid = gpu.info.uuid
-            for process in gpu.processes:
-                found = pid_allocation.get(process.pid)
-                if evidence is not None:
-                    pod_uid = evidence.pod_uid_of(process.pid)
-                    found, refused = attribute(found, pod_uid, uuid, evidence)
-                    if refused:
-                        misattributed[uuid].append(process)
-                    if pod_uid is not None and evidence.checkpoint.readable:
-                        cgroup = evidence.cgroup_of(process.pid)
-                        if found is None:
-                            pending.append((uuid, process, pod_uid, cgroup))
-                            continue
-                        if cgroup is not None:
-                            cgroup_allocations.setdefault(cgroup, set()).add(found)
-                decided.append((uuid, process, found))
-        for uuid, process, pod_uid, cgroup in pending:
-            sharing = cgroup_allocations.get(cgroup, set()) if cgroup is not None else set()
-            if len(sharing) == 1:
-                decided.append((uuid, process, next(iter(sharing))))
-            else:
-                unattributed_pods[uuid].append((process.pid, pod_uid))
-                decided.append((uuid, process, None))
-        for uuid, process, found in decided:
+
+        def charge(uuid: str, process: ProcessSample, found: str | None) -> None:
+            """Count `process` for the allocation it was found to belong to (None: none)."""
             if found is None:
                 unattributed[uuid].append(process)
-                continue
+                return
             owner = records.get(found)
             if owner is None:
                 unattributed[uuid].append(process)
                 unknown.add(found)
-                continue
+                return
             key = (found, uuid)
             acc = accumulators.get(key)
             if acc is None:
@@ -362,13 +339,54 @@ class SnapshotBuilder:
             acc.processes.append(process)
             acc.memory_used_bytes += process.used_memory_bytes or 0
             acc.sm_util_percent += process.sm_util_percent or 0.0
-        order = {p.pid: n for gpu in gpus for n, p in enumerate(gpu.processes)}
-        for processes in unattributed.values():
-            if len(processes) > 1:
-                processes.sort(key=lambda p: order.get(p.pid, 0))
-        for acc in accumulators.values():
-            if len(acc.processes) > 1:
-                acc.processes.sort(key=lambda p: order.get(p.pid, 0))
+
+        checkpoint = evidence.checkpoint if evidence is not None else None
+        # Rules 1 to 3 (`attribute`) written out in the loop, which runs for every GPU process
+        # at every poll; without a readable checkpoint every claim stands.
+        checked = evidence is not None and checkpoint is not None and checkpoint.readable
+        owners = checkpoint.owners if checkpoint is not None else {}
+        trust_host = evidence.trust_host_processes if evidence is not None else False
+        pod_uid_of = evidence.pod_uid_of if evidence is not None else _no_cgroup
+        cgroup_of = evidence.cgroup_of if evidence is not None else _no_cgroup
+        claim_of = pid_allocation.get
+        for gpu in gpus:
+            uuid = gpu.info.uuid
+            for process in gpu.processes:
+                pid = process.pid
+                found = claim_of(pid)
+                if checked:
+                    pod_uid = pod_uid_of(pid)
+                    if pod_uid is None:
+                        if found is not None and not trust_host:
+                            misattributed[uuid].append(process)
+                            found = None
+                    else:
+                        if found is not None and pod_uid not in owners.get(found, ()):
+                            misattributed[uuid].append(process)
+                            found = None
+                        cgroup = cgroup_of(pid)
+                        if found is None:
+                            pending.append((uuid, process, pod_uid, cgroup))
+                            continue
+                        if cgroup is not None:
+                            cgroup_allocations.setdefault(cgroup, set()).add(found)
+                charge(uuid, process, found)
+        for uuid, process, pod_uid, cgroup in pending:
+            sharing = cgroup_allocations.get(cgroup, set()) if cgroup is not None else set()
+            if len(sharing) == 1:
+                charge(uuid, process, next(iter(sharing)))
+            else:
+                unattributed_pods[uuid].append((process.pid, pod_uid))
+                charge(uuid, process, None)
+        if pending:
+            # Charged after the others: put every list back in the driver's order.
+            order = {p.pid: n for gpu in gpus for n, p in enumerate(gpu.processes)}
+            for processes in unattributed.values():
+                if len(processes) > 1:
+                    processes.sort(key=lambda p: order.get(p.pid, 0))
+            for acc in accumulators.values():
+                if len(acc.processes) > 1:
+                    acc.processes.sort(key=lambda p: order.get(p.pid, 0))
 
         window = self._window
         live_keys: set[Hashable] = set(gpu_by_uuid)
