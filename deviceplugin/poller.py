@@ -343,9 +343,9 @@ class Poller:
         self.last_success_wall_s = tick.snapshot.taken_at_s
         self.failures = 0
         self.snapshot = replace(tick.snapshot, health=self._health())
-        idle = not tick.snapshot.allocations and not any(
-            gpu.reading.processes for gpu in tick.snapshot.gpus
-        )
+        # The book as it is now: an Allocate answered while the tick ran counts (its wake-up
+        # came while the loop was not idle yet).
+        idle = not len(self._book) and not any(gpu.reading.processes for gpu in tick.snapshot.gpus)
         if idle != self.idle:
             log.debug(
                 "polling every %gs: %s",

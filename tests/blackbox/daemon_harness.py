@@ -8,14 +8,17 @@ import dataclasses
 import os
 import signal
 import subprocess
+import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from deviceplugin.app import Daemon, DaemonSettings
 from deviceplugin.config import Config, EnforcementConfig
+from deviceplugin.gpu.backend import GpuBackend
 from deviceplugin.gpu.fake import FakeBackend, FakeGpu, FakeProcess, FakeState, write_state_file
 from deviceplugin.kubelet.lifecycle import endpoint_name
+from deviceplugin.model import NodeReading
 from deviceplugin.sim.kubelet import KubeletSimulator
 
 GiB = 1024**3
@@ -103,12 +106,15 @@ async def running_daemon(
     pod_resources_interval_s: float = 10.0,
     pod_resources_socket: Path | None = None,
     trust_host_processes: bool = True,
+    backend: GpuBackend | None = None,
 ) -> AsyncIterator[Daemon]:
-    """Run a daemon until the block ends; fail the test if it died on its own."""
+    """Run a daemon until the block ends (on `backend`, default: the node's fake GPUs, closed at
+    the end either way); fail the test if it died on its own."""
     settings = dataclasses.replace(node.settings(config), trust_host_processes=trust_host_processes)
     if pod_resources_socket is not None:
         settings = dataclasses.replace(settings, pod_resources_socket=pod_resources_socket)
-    backend = FakeBackend(node.state_file)
+    if backend is None:
+        backend = FakeBackend(node.state_file)
     daemon = Daemon(settings, backend, pod_resources_interval_s=pod_resources_interval_s)
     stop = asyncio.Event()
     task = asyncio.create_task(daemon.run(stop))
@@ -163,6 +169,33 @@ class Workloads:
 
 def with_processes(base: FakeGpu, *processes: FakeProcess) -> FakeGpu:
     return dataclasses.replace(base, processes=tuple(processes))
+
+
+class HangingBackend:
+    """The fake backend, whose polls hang from the moment `hang` is set until `release`."""
+
+    def __init__(self, inner: FakeBackend) -> None:
+        self.inner = inner
+        self.hang = threading.Event()
+        self.release = threading.Event()
+        self.hanging = threading.Event()  # set once a poll hangs
+
+    @property
+    def name(self) -> str:
+        return "hanging"
+
+    def poll(self) -> NodeReading:
+        if self.hang.is_set():
+            self.hanging.set()
+            self.release.wait()
+        return self.inner.poll()
+
+    def close(self) -> None:
+        self.release.set()
+        self.inner.close()
+
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        self.inner.set_wake(wake)
 
 
 async def eventually(

@@ -23,7 +23,7 @@ from deviceplugin.config import (
     SliceRule,
     SlicingConfig,
 )
-from deviceplugin.gpu.fake import FakeProcess
+from deviceplugin.gpu.fake import FakeBackend, FakeProcess
 from deviceplugin.kubelet.limits import device_list_problem
 from deviceplugin.kubelet.podresources import ContainerDevices, PodResourcesClient
 from deviceplugin.model import Inventory, NodeReading
@@ -33,6 +33,7 @@ from tests.blackbox.daemon_harness import (
     RESOURCE,
     TWO_GPUS,
     GiB,
+    HangingBackend,
     Node,
     Workloads,
     eventually,
@@ -231,6 +232,40 @@ async def test_with_nothing_allocated_and_no_gpu_process_the_gpus_are_read_at_th
         assert _polls(daemon) > before
         assert not daemon.poller.idle
         assert await _polls_during(daemon, 0.5) >= 4
+
+
+async def test_an_allocate_answered_during_the_poll_that_finds_the_node_idle_is_not_missed(
+    node: Node,
+) -> None:
+    workloads = Workloads()
+    backend = HangingBackend(FakeBackend(node.state_file))
+    busy = (with_processes(TWO_GPUS[0], FakeProcess(workloads.spawn(), GiB)), TWO_GPUS[1])
+    node.write_gpus(busy)
+    try:
+        config = Config(enforcement=IDLE_AFTER_1S)
+        async with running_daemon(node, config, backend=backend) as daemon:
+            await registered(node, 8)
+            await eventually(lambda: not daemon.poller.idle, what="a busy poll")
+            # A poll starts and hangs; meanwhile the process goes and a pod is admitted. The poll
+            # then sees no process, and no allocation in the book it was handed: the node must
+            # not count as idle for that.
+            backend.hang.set()
+            await asyncio.to_thread(backend.hanging.wait, 5)
+            node.write_gpus(TWO_GPUS)
+            pod = await node.sim.admit_pod("train", [("main", 1)])
+            allocation_id = pod.containers[0].envs["VGPU_ALLOCATION_ID"]
+            backend.hang.clear()
+            backend.release.set()
+
+            def measured() -> bool:
+                snapshot = daemon.poller.snapshot
+                assert snapshot is not None
+                return any(c.allocation_id == allocation_id for c in snapshot.containers)
+
+            await eventually(measured, timeout_s=0.8, what="the container in a snapshot")
+            assert not daemon.poller.idle
+    finally:
+        workloads.close()
 
 
 async def test_a_gpu_process_outside_every_allocation_brings_back_the_fast_poll(

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -16,33 +14,7 @@ from deviceplugin.app import Daemon
 from deviceplugin.errors import StartupError
 from deviceplugin.gpu.fake import FakeBackend
 from deviceplugin.kubelet.proto import KUBELET_SOCKET, dp, dp_grpc
-from deviceplugin.model import NodeReading
-from tests.blackbox.daemon_harness import TWO_GPUS, Node, eventually, registered
-
-
-class HangingBackend:
-    """The fake backend, whose polls hang from the moment `hang` is set until `release`."""
-
-    def __init__(self, inner: FakeBackend) -> None:
-        self.inner = inner
-        self.hang = threading.Event()
-        self.release = threading.Event()
-
-    @property
-    def name(self) -> str:
-        return "hanging"
-
-    def poll(self) -> NodeReading:
-        if self.hang.is_set():
-            self.release.wait()
-        return self.inner.poll()
-
-    def close(self) -> None:
-        self.release.set()
-        self.inner.close()
-
-    def set_wake(self, wake: Callable[[], None]) -> None:
-        self.inner.set_wake(wake)
+from tests.blackbox.daemon_harness import TWO_GPUS, HangingBackend, Node, eventually, registered
 
 
 async def test_a_first_poll_that_never_answers_is_a_clear_start_up_error(node: Node) -> None:
