@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +160,38 @@ def test_monitoring_renders_the_kustomize_component() -> None:
         chart[("ConfigMap", "vgpu-grafana-dashboard")]["metadata"]["labels"]["grafana_dashboard"]
         == "1"
     )
+
+
+def test_tls_values_serve_https_where_the_probes_and_prometheus_look() -> None:
+    docs = render(CHART / "ci" / "tls-values.yaml")
+    container = pod_spec(docs)["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    volumes, mounts = volumes_and_mounts(docs)
+    assert volumes["metrics-tls"]["secret"]["secretName"] == "vgpu-metrics-tls"
+    assert mounts["metrics-tls"]["readOnly"]
+    tls = mounts["metrics-tls"]["mountPath"]
+    # The keys of a kubernetes.io/tls Secret, and ca.crt as cert-manager writes it.
+    assert env["VGPU_METRICS_TLS_CERT"] == f"{tls}/tls.crt"
+    assert env["VGPU_METRICS_TLS_KEY"] == f"{tls}/tls.key"
+    assert env["VGPU_METRICS_CLIENT_CA"] == f"{tls}/ca.crt"
+    # ... under the names `serve` reads.
+    serve_help = subprocess.run(
+        [sys.executable, "-m", "deviceplugin", "serve", "--help"],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout  # fmt: skip
+    for name in ("VGPU_METRICS_TLS_CERT", "VGPU_METRICS_TLS_KEY", "VGPU_METRICS_CLIENT_CA"):
+        assert name in serve_help
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["scheme"] == "HTTPS", probe
+    endpoint = by_kind(docs)[("ServiceMonitor", "vgpu-device-plugin")]["spec"]["endpoints"][0]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"]["serverName"] == "vgpu-device-plugin"
+
+    # Without requireClientCert any client is answered: no client CA.
+    docs = render(CHART / "ci" / "tls-values.yaml", sets=("metrics.tls.requireClientCert=false",))
+    env = {e["name"]: e.get("value") for e in pod_spec(docs)["containers"][0]["env"]}
+    assert "VGPU_METRICS_TLS_CERT" in env
+    assert "VGPU_METRICS_CLIENT_CA" not in env
 
 
 @pytest.mark.parametrize("name", ["prometheusrule.yaml", "grafana-dashboard.json"])
