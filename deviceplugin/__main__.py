@@ -198,6 +198,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="refresh every SECONDS (default 2) until Ctrl-C",
     )
     status.add_argument("--json", action="store_true", help="print the raw /status JSON")
+    status.add_argument(
+        "--ca-file",
+        default="",
+        help="HTTPS: the PEM CA that signed the daemon's certificate (default: the daemon's own "
+        "certificate, VGPU_METRICS_TLS_CERT, where set, as in its pod; else the system's CAs); "
+        "an https:// address, VGPU_METRICS_TLS_CERT or any of these flags turns HTTPS on",
+    )
+    status.add_argument(
+        "--client-cert",
+        default="",
+        help="HTTPS: the PEM certificate to present to a daemon that requires one "
+        "(--metrics-client-ca); needs --client-key",
+    )
+    status.add_argument("--client-key", default="", help="the PEM key of --client-cert")
     return parser
 
 
@@ -337,9 +351,16 @@ def cmd_config_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from deviceplugin.usage.statuscli import run_status  # noqa: PLC0415
+    from deviceplugin.usage.statuscli import StatusTls, run_status  # noqa: PLC0415
 
-    return run_status(args.address, args.watch, as_json=args.json, out=sys.stdout, err=sys.stderr)
+    # In the daemon's pod VGPU_METRICS_TLS_CERT says it serves HTTPS, with that certificate.
+    daemon_cert = os.environ.get("VGPU_METRICS_TLS_CERT", "")
+    tls = None
+    if daemon_cert or args.ca_file or args.client_cert or args.client_key:
+        tls = StatusTls(args.ca_file, daemon_cert, args.client_cert, args.client_key)
+    return run_status(
+        args.address, args.watch, as_json=args.json, out=sys.stdout, err=sys.stderr, tls=tls
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import ipaddress
 import json
 import os
 import shutil
+import ssl
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import TextIO
 
@@ -21,25 +25,75 @@ EXIT_USAGE = 2
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
 
-def _status_url(address: str) -> str:
+@dataclasses.dataclass(frozen=True, slots=True)
+class StatusTls:
+    """How `status` speaks HTTPS to a daemon that serves it. `ca_file`: the CA to verify the
+    daemon's certificate with; `daemon_cert`: the daemon's own certificate, trusted as it is when
+    no CA is given (in the daemon's pod: VGPU_METRICS_TLS_CERT); neither: the system's CAs.
+    `client_cert`/`client_key`: what to present to a daemon that requires client certificates."""
+
+    ca_file: str = ""
+    daemon_cert: str = ""
+    client_cert: str = ""
+    client_key: str = ""
+
+
+def _status_url(address: str, *, https: bool = False) -> str:
+    """The /status URL of a daemon at `address` (`HOST:PORT`, or `https://HOST:PORT`)."""
+    if address.startswith("https://"):
+        address, https = address.removeprefix("https://"), True
+    elif address.startswith("http://"):
+        address = address.removeprefix("http://")
     host, port = parse_address(address)
     if host in ("", "0.0.0.0"):  # noqa: S104 (the daemon's "all interfaces", reached locally)
         host = "127.0.0.1"
     elif host == "::":
         host = "::1"
-    return f"http://[{host}]:{port}/status" if ":" in host else f"http://{host}:{port}/status"
+    scheme = "https" if https else "http"
+    return (
+        f"{scheme}://[{host}]:{port}/status" if ":" in host else f"{scheme}://{host}:{port}/status"
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _tls_context(tls: StatusTls, host: str) -> ssl.SSLContext:
+    """Verify the daemon against `ca_file`, else its own certificate (the exact certificate is
+    the trust: no name to check), else the system's CAs. Names are checked against a CA's
+    certificates except on a loopback address, which no certificate names. Raises OSError (an
+    unreadable file) or ssl.SSLError (not PEM)."""
+    if tls.ca_file:
+        context = ssl.create_default_context(cafile=tls.ca_file)
+        context.check_hostname = not _is_loopback(host)
+    elif tls.daemon_cert:
+        context = ssl.create_default_context(cafile=tls.daemon_cert)
+        context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # the leaf itself is the anchor
+        context.check_hostname = False
+    else:
+        context = ssl.create_default_context()
+    if tls.client_cert:
+        context.load_cert_chain(tls.client_cert, tls.client_key or None)
+    return context
 
 
 class _NoStatusError(Exception):
     """The daemon answered, but with no /status document (e.g. 503 before its first poll)."""
 
 
-def _fetch_status(url: str) -> dict[str, object]:
+def _fetch_status(url: str, context: ssl.SSLContext | None = None) -> dict[str, object]:
     """The daemon's /status document. OSError when the daemon cannot be reached; _NoStatusError
     when it answers without a document."""
 
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 (http only)
+        # http or https only: the URL is built by _status_url.
+        with urllib.request.urlopen(url, timeout=5, context=context) as response:  # noqa: S310
             doc = json.load(response)
     except urllib.error.HTTPError as e:
         try:
@@ -66,21 +120,39 @@ def _silence(out: TextIO) -> None:
 
 
 def run_status(
-    address: str, watch_s: float | None, *, as_json: bool, out: TextIO, err: TextIO
+    address: str,
+    watch_s: float | None,
+    *,
+    as_json: bool,
+    out: TextIO,
+    err: TextIO,
+    tls: StatusTls | None = None,
 ) -> int:
-    """Print the daemon's status once, or every `watch_s` seconds until Ctrl-C."""
+    """Print the daemon's status once, or every `watch_s` seconds until Ctrl-C. HTTPS when the
+    address says `https://` or `tls` is given."""
 
+    if tls is not None and bool(tls.client_cert) != bool(tls.client_key):
+        print("vgpu-device-plugin status: --client-cert and --client-key go together", file=err)
+        return EXIT_USAGE
     try:
-        url = _status_url(address)
+        url = _status_url(address, https=tls is not None)
     except ValueError as e:
         print(f"vgpu-device-plugin status: {e}", file=err)
         return EXIT_USAGE
+    context: ssl.SSLContext | None = None
+    if url.startswith("https://"):
+        host = urllib.parse.urlsplit(url).hostname or ""
+        try:
+            context = _tls_context(tls or StatusTls(), host)
+        except (OSError, ssl.SSLError) as e:
+            print(f"vgpu-device-plugin status: cannot load the TLS files: {e}", file=err)
+            return EXIT_USAGE
     if watch_s is not None and watch_s <= 0:
         print("vgpu-device-plugin status: --watch needs SECONDS > 0", file=err)
         return EXIT_USAGE
 
     def frame() -> str:
-        doc = _fetch_status(url)
+        doc = _fetch_status(url, context)
         if as_json:
             return json.dumps(doc, indent=2)
         width = max(shutil.get_terminal_size().columns, 80)
@@ -96,11 +168,23 @@ def run_status(
 
     def problem(e: Exception) -> str:
         if isinstance(e, _NoStatusError):
-            return f"the vgpu daemon at {url} has no status to show: {e}"
+            hint = ""
+            if "HTTP 403" in str(e):
+                hint = " (it requires a client certificate: --client-cert and --client-key)"
+            return f"the vgpu daemon at {url} has no status to show: {e}{hint}"
         reason = getattr(e, "reason", None) or e  # urllib's URLError wraps the socket error
+        if isinstance(reason, ssl.SSLError):
+            return (
+                f"cannot reach the vgpu daemon at {url} over TLS: {reason} (--ca-file names the "
+                "CA that signed its certificate; inside its pod the daemon's own certificate is "
+                "trusted)"
+            )
+        hint = "point --address at its --metrics-address"
+        if context is None:
+            hint += ", with https:// if it serves TLS"
         return (
             f"cannot reach the vgpu daemon at {url}: {reason} (is `vgpu-device-plugin serve` "
-            "running there? point --address at its --metrics-address)"
+            f"running there? {hint})"
         )
 
     # Screen codes only for a terminal; into a pipe or a file each frame follows the last.

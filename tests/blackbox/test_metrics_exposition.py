@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import http.client
+import json
+import os
 import shutil
 import ssl
 import subprocess
@@ -291,6 +293,71 @@ def test_a_client_ca_requires_a_client_certificate_but_for_healthz(
     stranger = client_context(pki, pki.stranger_cert, pki.stranger_key)
     with pytest.raises((ssl.SSLError, ConnectionError)):
         request(tls_server.port, "/metrics", context=stranger)
+
+
+# --- `vgpu-device-plugin status` over HTTPS -------------------------------------------------------
+
+
+def status_over(
+    port: int, *flags: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, "status", "--address", f"https://127.0.0.1:{port}", *flags],
+        capture_output=True, text=True, timeout=60, check=False,
+        env={**os.environ, "COLUMNS": "80", **(env or {})},
+    )  # fmt: skip
+
+
+def test_status_reads_an_https_daemon_trusting_its_ca(pki: Pki, tls_server: HttpServer) -> None:
+    result = status_over(tls_server.port, "--ca-file", str(pki.ca))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("node ")
+
+
+def test_status_in_the_daemons_pod_trusts_the_daemons_own_certificate(
+    pki: Pki, tls_server: HttpServer
+) -> None:
+    # Inside the pod the daemon's certificate is in VGPU_METRICS_TLS_CERT; its CA is not there.
+    # The address needs no https:// either: the variable says the daemon serves TLS.
+    result = subprocess.run(
+        [*CLI, "status", "--address", f"127.0.0.1:{tls_server.port}", "--json"],
+        capture_output=True, text=True, timeout=60, check=False,
+        env={**os.environ, "VGPU_METRICS_TLS_CERT": str(pki.cert)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["node"]
+
+
+def test_status_refuses_a_daemon_it_cannot_verify_and_says_how_to_trust_it(
+    pki: Pki, tls_server: HttpServer
+) -> None:
+    result = status_over(tls_server.port)  # the system's CAs: none signed the test certificate
+    assert result.returncode == 1
+    assert "over TLS" in result.stderr
+    assert "--ca-file" in result.stderr
+    # A certificate from another CA is no better.
+    result = status_over(tls_server.port, env={"VGPU_METRICS_TLS_CERT": str(pki.stranger_cert)})
+    assert result.returncode == 1
+    assert "over TLS" in result.stderr
+
+
+@pytest.mark.parametrize("tls_server", [True], indirect=True)
+def test_status_presents_a_client_certificate_when_the_daemon_requires_one(
+    pki: Pki, tls_server: HttpServer
+) -> None:
+    result = status_over(tls_server.port, "--ca-file", str(pki.ca))
+    assert result.returncode == 1
+    assert "HTTP 403" in result.stderr
+    assert "--client-cert" in result.stderr
+    result = status_over(
+        tls_server.port, "--ca-file", str(pki.ca),
+        "--client-cert", str(pki.client_cert), "--client-key", str(pki.client_key),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("node ")
+    result = status_over(tls_server.port, "--client-cert", str(pki.client_cert))
+    assert result.returncode == 2
+    assert "--client-key" in result.stderr
 
 
 # --- the command line --------------------------------------------------------------------------
