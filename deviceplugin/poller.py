@@ -5,7 +5,7 @@ enforcer, and publishes both. ListAndWatch streams wake on an inventory change; 
 force and stale snapshots published.
 
 While no slice is allocated and the GPUs run no process there is nothing to attribute or
-enforce: the loop then polls every `idlePollInterval` (2 s by default) instead of every
+enforce: the loop then polls every `idlePollInterval` (5 s by default) instead of every
 `pollInterval`, and an Allocate ends the wait at once.
 """
 

@@ -133,7 +133,7 @@ class EnforcementConfig:
     poll_interval_s: float = 0.5
     # How often while no slice is allocated and no GPU process runs: nothing to enforce then.
     # Never faster than poll_interval_s (a smaller value means: always poll_interval_s).
-    idle_poll_interval_s: float = 2.0
+    idle_poll_interval_s: float = 5.0
     memory: MemoryEnforcement = field(default_factory=MemoryEnforcement)
     compute: ComputeEnforcement = field(default_factory=ComputeEnforcement)
     # Decide, log and count every action, but send no signal.

@@ -97,7 +97,7 @@ def test_a_full_file_gives_every_setting() -> None:
           deviceListStrategy: [volume-mounts, cdi-cri, device-specs]
         enforcement:
           pollInterval: 250ms
-          idlePollInterval: 5s
+          idlePollInterval: 3s
           dryRun: true
           memory: {action: monitor, gracePeriod: 1m30s}
           compute: {action: monitor, window: 10s, period: 100ms, workConserving: false}
@@ -136,7 +136,7 @@ def test_a_full_file_gives_every_setting() -> None:
         ),
         enforcement=EnforcementConfig(
             poll_interval_s=0.25,
-            idle_poll_interval_s=5.0,
+            idle_poll_interval_s=3.0,
             dry_run=True,
             memory=MemoryEnforcement(action=MemoryAction.MONITOR, grace_period_s=90.0),
             compute=ComputeEnforcement(
