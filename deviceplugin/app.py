@@ -325,6 +325,8 @@ class Daemon:
             registration_failures_total=sum(lc.stats.registration_failures for lc in lifecycles),
             last_poll_success_s=self.poller.last_success_wall_s,
             poll_failures_consecutive=self.poller.failures,
+            poll_interval_s=self.poller.interval_s,
+            polling_idle=self.poller.idle,
             pod_resources_ok=self.tracker.ok,
             mps=None if self.mps is None else self.mps.status,
         )

@@ -337,6 +337,10 @@ class DaemonHealth:
     pod_resources_ok: bool = False
     # None unless mps.enabled.
     mps: MpsStatus | None = None
+    # How long the poll loop waits between polls now: pollInterval, or idlePollInterval while no
+    # slice is allocated and no GPU process runs (`polling_idle`).
+    poll_interval_s: float = 0.0
+    polling_idle: bool = False
 
 
 @dataclass(frozen=True, slots=True)

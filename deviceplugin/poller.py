@@ -310,6 +310,11 @@ class Poller:
             cgroup_of=self._resolver.cgroup_of,
         )
 
+    @property
+    def interval_s(self) -> float:
+        """How long the loop waits for the next poll now."""
+        return self._idle_interval_s if self.idle else self._interval_s
+
     def allocated(self) -> None:
         """An Allocate was answered: ask pod-resources for the container's name soon, and end an
         idle wait, so that the container is measured from its first process on."""
@@ -342,7 +347,6 @@ class Poller:
         self._on_inventory(tick.inventory)
         self.last_success_wall_s = tick.snapshot.taken_at_s
         self.failures = 0
-        self.snapshot = replace(tick.snapshot, health=self._health())
         # The book as it is now: an Allocate answered while the tick ran counts (its wake-up
         # came while the loop was not idle yet).
         idle = not len(self._book) and not any(gpu.reading.processes for gpu in tick.snapshot.gpus)
@@ -353,6 +357,7 @@ class Poller:
                 "no slice allocated and no GPU process" if idle else "slices or processes in use",
             )
             self.idle = idle
+        self.snapshot = replace(tick.snapshot, health=self._health())
         self._on_poll_duration(tick.duration_s)
         # Ask pod-resources again when processes carry an allocation this daemon does not know
         # (made before it started) or a container has no name yet (allocated since the last ask).
@@ -373,7 +378,7 @@ class Poller:
                     woken = asyncio.ensure_future(self.wake.wait())
                 await asyncio.wait(
                     (stopped, woken),
-                    timeout=self._idle_interval_s if self.idle else self._interval_s,
+                    timeout=self.interval_s,
                     return_when=asyncio.FIRST_COMPLETED,
                 )
                 if stop.is_set():

@@ -49,6 +49,8 @@ def _health(h: DaemonHealth) -> dict[str, Any]:
         "last_poll_success": rfc3339(h.last_poll_success_s) if h.last_poll_success_s > 0 else None,
         "last_poll_success_s": h.last_poll_success_s,
         "poll_failures_consecutive": h.poll_failures_consecutive,
+        "poll_interval_s": h.poll_interval_s,
+        "polling_idle": h.polling_idle,
         "pod_resources_ok": h.pod_resources_ok,
         "mps": None
         if h.mps is None

@@ -133,6 +133,10 @@ def _header(doc: Mapping[str, Any], width: int) -> list[str]:
     mps = health.get("mps")
     if isinstance(mps, Mapping):
         flags.append("MPS up" if mps.get("up") else "MPS DOWN")
+    if health.get("polling_idle"):
+        interval = health.get("poll_interval_s")
+        every = f" {interval:g}s" if isinstance(interval, int | float) else ""
+        flags.append(f"idle (polled every{every})")
     failures = _int(health.get("poll_failures_consecutive"))
     if failures:
         flags.append(f"last {failures} poll{'s' if failures != 1 else ''} FAILED")

@@ -212,6 +212,10 @@ async def test_with_nothing_allocated_and_no_gpu_process_the_gpus_are_read_at_th
         await eventually(lambda: daemon.poller.idle, what="the first idle poll")
         # 50 ms polls would make 30 in 1.5 s; the idle interval makes one or two.
         assert await _polls_during(daemon, 1.5) <= 2
+        # /status says so.
+        snapshot = daemon.poller.snapshot
+        assert snapshot is not None
+        assert (snapshot.health.polling_idle, snapshot.health.poll_interval_s) == (True, 1.0)
 
         # An Allocate ends the idle wait at once: the new container is in the next snapshot
         # long before the idle interval is out, and the GPUs are read at pollInterval again.
@@ -232,6 +236,9 @@ async def test_with_nothing_allocated_and_no_gpu_process_the_gpus_are_read_at_th
         assert _polls(daemon) > before
         assert not daemon.poller.idle
         assert await _polls_during(daemon, 0.5) >= 4
+        snapshot = daemon.poller.snapshot
+        assert snapshot is not None
+        assert (snapshot.health.polling_idle, snapshot.health.poll_interval_s) == (False, 0.05)
 
 
 async def test_an_allocate_answered_during_the_poll_that_finds_the_node_idle_is_not_missed(

@@ -270,6 +270,17 @@ def test_view_flags_stale_and_unregistered() -> None:
     assert "pod-resources DOWN" in stale[1]
 
 
+def test_an_idle_poll_is_in_the_document_and_the_view() -> None:
+    busy = doc_of(sample_snapshot())
+    assert busy["health"]["polling_idle"] is False
+    assert "idle" not in render_status(busy)[1]
+    base = sample_snapshot()
+    health = dataclasses.replace(base.health, poll_interval_s=5.0, polling_idle=True)
+    idle = doc_of(dataclasses.replace(base, health=health))
+    assert (idle["health"]["polling_idle"], idle["health"]["poll_interval_s"]) == (True, 5.0)
+    assert "idle (polled every 5s)" in render_status(idle)[1]
+
+
 def test_mps_state_in_the_document_and_the_view() -> None:
     off = doc_of(sample_snapshot())
     assert off["health"]["mps"] is None
