@@ -706,6 +706,8 @@ def test_a_critical_xid_marks_the_gpu_unhealthy_with_its_meaning(
     rig: Rig, caplog: pytest.LogCaptureFixture
 ) -> None:
     backend = rig.backend()
+    wakes: list[None] = []
+    backend.set_wake(lambda: wakes.append(None))
     assert rig.model.registered_events(0) == (
         rig.model.nvmlEventTypeXidCriticalError | rig.model.nvmlEventTypeDoubleBitEccError
     )
@@ -714,6 +716,8 @@ def test_a_critical_xid_marks_the_gpu_unhealthy_with_its_meaning(
     eventually(lambda: not gpu_of(backend.poll(), 1).healthy)
     rig.model.emit_xid(1, 79)
     eventually(lambda: backend.health_stats[1].critical_xids == 2)
+    # The poll loop is woken once, when the GPU turns unhealthy.
+    assert len(wakes) == 1
 
     g1 = gpu_of(backend.poll(), 1)
     assert g1.health_reason == "Xid 79 (GPU has fallen off the bus)"
@@ -737,9 +741,12 @@ def test_a_critical_xid_marks_the_gpu_unhealthy_with_its_meaning(
 def test_an_application_xid_is_ignored(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
     backend = rig.backend()
 
+    wakes: list[None] = []
+    backend.set_wake(lambda: wakes.append(None))
     for xid in (13, 31, 43, 45, 68, 109):
         rig.model.emit_xid(0, xid)
     eventually(lambda: backend.health_stats[0].ignored_xids == 6)
+    assert wakes == []
 
     assert gpu_of(backend.poll(), 0).healthy
     lines = messages(caplog, "Xid ignored index=0")

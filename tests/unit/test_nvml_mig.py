@@ -149,8 +149,12 @@ def test_a_re_partitioning_is_seen_at_the_next_poll(model: NvmlModel, backend: N
 def test_an_xid_naming_a_gpu_instance_takes_only_that_mig_device_out(
     model: NvmlModel, backend: NvmlBackend, caplog: pytest.LogCaptureFixture
 ) -> None:
+    wakes: list[None] = []
+    backend.set_wake(lambda: wakes.append(None))
     model.emit_xid(1, 79, gpu_instance_id=9)
     eventually(lambda: not all(g.healthy for g in backend.poll().gpus))
+    # The poll loop was told at once, not left to find it at its next (maybe idle) poll.
+    assert len(wakes) == 1
 
     reading = backend.poll()
     health = {g.info.uuid: g.healthy for g in reading.gpus}

@@ -347,6 +347,7 @@ class HealthChecks:
                 meaning,
                 source,
             )
+            self._wake()  # reported by a poll now, not after an idle interval
             return
         logger.warning(
             "critical Xid %s xid=%d meaning=%r source=%s", gpu.label(), xid, meaning, source
