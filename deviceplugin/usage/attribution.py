@@ -340,31 +340,21 @@ class SnapshotBuilder:
             acc.memory_used_bytes += process.used_memory_bytes or 0
             acc.sm_util_percent += process.sm_util_percent or 0.0
 
-        checkpoint = evidence.checkpoint if evidence is not None else None
-        # Rules 1 to 3 (`attribute`) written out in the loop, which runs for every GPU process
-        # at every poll; without a readable checkpoint every claim stands.
-        checked = evidence is not None and checkpoint is not None and checkpoint.readable
-        owners = checkpoint.owners if checkpoint is not None else {}
-        trust_host = evidence.trust_host_processes if evidence is not None else False
-        pod_uid_of = evidence.pod_uid_of if evidence is not None else _no_cgroup
-        cgroup_of = evidence.cgroup_of if evidence is not None else _no_cgroup
+        # Without a readable checkpoint every claim stands: `attribute` is not asked.
+        checked = evidence if evidence is not None and evidence.checkpoint.readable else None
         claim_of = pid_allocation.get
         for gpu in gpus:
             uuid = gpu.info.uuid
             for process in gpu.processes:
                 pid = process.pid
                 found = claim_of(pid)
-                if checked:
-                    pod_uid = pod_uid_of(pid)
-                    if pod_uid is None:
-                        if found is not None and not trust_host:
-                            misattributed[uuid].append(process)
-                            found = None
-                    else:
-                        if found is not None and pod_uid not in owners.get(found, ()):
-                            misattributed[uuid].append(process)
-                            found = None
-                        cgroup = cgroup_of(pid)
+                if checked is not None:
+                    pod_uid = checked.pod_uid_of(pid)
+                    found, refused = attribute(found, pod_uid, uuid, checked)
+                    if refused:
+                        misattributed[uuid].append(process)
+                    if pod_uid is not None:
+                        cgroup = checked.cgroup_of(pid)
                         if found is None:
                             pending.append((uuid, process, pod_uid, cgroup))
                             continue
