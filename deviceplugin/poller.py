@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from deviceplugin.config import Config
 from deviceplugin.errors import BackendError
-from deviceplugin.gpu.backend import GpuBackend
+from deviceplugin.gpu.backend import GpuBackend, no_wake
 from deviceplugin.incremental import InventoryCache
 from deviceplugin.kubelet.checkpoint import CheckpointReader
 from deviceplugin.kubelet.limits import DeviceListTooLargeError, device_list_problem
@@ -140,10 +140,6 @@ class DaemonWorker:
 def _wake_from_any_thread(loop: asyncio.AbstractEventLoop, wake: asyncio.Event) -> None:
     with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
         loop.call_soon_threadsafe(wake.set)
-
-
-def _no_wake() -> None:
-    pass
 
 
 def _set_result(future: asyncio.Future[T], result: T) -> None:
@@ -404,7 +400,7 @@ class Poller:
                             mark_stale(self.snapshot, self._health())
                         )
         finally:
-            self._backend.set_wake(_no_wake)
+            self._backend.set_wake(no_wake)
             stopped.cancel()
             woken.cancel()
             self._worker.submit(self._resolver.close)  # after the tick under way, if any

@@ -48,6 +48,10 @@ class GpuBackend(Protocol):
         ...
 
 
+def no_wake() -> None:
+    """The `set_wake` callback of a backend whose poll loop is not running."""
+
+
 def open_backend(spec: str, config: Config | None = None) -> GpuBackend:
     """`fake:PATH` or `nvml`. Raises BackendError with what to do instead. `config` (default:
     the defaults) sets the nvml backend's health checks and call timeout."""

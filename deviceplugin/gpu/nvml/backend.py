@@ -20,6 +20,7 @@ import pynvml
 
 from deviceplugin.config import Config, HealthConfig
 from deviceplugin.errors import BackendError
+from deviceplugin.gpu.backend import no_wake
 from deviceplugin.gpu.nvml.health import Health, HealthChecks
 from deviceplugin.gpu.nvml.library import (
     INIT_HINT,
@@ -37,10 +38,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_PROCESS_LIST_INTERVAL_S = 0.5
 DEFAULT_CALL_TIMEOUT_S = 0.5
 DEFAULT_EVENT_WAIT_TIMEOUT_S = 1.0
-
-
-def _no_wake() -> None:
-    pass
 
 
 class NvmlBackend(HealthChecks):
@@ -82,7 +79,7 @@ class NvmlBackend(HealthChecks):
         self._by_handle: dict[object, Gpu] = {}
         self._event_set: object = None
         self._watcher: threading.Thread | None = None
-        self._wake: Callable[[], None] = _no_wake
+        self._wake: Callable[[], None] = no_wake
         self.event_wait_errors = 0
         self.driver_version: str | None = None
         self.cuda_version: str | None = None
