@@ -189,24 +189,16 @@ def _enforcement(r: _Reader, value: object) -> EnforcementConfig:
     section = r.section(value, path, _ENFORCEMENT_KEYS)
     defaults = EnforcementConfig()
 
-    poll = defaults.poll_interval_s
-    if "pollInterval" in section:
+    def poll_interval(key: str, default_s: float) -> float:
+        if key not in section:
+            return default_s
         parsed = r.duration(
-            section["pollInterval"],
-            _join(path, "pollInterval"),
-            MIN_POLL_INTERVAL_S,
-            MAX_POLL_INTERVAL_S,
+            section[key], _join(path, key), MIN_POLL_INTERVAL_S, MAX_POLL_INTERVAL_S
         )
-        poll = defaults.poll_interval_s if parsed is None else parsed
-    idle_poll = defaults.idle_poll_interval_s
-    if "idlePollInterval" in section:
-        parsed = r.duration(
-            section["idlePollInterval"],
-            _join(path, "idlePollInterval"),
-            MIN_POLL_INTERVAL_S,
-            MAX_POLL_INTERVAL_S,
-        )
-        idle_poll = defaults.idle_poll_interval_s if parsed is None else parsed
+        return default_s if parsed is None else parsed
+
+    poll = poll_interval("pollInterval", defaults.poll_interval_s)
+    idle_poll = poll_interval("idlePollInterval", defaults.idle_poll_interval_s)
 
     dry_run = defaults.dry_run
     if "dryRun" in section:
