@@ -347,12 +347,12 @@ class Poller:
         # came while the loop was not idle yet).
         idle = not len(self._book) and not any(gpu.reading.processes for gpu in tick.snapshot.gpus)
         if idle != self.idle:
+            self.idle = idle
             log.debug(
                 "polling every %gs: %s",
-                self._idle_interval_s if idle else self._interval_s,
+                self.interval_s,
                 "no slice allocated and no GPU process" if idle else "slices or processes in use",
             )
-            self.idle = idle
         self.snapshot = replace(tick.snapshot, health=self._health())
         self._on_poll_duration(tick.duration_s)
         # Ask pod-resources again when processes carry an allocation this daemon does not know
