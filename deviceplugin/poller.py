@@ -304,6 +304,7 @@ class Poller:
             self._resolver.pod_uid_of,
             trust_host_processes=self._trust_host_processes,
             cgroup_of=self._resolver.cgroup_of,
+            version=self._resolver.generation,
         )
 
     @property

@@ -30,6 +30,11 @@ allocation it claimed; it is counted apart per GPU.
 Utilisation ratios are time-weighted averages over a sliding window (docs/design.md §5), so that a
 scrape does not beat against a duty cycle.
 
+A build whose inputs are those of the build before (the GPUs' process samples, the allocations
+and whether each counts as confirmed, the claims, the inventory and checkpoint objects, and the
+evidence's version) hands out that build's attribution again rather than deciding it anew: on a
+node whose processes hold still, most polls. Evidence without a version is never reused.
+
 Over 400 lines: the attribution rules above and the snapshot built from them are one decision,
 best checked in one file.
 """
@@ -69,6 +74,9 @@ UNCONFIRMED_AFTER_S = 15.0
 _RESUM_EVERY = 1024
 # Total weights below this many seconds count as no time at all (rounding residue).
 _MIN_WEIGHT_S = 1e-9
+# A sample starting at most this long after the previous one ended follows on from it (a poll's
+# start is computed as its end minus its duration, which may round a little past the last end).
+_MERGE_GAP_S = 1e-6
 
 
 class _Series:
@@ -129,17 +137,49 @@ class UtilizationWindow:
         """How many keys hold samples."""
         return len(self._series)
 
-    def add(self, key: Hashable, end_s: float, duration_s: float, value: float) -> None:
+    def add(self, key: Hashable, end_s: float, duration_s: float, value: float) -> float | None:
+        """Add a sample; return the key's average at `end_s` (as `average(key, end_s)`)."""
         series = self._series.get(key)
         if series is None:
             series = self._series[key] = _Series()
         samples = series.samples
         start_s = end_s - max(duration_s, 0.0)
-        if samples and (start_s < samples[-1][0] or end_s < samples[-1][1]):
-            series.in_order = False
-        samples.append((start_s, end_s, value))
-        series.weighted_sum += (end_s - start_s) * value
-        series.weight_total += end_s - start_s
+        if series.in_order and len(samples) == 1:
+            # The usual case, made short: a steady key (one sample) gets the same value again.
+            first_start, last_end, last_value = samples[0]
+            if (
+                value == last_value
+                and end_s >= last_end
+                and abs(start_s - last_end) <= _MERGE_GAP_S
+                and series.updates + 1 < _RESUM_EVERY
+            ):
+                samples[0] = (first_start, end_s, value)
+                series.weighted_sum += (end_s - last_end) * value
+                series.weight_total += end_s - last_end
+                series.updates += 1
+                return (
+                    value
+                    if end_s - max(first_start, end_s - self.window_s) > _MIN_WEIGHT_S
+                    else 0.0
+                )
+        merged = False
+        if samples:
+            last_start, last_end, last_value = samples[-1]
+            if start_s < last_start or end_s < last_end:
+                series.in_order = False
+            elif (
+                value == last_value and abs(start_s - last_end) <= _MERGE_GAP_S and series.in_order
+            ):
+                # The same value again, right after the last sample: one longer sample gives
+                # the same averages over any window. A steady container keeps a single sample.
+                samples[-1] = (last_start, end_s, value)
+                series.weighted_sum += (end_s - last_end) * value
+                series.weight_total += end_s - last_end
+                merged = True
+        if not merged:
+            samples.append((start_s, end_s, value))
+            series.weighted_sum += (end_s - start_s) * value
+            series.weight_total += end_s - start_s
         if series.in_order:
             horizon = end_s - self.window_s
             while samples[0][1] <= horizon:
@@ -155,6 +195,7 @@ class UtilizationWindow:
         series.updates += 1
         if series.updates >= _RESUM_EVERY:
             series.resum()
+        return self.average(key, end_s)
 
     def average(self, key: Hashable, now_s: float) -> float | None:
         """The time-weighted mean of the key's samples within [now_s - window_s, now_s]; None when
@@ -168,6 +209,11 @@ class UtilizationWindow:
             return _clipped_average(samples, window_start_s, now_s)
         if samples[-1][1] <= window_start_s:
             return None
+        if len(samples) == 1:
+            # A steady value: itself, exactly (running sums of its pieces round), so that an
+            # unchanged container reads the same from one poll to the next.
+            start, end, value = samples[0]
+            return value if end - max(start, window_start_s) > _MIN_WEIGHT_S else 0.0
         # Every sample ends by now_s; only a prefix reaches back before the window: take its
         # full weight out of the running sums and put back the part inside the window.
         weighted_sum = series.weighted_sum
@@ -202,6 +248,10 @@ class AttributionEvidence:
     pod_uid_of: Callable[[int], str | None]
     trust_host_processes: bool = False
     cgroup_of: Callable[[int], str | None] = _no_cgroup
+    # Changes whenever `pod_uid_of` or `cgroup_of` may answer differently for a PID (the
+    # resolver's generation); None when unknown. With it, a build whose inputs all stayed the
+    # same hands out the previous build's attribution rather than deciding it again.
+    version: Hashable | None = None
 
 
 def attribute(
@@ -223,6 +273,12 @@ def attribute(
     return None, claim is not None
 
 
+def _confirmed(record: AllocationRecord, wall_s: float) -> bool:
+    """Whether the slices `record` holds count as allocated (else as unconfirmed): the kubelet
+    lists it, or it was made less than UNCONFIRMED_AFTER_S ago."""
+    return record.listed or wall_s - record.allocated_at_s < UNCONFIRMED_AFTER_S
+
+
 @dataclasses.dataclass(slots=True)
 class _Accumulator:
     """One (allocation, GPU) while a snapshot is built."""
@@ -236,6 +292,34 @@ class _Accumulator:
     processes: list[ProcessSample] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Charges:
+    """Phase one of a build: the accumulators per (allocation ID, GPU UUID), and per GPU UUID the
+    processes charged to no allocation, the refused claims, the pods' unattributed processes and
+    the slice counts; the accepted allocation IDs this daemon does not know."""
+
+    accumulators: Mapping[tuple[str, str], _Accumulator]
+    unattributed: Mapping[str, tuple[ProcessSample, ...]]
+    misattributed: Mapping[str, tuple[ProcessSample, ...]]
+    unattributed_pods: Mapping[str, tuple[tuple[int, str], ...]]
+    unknown: frozenset[str]
+    slices_total: Mapping[str, int]
+    slices_allocated: Mapping[str, int]
+    slices_unhealthy: Mapping[str, int]
+    slices_unconfirmed: Mapping[str, int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Memo:
+    """The last phase one and what it was computed from (the inventory and the checkpoint by
+    identity: both are replaced whole when they change)."""
+
+    key: tuple[object, ...]
+    inventory: Inventory
+    checkpoint: DeviceCheckpoint | None
+    charges: _Charges
+
+
 class SnapshotBuilder:
     """Builds the NodeSnapshot after every poll. Holds only the utilisation windows between
     builds, keyed by (allocation ID, GPU UUID) for containers and by GPU UUID for GPUs."""
@@ -247,6 +331,7 @@ class SnapshotBuilder:
         # was made of: one whose values did not change is handed out again rather than rebuilt
         # (most containers, most polls), which also lets the enforcer see it is unchanged.
         self._containers: dict[tuple[str, str], tuple[tuple[object, ...], ContainerUsage]] = {}
+        self._memo: _Memo | None = None
 
     def build(
         self,
@@ -273,110 +358,10 @@ class SnapshotBuilder:
         duration_s = 0.0 if previous_reading_s is None else max(now_s - previous_reading_s, 0.0)
         gpus = sorted(reading.gpus, key=lambda g: g.info.index)
         gpu_by_uuid: dict[str, GpuReading] = {g.info.uuid: g for g in gpus}
-        records = {r.allocation_id: r for r in allocations}
-
-        slices_total = dict.fromkeys(gpu_by_uuid, 0)
-        slices_unhealthy = dict.fromkeys(gpu_by_uuid, 0)
-        for slice_ in inventory.slices:
-            uuid = slice_.id.gpu_uuid
-            if uuid in slices_total:
-                slices_total[uuid] += 1
-                if not slice_.healthy:
-                    slices_unhealthy[uuid] += 1
-
-        accumulators: dict[tuple[str, str], _Accumulator] = {}
-        held_healthy: set[str] = set()
-        # Held by allocations the kubelet does not list, past the first seconds after Allocate.
-        held_unconfirmed: set[str] = set()
-        by_id = inventory.by_id
-        for record in records.values():
-            for slice_id in record.slice_ids:
-                s = by_id.get(slice_id)
-                if s is None or s.id.gpu_uuid not in gpu_by_uuid:
-                    continue
-                key = (record.allocation_id, s.id.gpu_uuid)
-                acc = accumulators.get(key)
-                if acc is None:
-                    acc = accumulators[key] = _Accumulator(record)
-                acc.slices += 1
-                acc.memory_limit_bytes += s.memory_limit_bytes
-                acc.compute_share_ratio += s.compute_share_ratio
-                if s.healthy:
-                    if record.listed or wall_s - record.allocated_at_s < UNCONFIRMED_AFTER_S:
-                        held_healthy.add(slice_id)
-                    else:
-                        held_unconfirmed.add(slice_id)
-        slices_allocated = dict.fromkeys(gpu_by_uuid, 0)
-        for slice_id in held_healthy:
-            slices_allocated[by_id[slice_id].id.gpu_uuid] += 1
-        slices_unconfirmed = dict.fromkeys(gpu_by_uuid, 0)
-        for slice_id in held_unconfirmed - held_healthy:
-            slices_unconfirmed[by_id[slice_id].id.gpu_uuid] += 1
-
-        unknown: set[str] = set()
-        unattributed: dict[str, list[ProcessSample]] = {uuid: [] for uuid in gpu_by_uuid}
-        misattributed: dict[str, list[ProcessSample]] = {uuid: [] for uuid in gpu_by_uuid}
-        unattributed_pods: dict[str, list[tuple[int, str]]] = {uuid: [] for uuid in gpu_by_uuid}
-        # Processes of a pod whose claim did not stand, and the allocations that stood per
-        # container cgroup: rule 4 charges the former to the latter.
-        pending: list[tuple[str, ProcessSample, str, str | None]] = []
-        cgroup_allocations: dict[str, set[str]] = {}
-
-        def charge(uuid: str, process: ProcessSample, found: str | None) -> None:
-            """Count `process` for the allocation it was found to belong to (None: none)."""
-            if found is None:
-                unattributed[uuid].append(process)
-                return
-            owner = records.get(found)
-            if owner is None:
-                unattributed[uuid].append(process)
-                unknown.add(found)
-                return
-            key = (found, uuid)
-            acc = accumulators.get(key)
-            if acc is None:
-                acc = accumulators[key] = _Accumulator(owner)
-            acc.processes.append(process)
-            acc.memory_used_bytes += process.used_memory_bytes or 0
-            acc.sm_util_percent += process.sm_util_percent or 0.0
-
-        # Without a readable checkpoint every claim stands: `attribute` is not asked.
-        checked = evidence if evidence is not None and evidence.checkpoint.readable else None
-        claim_of = pid_allocation.get
-        for gpu in gpus:
-            uuid = gpu.info.uuid
-            for process in gpu.processes:
-                pid = process.pid
-                found = claim_of(pid)
-                if checked is not None:
-                    pod_uid = checked.pod_uid_of(pid)
-                    found, refused = attribute(found, pod_uid, uuid, checked)
-                    if refused:
-                        misattributed[uuid].append(process)
-                    if pod_uid is not None:
-                        cgroup = checked.cgroup_of(pid)
-                        if found is None:
-                            pending.append((uuid, process, pod_uid, cgroup))
-                            continue
-                        if cgroup is not None:
-                            cgroup_allocations.setdefault(cgroup, set()).add(found)
-                charge(uuid, process, found)
-        for uuid, process, pod_uid, cgroup in pending:
-            sharing = cgroup_allocations.get(cgroup, set()) if cgroup is not None else set()
-            if len(sharing) == 1:
-                charge(uuid, process, next(iter(sharing)))
-            else:
-                unattributed_pods[uuid].append((process.pid, pod_uid))
-                charge(uuid, process, None)
-        if pending:
-            # Charged after the others: put every list back in the driver's order.
-            order = {p.pid: n for gpu in gpus for n, p in enumerate(gpu.processes)}
-            for processes in unattributed.values():
-                if len(processes) > 1:
-                    processes.sort(key=lambda p: order.get(p.pid, 0))
-            for acc in accumulators.values():
-                if len(acc.processes) > 1:
-                    acc.processes.sort(key=lambda p: order.get(p.pid, 0))
+        charges = self._charges(
+            gpus, inventory, allocations, pid_allocation, wall_s=wall_s, evidence=evidence
+        )
+        accumulators = charges.accumulators
 
         window = self._window
         live_keys: set[Hashable] = set(gpu_by_uuid)
@@ -385,7 +370,7 @@ class SnapshotBuilder:
         built: dict[tuple[str, str], tuple[tuple[object, ...], ContainerUsage]] = {}
         for key, acc in accumulators.items():
             live_keys.add(key)
-            window.add(key, now_s, duration_s, _ratio(acc.sm_util_percent))
+            average = window.add(key, now_s, duration_s, _ratio(acc.sm_util_percent))
             record = acc.record
             # ContainerUsage's fields in order, up to `container`.
             values = (
@@ -395,7 +380,7 @@ class SnapshotBuilder:
                 acc.slices,
                 acc.memory_used_bytes,
                 acc.memory_limit_bytes,
-                window.average(key, now_s) or 0.0,
+                average or 0.0,
                 acc.compute_share_ratio,
                 tuple(acc.processes),
                 record.namespace,
@@ -417,19 +402,18 @@ class SnapshotBuilder:
             uuid = gpu.info.uuid
             sm_ratio: float | None = None
             if gpu.sm_util_percent is not None:
-                window.add(uuid, now_s, duration_s, _ratio(gpu.sm_util_percent))
-                sm_ratio = window.average(uuid, now_s)
+                sm_ratio = window.add(uuid, now_s, duration_s, _ratio(gpu.sm_util_percent))
             gpu_usages.append(
                 GpuUsage(
                     reading=gpu,
                     sm_utilization_ratio=sm_ratio,
-                    slices_total=slices_total[uuid],
-                    slices_allocated=slices_allocated[uuid],
-                    slices_unhealthy=slices_unhealthy[uuid],
-                    slices_unconfirmed=slices_unconfirmed[uuid],
-                    unattributed=tuple(unattributed[uuid]),
-                    misattributed=tuple(misattributed.get(uuid, ())),
-                    unattributed_pods=tuple(unattributed_pods[uuid]),
+                    slices_total=charges.slices_total[uuid],
+                    slices_allocated=charges.slices_allocated[uuid],
+                    slices_unhealthy=charges.slices_unhealthy[uuid],
+                    slices_unconfirmed=charges.slices_unconfirmed[uuid],
+                    unattributed=charges.unattributed[uuid],
+                    misattributed=charges.misattributed[uuid],
+                    unattributed_pods=charges.unattributed_pods[uuid],
                 )
             )
         window.forget_except(live_keys)
@@ -443,7 +427,187 @@ class SnapshotBuilder:
             stale=False,
             health=health,
         )
-        return snapshot, frozenset(unknown)
+        return snapshot, charges.unknown
+
+    def _charges(
+        self,
+        gpus: Sequence[GpuReading],
+        inventory: Inventory,
+        allocations: Sequence[AllocationRecord],
+        pid_allocation: Mapping[int, str | None],
+        *,
+        wall_s: float,
+        evidence: AttributionEvidence | None,
+    ) -> _Charges:
+        """Who each GPU process is charged to, and the slice counts: the same inputs give the
+        same answer, so the last one is handed out again while they stay the same (a node whose
+        processes and figures hold still, most polls)."""
+        confirmed = tuple(_confirmed(r, wall_s) for r in allocations)
+        checked = evidence if evidence is not None and evidence.checkpoint.readable else None
+        key: tuple[object, ...] | None = (
+            tuple((g.info.uuid, g.processes) for g in gpus),
+            tuple(allocations),
+            confirmed,
+            dict(pid_allocation),
+            None if checked is None else (checked.trust_host_processes, checked.version),
+        )
+        if checked is not None and checked.version is None:
+            key = None  # the evidence cannot say whether its answers changed: never reused
+        memo = self._memo
+        if (
+            key is not None
+            and memo is not None
+            and memo.inventory is inventory
+            and memo.checkpoint is (None if checked is None else checked.checkpoint)
+            and memo.key == key
+        ):
+            return memo.charges
+        charges = _charge(
+            gpus, inventory, allocations, pid_allocation, wall_s=wall_s, checked=checked
+        )
+        self._memo = (
+            None
+            if key is None
+            else _Memo(key, inventory, None if checked is None else checked.checkpoint, charges)
+        )
+        return charges
+
+
+def _charge(
+    gpus: Sequence[GpuReading],
+    inventory: Inventory,
+    allocations: Sequence[AllocationRecord],
+    pid_allocation: Mapping[int, str | None],
+    *,
+    wall_s: float,
+    checked: AttributionEvidence | None,
+) -> _Charges:
+    """Phase one of a build: each process of `gpus` charged to an allocation, or counted as
+    unattributed (and misattributed where its claim was refused), by the rules of this module's
+    docstring; `checked` is the evidence when its checkpoint is readable, else None."""
+    gpu_by_uuid = {g.info.uuid: g for g in gpus}
+    records = {r.allocation_id: r for r in allocations}
+
+    slices_total = dict.fromkeys(gpu_by_uuid, 0)
+    slices_unhealthy = dict.fromkeys(gpu_by_uuid, 0)
+    for slice_ in inventory.slices:
+        uuid = slice_.id.gpu_uuid
+        if uuid in slices_total:
+            slices_total[uuid] += 1
+            if not slice_.healthy:
+                slices_unhealthy[uuid] += 1
+
+    accumulators: dict[tuple[str, str], _Accumulator] = {}
+    held_healthy: set[str] = set()
+    # Held by allocations the kubelet does not list, past the first seconds after Allocate.
+    held_unconfirmed: set[str] = set()
+    by_id = inventory.by_id
+    for record in records.values():
+        for slice_id in record.slice_ids:
+            s = by_id.get(slice_id)
+            if s is None or s.id.gpu_uuid not in gpu_by_uuid:
+                continue
+            key = (record.allocation_id, s.id.gpu_uuid)
+            acc = accumulators.get(key)
+            if acc is None:
+                acc = accumulators[key] = _Accumulator(record)
+            acc.slices += 1
+            acc.memory_limit_bytes += s.memory_limit_bytes
+            acc.compute_share_ratio += s.compute_share_ratio
+            if s.healthy:
+                if _confirmed(record, wall_s):
+                    held_healthy.add(slice_id)
+                else:
+                    held_unconfirmed.add(slice_id)
+    slices_allocated = dict.fromkeys(gpu_by_uuid, 0)
+    for slice_id in held_healthy:
+        slices_allocated[by_id[slice_id].id.gpu_uuid] += 1
+    slices_unconfirmed = dict.fromkeys(gpu_by_uuid, 0)
+    for slice_id in held_unconfirmed - held_healthy:
+        slices_unconfirmed[by_id[slice_id].id.gpu_uuid] += 1
+
+    unknown: set[str] = set()
+    unattributed: dict[str, list[ProcessSample]] = {uuid: [] for uuid in gpu_by_uuid}
+    misattributed: dict[str, list[ProcessSample]] = {uuid: [] for uuid in gpu_by_uuid}
+    unattributed_pods: dict[str, list[tuple[int, str]]] = {uuid: [] for uuid in gpu_by_uuid}
+    # Processes of a pod whose claim did not stand, and the allocations that stood per
+    # container cgroup: rule 4 charges the former to the latter.
+    pending: list[tuple[str, ProcessSample, str, str | None]] = []
+    cgroup_allocations: dict[str, set[str]] = {}
+
+    def charge(uuid: str, process: ProcessSample, found: str | None) -> None:
+        """Count `process` for the allocation it was found to belong to (None: none)."""
+        if found is None:
+            unattributed[uuid].append(process)
+            return
+        owner = records.get(found)
+        if owner is None:
+            unattributed[uuid].append(process)
+            unknown.add(found)
+            return
+        key = (found, uuid)
+        acc = accumulators.get(key)
+        if acc is None:
+            acc = accumulators[key] = _Accumulator(owner)
+        acc.processes.append(process)
+        acc.memory_used_bytes += process.used_memory_bytes or 0
+        acc.sm_util_percent += process.sm_util_percent or 0.0
+
+    # Without a readable checkpoint every claim stands: `attribute` is not asked.
+    claim_of = pid_allocation.get
+    for gpu in gpus:
+        uuid = gpu.info.uuid
+        for process in gpu.processes:
+            pid = process.pid
+            found = claim_of(pid)
+            if checked is not None:
+                pod_uid = checked.pod_uid_of(pid)
+                found, refused = attribute(found, pod_uid, uuid, checked)
+                if refused:
+                    misattributed[uuid].append(process)
+                if pod_uid is not None:
+                    cgroup = checked.cgroup_of(pid)
+                    if found is None:
+                        pending.append((uuid, process, pod_uid, cgroup))
+                        continue
+                    if cgroup is not None:
+                        cgroup_allocations.setdefault(cgroup, set()).add(found)
+            # `charge`, inline for the usual case (hundreds of processes every poll): an
+            # allocation holding slices on this GPU.
+            acc = accumulators.get((found, uuid)) if found is not None else None
+            if acc is None:
+                charge(uuid, process, found)
+                continue
+            acc.processes.append(process)
+            acc.memory_used_bytes += process.used_memory_bytes or 0
+            acc.sm_util_percent += process.sm_util_percent or 0.0
+    for uuid, process, pod_uid, cgroup in pending:
+        sharing = cgroup_allocations.get(cgroup, set()) if cgroup is not None else set()
+        if len(sharing) == 1:
+            charge(uuid, process, next(iter(sharing)))
+        else:
+            unattributed_pods[uuid].append((process.pid, pod_uid))
+            charge(uuid, process, None)
+    if pending:
+        # Charged after the others: put every list back in the driver's order.
+        order = {p.pid: n for gpu in gpus for n, p in enumerate(gpu.processes)}
+        for processes in unattributed.values():
+            if len(processes) > 1:
+                processes.sort(key=lambda p: order.get(p.pid, 0))
+        for acc in accumulators.values():
+            if len(acc.processes) > 1:
+                acc.processes.sort(key=lambda p: order.get(p.pid, 0))
+    return _Charges(
+        accumulators,
+        {uuid: tuple(ps) for uuid, ps in unattributed.items()},
+        {uuid: tuple(ps) for uuid, ps in misattributed.items()},
+        {uuid: tuple(ps) for uuid, ps in unattributed_pods.items()},
+        frozenset(unknown),
+        slices_total,
+        slices_allocated,
+        slices_unhealthy,
+        slices_unconfirmed,
+    )
 
 
 def mark_stale(snapshot: NodeSnapshot, health: DaemonHealth) -> NodeSnapshot:

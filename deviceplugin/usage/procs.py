@@ -249,6 +249,9 @@ class AllocationResolver:
         self._pidfds = _PidfdWatch() if os.path.realpath(proc_root) == "/proc" else None
         self.hits = 0
         self.misses = 0
+        # Bumped by every `resolve` that changed an answer of `pod_uid_of` or `cgroup_of` (or of
+        # the claims it returns): a PID resolved afresh, or one no longer held.
+        self.generation = 0
 
     @property
     def pidfds(self) -> int:
@@ -260,6 +263,7 @@ class AllocationResolver:
         if self._pidfds is not None:
             self._pidfds.close()
         self._cache = {}
+        self.generation += 1
 
     def __len__(self) -> int:
         """How many PIDs the cache holds."""
@@ -275,6 +279,7 @@ class AllocationResolver:
         memo: dict[int, str | None] = {}
         watch = self._pidfds
         exited = watch.exited() if watch is not None else set()
+        changed = False
         for pid in exited:
             # Gone, or its PID already taken by another process: resolved afresh below.
             if watch is not None:
@@ -304,11 +309,16 @@ class AllocationResolver:
                 self.hits += 1
             else:
                 self.misses += 1
+            changed = changed or entry is not cached
             fresh[pid] = entry
             found[pid] = entry.allocation_id
         if watch is not None:
             for pid in previous.keys() - fresh.keys():
                 watch.drop(pid)
+        # (Every entry of `fresh` is the one of `previous` unless `changed`: then the same
+        # number of entries means the same PIDs.)
+        if changed or exited or len(fresh) != len(previous):
+            self.generation += 1
         self._cache = fresh
         return found
 

@@ -353,6 +353,31 @@ def test_fake_tree_cache_holds_only_the_latest_pids(tmp_path: Path) -> None:
     assert (resolver.hits, resolver.misses) == (2, 4)  # 1001 was dropped, so resolved afresh
 
 
+def test_fake_tree_generation_moves_only_when_an_answer_may_have(tmp_path: Path) -> None:
+    """The snapshot build reuses its last attribution while the generation stands still, so it
+    must move whenever a PID's pod, cgroup or claim may read differently."""
+    fake_process(tmp_path, 1001, env={ENV_NAME: ALLOC}, cgroup=f"0::/kubepods/pod{POD}/c1\n")
+    fake_process(tmp_path, 1002, env={ENV_NAME: ALLOC})
+    resolver = AllocationResolver(tmp_path)
+    seen = [resolver.generation]
+
+    def after(pids: list[int]) -> int:
+        resolver.resolve(pids)
+        seen.append(resolver.generation)
+        return resolver.generation
+
+    assert after([1001]) != seen[-2]  # resolved for the first time
+    assert after([1001]) == seen[-2]  # the same process, from the cache
+    assert after([1001, 1002]) != seen[-2]  # one more
+    assert after([1001, 1002]) == seen[-2]
+    assert after([1002]) != seen[-2]  # one let go: its pod now reads None
+    fake_process(tmp_path, 1002, start=2000, env={ENV_NAME: OTHER})  # its PID reused
+    assert after([1002]) != seen[-2]
+    assert resolver.pod_uid_of(1001) is None
+    resolver.close()
+    assert resolver.generation != seen[-1]
+
+
 def test_fake_tree_duplicates_and_invalid_pids(tmp_path: Path) -> None:
     fake_process(tmp_path, 1100, env={ENV_NAME: ALLOC})
     resolver = AllocationResolver(tmp_path)

@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping, Sequence
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deviceplugin.kubelet.checkpoint import DeviceCheckpoint, parse_checkpoint
@@ -110,6 +110,20 @@ def test_window_stays_bounded_over_many_samples() -> None:
     assert len(window._series["k"].samples) <= 11
 
 
+def test_window_keeps_one_sample_for_a_steady_value() -> None:
+    window = UtilizationWindow(5.0)
+    window.add("k", end_s=0.5, duration_s=0.5, value=0.9)
+    for tick in range(2, 7):
+        window.add("k", end_s=tick * 0.5, duration_s=0.5, value=0.25)
+    assert window.average("k", 3.0) == pytest.approx((0.5 * 0.9 + 2.5 * 0.25) / 3.0)
+    for tick in range(7, 2001):
+        window.add("k", end_s=tick * 0.5, duration_s=0.5, value=0.25)
+    assert window.average("k", 1000.0) == pytest.approx(0.25)
+    # Polls of a steady container (most of them, most polls) cost one sample, not the window's
+    # worth (a private detail: the average stays one step).
+    assert len(window._series["k"].samples) == 1
+
+
 def test_window_samples_out_of_order_give_the_same_average() -> None:
     ordered = UtilizationWindow(4.0)
     shuffled = UtilizationWindow(4.0)
@@ -134,7 +148,8 @@ sample_lists = st.lists(
     st.tuples(
         st.one_of(st.just(0.0), st.floats(1e-3, 3.0)),  # from the previous sample's end
         st.one_of(st.just(0.0), st.floats(1e-3, 4.0)),  # duration
-        st.floats(0.0, 1.0),  # value
+        # value: repeated ones too, which the window merges with the sample before
+        st.one_of(st.sampled_from([0.0, 0.5]), st.floats(0.0, 1.0)),
     ),
     min_size=1,
     max_size=40,
@@ -159,7 +174,8 @@ def test_window_matches_a_direct_computation(
     for step, duration, value in samples:
         end += step
         span = step if contiguous else duration
-        window.add("k", end, span, value)
+        returned = window.add("k", end, span, value)
+        assert returned == window.average("k", end)  # add answers the average at its end
         added.append((end - span, end, value))
         for now in (end, end + later_s):
             lo = now - window_s
@@ -672,3 +688,114 @@ def test_build_with_an_unreadable_checkpoint_is_todays_build() -> None:
     )
     assert checked == plain
     assert plain[1] == frozenset({UNRECORDED})
+
+
+# The build hands out the previous build's attribution while its inputs stay the same: whatever
+# came before, a builder must attribute exactly as a new one would.
+_PROCESS_SETS = (
+    ((101, 102, 201, 401), (501, 502)),
+    ((101, 102, 201, 401), (501, 502)),  # the same PIDs, other figures (see `_node`)
+    ((101, 201), (501,)),
+    ((), ()),
+)
+_CLAIMS = (
+    {101: a_id, 102: None, 201: a_id, 401: c_id, 501: m1_id, 502: None},
+    {101: a_id, 102: a_id, 201: None, 401: None, 501: m2_id, 502: m1_id},
+)
+_PODS: tuple[dict[int, str], ...] = (
+    {101: POD_A, 102: POD_A, 201: POD_X, 501: POD_M, 502: POD_M},
+    {101: POD_A, 102: POD_A, 201: POD_A, 501: POD_M},
+    {},
+)
+_CGROUPS = {101: "/pa/c1", 102: "/pa/c1", 201: "/pa/c1", 501: "/pm/one", 502: "/pm/one"}
+_CHECKPOINTS = (CHECKPOINT, checkpoint_of((POD_A, "worker", A)), DeviceCheckpoint.unreadable("x"))
+_WALL_S = 1_700_000_000.0
+_RECORDS = (
+    (A, B, C, M1, M2),
+    (A, dataclasses.replace(M1, listed=False, allocated_at_s=_WALL_S - 10.0), M2),
+    (dataclasses.replace(A, pod="renamed"), B, C, M1, M2),
+)
+_INVENTORIES = (INVENTORY, inventory((gpu_info(0, UUID0), True), (gpu_info(1, UUID1), False)))
+
+
+def _node(processes: int, tick: int) -> NodeReading:
+    gpu0, gpu1 = _PROCESS_SETS[processes]
+    util = 10.0 if processes == 1 else 0.0
+    return reading(
+        gpu0=[ProcessSample(pid, GI, util) for pid in gpu0],
+        gpu1=[ProcessSample(pid, 2 * GI, util) for pid in gpu1],
+        sm0=float(tick % 3),
+    )
+
+
+def _without_utilisation(snapshot: NodeSnapshot) -> NodeSnapshot:
+    """The snapshot less what depends on earlier builds: the windows' averages."""
+    return dataclasses.replace(
+        snapshot,
+        gpus=tuple(dataclasses.replace(g, sm_utilization_ratio=None) for g in snapshot.gpus),
+        containers=tuple(
+            dataclasses.replace(c, sm_utilization_ratio=0.0) for c in snapshot.containers
+        ),
+    )
+
+
+# Each step changes one input (or none) and builds: what a stale attribution would get wrong.
+_CHOICES = (
+    len(_PROCESS_SETS),
+    len(_CLAIMS),
+    len(_PODS),
+    len(_CHECKPOINTS),
+    len(_RECORDS),
+    len(_INVENTORIES),
+    3,  # evidence: none, with a version, without one
+    2,  # the wall clock: as it was, 20 s later (M1, unlisted, is then unconfirmed)
+)
+
+
+@settings(max_examples=300)
+@given(
+    steps=st.lists(
+        st.tuples(st.integers(0, len(_CHOICES)), st.integers(0, max(_CHOICES) - 1)),
+        min_size=1,
+        max_size=16,
+    )
+)
+def test_a_builder_attributes_as_a_new_one_whatever_it_built_before(
+    steps: list[tuple[int, int]],
+) -> None:
+    builder = SnapshotBuilder("n", 5.0)
+    inputs = [0] * len(_CHOICES)
+    inputs[6] = 1  # the daemon's case: evidence with the resolver's generation
+    for tick, (which, value) in enumerate(steps):
+        if which < len(_CHOICES):  # else: the same inputs again
+            inputs[which] = value % _CHOICES[which]
+        procs, claims, pods, ckpt, recs, inv, kind, later = inputs
+        wall_s = _WALL_S + 20.0 * later
+        evidence_ = (
+            None
+            if kind == 0
+            else AttributionEvidence(
+                _CHECKPOINTS[ckpt],
+                _PODS[pods].get,
+                cgroup_of=_CGROUPS.get,
+                # The resolver's generation changes with its answers; here the pod table's.
+                version=pods if kind == 1 else None,
+            )
+        )
+        results = [
+            b.build(
+                _node(procs, tick),
+                _INVENTORIES[inv],
+                _RECORDS[recs],
+                _CLAIMS[claims],
+                now_s=float(tick),
+                wall_s=wall_s,
+                health=HEALTH,
+                previous_reading_s=None,
+                evidence=evidence_,
+            )
+            for b in (builder, SnapshotBuilder("n", 5.0))
+        ]
+        (seasoned, seasoned_unknown), (new, new_unknown) = results
+        assert _without_utilisation(seasoned) == _without_utilisation(new)
+        assert seasoned_unknown == new_unknown

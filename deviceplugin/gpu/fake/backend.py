@@ -26,7 +26,7 @@ from deviceplugin.gpu.fake.sampler import (
 )
 from deviceplugin.gpu.fake.state import FakeGpu
 from deviceplugin.gpu.fake.statefile import _decode_state, read_state_file
-from deviceplugin.model import GpuReading, NodeReading, ProcessSample
+from deviceplugin.model import GpuReading, NodeReading, ProcessSample, SampleReuse
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +103,7 @@ class FakeBackend:
         # between two polls unseen, as a real GPU's health can between two reads).
         self._healthy_before: dict[str, bool] = {}
         self._unhealthy_transitions: dict[str, int] = {}
+        self._samples = SampleReuse()
         self._generation = 0
         self._plan: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
         self._sampled_pids: frozenset[int] = frozenset()
@@ -171,8 +172,9 @@ class FakeBackend:
             memory_used_bytes = 0
             sm_util_percent = 0.0
             for p in gpu.processes:
-                util = average.get((gpu.uuid, p.pid), 0.0)
-                samples.append(ProcessSample(p.pid, p.used_memory_bytes, util))
+                key = (gpu.uuid, p.pid)
+                util = average.get(key, 0.0)
+                samples.append(self._samples.sample(key, p.pid, p.used_memory_bytes, util))
                 memory_used_bytes += p.used_memory_bytes
                 sm_util_percent += util
             readings.append(
@@ -186,6 +188,7 @@ class FakeBackend:
                     unhealthy_transitions=self._unhealthy_transitions.get(gpu.uuid, 0),
                 )
             )
+        self._samples.next_poll()
         return NodeReading(timestamp_s=now, gpus=tuple(readings))
 
     def _mig_readings(self, gpu: FakeGpu) -> list[GpuReading]:
@@ -214,7 +217,8 @@ class FakeBackend:
                     memory_used_bytes=sum(p.used_memory_bytes for p in device.processes),
                     sm_util_percent=None,
                     processes=tuple(
-                        ProcessSample(p.pid, p.used_memory_bytes, None) for p in device.processes
+                        self._samples.sample((device.uuid, p.pid), p.pid, p.used_memory_bytes, None)
+                        for p in device.processes
                     ),
                 )
             )

@@ -30,7 +30,7 @@ from typing import Any
 from deviceplugin.gpu.nvml.inventory import GpuInventory
 from deviceplugin.gpu.nvml.library import NvmlLibrary, text
 from deviceplugin.gpu.nvml.workers import TransientError
-from deviceplugin.model import GpuInfo, ProcessSample
+from deviceplugin.model import GpuInfo, ProcessSample, SampleReuse
 
 logger = logging.getLogger(__name__)
 
@@ -97,11 +97,18 @@ class Gpu(GpuInventory):
         self._last_seen_ts = 0
         self._last_util: dict[int, float] | None = None
         self._last_util_at_s = 0.0
+        self._samples = SampleReuse()
         super().__init__(lib, index, clock)
 
     def read(self, process_list_interval_s: float) -> Sample:
         """One reading. Raises GpuFaultError (the GPU is unhealthy) or TransientError (the next
         poll retries)."""
+        try:
+            return self._read(process_list_interval_s)
+        finally:
+            self._samples.next_poll()
+
+    def _read(self, process_list_interval_s: float) -> Sample:
         now = self._clock()
         memory = self._optional("memory", "nvmlDeviceGetMemoryInfo", self.handle)
         if self.info is not None and self.info.mig_enabled:
@@ -126,11 +133,7 @@ class Gpu(GpuInventory):
             memory_used_bytes=None if memory is None else int(memory.used),
             sm_util_percent=None if rates is None else float(rates.gpu),
             processes=tuple(
-                ProcessSample(
-                    pid=pid,
-                    used_memory_bytes=used,
-                    sm_util_percent=(sm_by_pid or {}).get(pid, idle),
-                )
+                self._samples.sample(pid, pid, used, (sm_by_pid or {}).get(pid, idle))
                 for pid, used in self._processes.items()
             ),
         )
@@ -176,7 +179,7 @@ class Gpu(GpuInventory):
             compute_instance_id=ci,
         )
         processes = tuple(
-            ProcessSample(pid=pid, used_memory_bytes=used, sm_util_percent=None)
+            self._samples.sample((uuid, pid), pid, used, None)
             for pid, used in self._merged_processes(handle).items()
         )
         return MigSample(info, int(memory.used), processes)
