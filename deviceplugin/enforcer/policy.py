@@ -50,13 +50,20 @@ held to its share without it. Only processes listed in a container's usage are e
 decision; a PID that also appears among a GPU's unattributed processes, or in two allocations, is
 left out, and so is every process of a GPU reported unhealthy (its figures cannot be trusted).
 
+Steady GPUs. The policy is a function of its state and its inputs. A GPU whose inputs (its
+containers' usage, its unattributed processes, the PIDs left out) are those of a tick that
+decided nothing, changed none of its state and read no clock (no container over its memory
+limit, no kill pending) is not ticked again until they change: that tick would decide nothing
+again. Smoothed figures snap onto a steady input once within a billionth of it, so that a steady
+GPU gets there in tens of ticks.
+
 Over 400 lines: the memory and compute rules above share the state `EnforcementPolicy` keeps
 between snapshots; one class, read against the rules.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from deviceplugin.config import ComputeAction, EnforcementConfig, MemoryAction
@@ -71,6 +78,8 @@ THROTTLE = "throttle"
 MONITOR = "monitor"
 
 _POLL_JITTER_RATIO = 0.1
+# Smoothed ratios this close to their input count as equal to it (a billionth of a GPU).
+_SETTLED_RATIO = 1e-9
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +237,13 @@ def _peak_ratio(processes: Iterable[ProcessSample]) -> float:
     return (peak if peak is not None else 0.0) / 100.0
 
 
+def _settle(smoothed: float, target: float) -> float:
+    """An EWMA step's result, `target` itself once within _SETTLED_RATIO of it: a steady input
+    then leaves the state unchanged from one tick to the next (a fixed point) within tens of
+    ticks, rather than creeping by ever smaller steps for minutes."""
+    return target if abs(smoothed - target) < _SETTLED_RATIO else smoothed
+
+
 def _util_ratio(processes: Iterable[ProcessSample]) -> float:
     total = 0.0
     for p in processes:
@@ -246,6 +262,13 @@ class EnforcementPolicy:
         self._compute: dict[ContainerKey, _ComputeState] = {}
         self._unattributed_util: dict[str, float] = {}
         self._stale_since_s: float | None = None
+        # Per GPU: the inputs of its last tick, and the inputs of a tick that changed nothing
+        # and depended on no clock (see `_fixed_point`): the same inputs again need no tick.
+        self._last_inputs: dict[str, tuple[object, ...]] = {}
+        self._settled: dict[str, tuple[object, ...]] = {}
+        # Moves whenever a container's duty or entitlement may have changed: while it stands
+        # still, what the enforcer derived from them last time still holds.
+        self.revision = 0
 
     # -- queries, for tests and the enforcer ------------------------------------------------
 
@@ -270,6 +293,8 @@ class EnforcementPolicy:
         if state is not None:
             state.duty = 1.0
             state.demand_ratio = None
+        self._settled.pop(key[1], None)
+        self.revision += 1
 
     # -- the policy ---------------------------------------------------------------------------
 
@@ -280,13 +305,16 @@ class EnforcementPolicy:
         `now_wall_s` (used only for stale snapshots; without it their age is counted from the
         first stale snapshot)."""
         if snapshot.stale:
+            self.revision += 1
             return self._stale(snapshot, now_s, now_wall_s)
         self._stale_since_s = None
         decisions: list[Decision] = []
 
         excluded = self._excluded_pids(snapshot)
+        excluded_inputs = frozenset(excluded)
         healthy_gpus = {g.info.uuid for g in snapshot.gpus if g.reading.healthy}
         mig_devices = {g.info.uuid for g in snapshot.gpus if g.info.is_mig_device}
+        unattributed = {g.info.uuid: g.unattributed for g in snapshot.gpus}
         by_gpu: dict[str, list[ContainerUsage]] = {}
         seen: set[ContainerKey] = set()
         for c in snapshot.containers:
@@ -298,8 +326,19 @@ class EnforcementPolicy:
 
         for gpu_uuid, containers in by_gpu.items():
             if gpu_uuid not in healthy_gpus:
+                self._settled.pop(gpu_uuid, None)
+                self.revision += 1
                 decisions.extend(self._release_gpu(containers, "GPU unhealthy or not reported"))
                 continue
+            inputs = (tuple(containers), unattributed.get(gpu_uuid, ()), excluded_inputs)
+            if self._settled.get(gpu_uuid) == inputs:
+                continue  # a tick on these inputs changed nothing, and would change nothing now
+            self.revision += 1
+            repeated = self._last_inputs.get(gpu_uuid) == inputs
+            before = self._fixed_point(gpu_uuid, containers) if repeated else None
+            self._last_inputs[gpu_uuid] = inputs
+            self._settled.pop(gpu_uuid, None)
+            gpu_decisions: list[Decision] = []
             own: dict[ContainerKey, tuple[ProcessSample, ...]] = {}
             for c in containers:
                 processes = (
@@ -308,13 +347,22 @@ class EnforcementPolicy:
                     else c.processes
                 )
                 own[(c.allocation_id, c.gpu_uuid)] = processes
-                decisions.extend(self._decide_memory(c, processes, now_s))
-            if gpu_uuid in mig_devices:
-                # NVML measures no utilisation per MIG device: no compute share to enforce.
-                continue
-            decisions.extend(self._decide_compute(snapshot, gpu_uuid, containers, own))
+                gpu_decisions.extend(self._decide_memory(c, processes, now_s))
+            if gpu_uuid not in mig_devices:
+                # (NVML measures no utilisation per MIG device: no compute share to enforce.)
+                gpu_decisions.extend(
+                    self._decide_compute(unattributed.get(gpu_uuid, ()), gpu_uuid, containers, own)
+                )
+            decisions.extend(gpu_decisions)
+            if (
+                before is not None
+                and not gpu_decisions
+                and before == self._fixed_point(gpu_uuid, containers)
+            ):
+                self._settled[gpu_uuid] = inputs
 
         for key in [k for k in self._compute if k not in seen]:
+            self.revision += 1
             if self._compute[key].throttled:
                 decisions.append(Release(key[0], key[1], "container gone"))
             del self._compute[key]
@@ -323,7 +371,39 @@ class EnforcementPolicy:
         gpus = {g.info.uuid for g in snapshot.gpus}
         for uuid in [u for u in self._unattributed_util if u not in gpus]:
             del self._unattributed_util[uuid]
+        for table in (self._last_inputs, self._settled):
+            for uuid in [u for u in table if u not in by_gpu]:
+                del table[uuid]
         return decisions
+
+    def _fixed_point(
+        self, gpu_uuid: str, containers: Iterable[ContainerUsage]
+    ) -> tuple[object, ...] | None:
+        """All the policy keeps about a GPU, to tell whether a tick changed any of it; None while
+        any of it depends on the clock (a container over its memory limit, a kill pending). A
+        tick that decided nothing and changed nothing is a fixed point: the policy is a function
+        of its state and inputs, so the same inputs again would decide nothing again."""
+        parts: list[object] = [self._unattributed_util.get(gpu_uuid)]
+        for c in containers:
+            key = (c.allocation_id, c.gpu_uuid)
+            memory = self._memory.get(key)
+            if memory is not None and (memory.killed or memory.over_since_s is not None):
+                return None
+            state = self._compute.get(key)
+            parts.append(
+                None
+                if state is None
+                else (
+                    state.util_ratio,
+                    state.gain_ratio,
+                    state.last_ratio,
+                    state.demand_ratio,
+                    state.duty,
+                    state.violating,
+                    state.entitlement_ratio,
+                )
+            )
+        return tuple(parts)
 
     @staticmethod
     def _excluded_pids(snapshot: NodeSnapshot) -> set[int]:
@@ -350,6 +430,7 @@ class EnforcementPolicy:
             age_s = max(age_s, now_wall_s - snapshot.taken_at_s)
         if age_s < self.tuning.stale_release_s:
             return []
+        self._settled.clear()
         decisions: list[Decision] = []
         for key, state in self._compute.items():
             if state.throttled:
@@ -443,7 +524,7 @@ class EnforcementPolicy:
 
     def _decide_compute(
         self,
-        snapshot: NodeSnapshot,
+        unattributed: Sequence[ProcessSample],
         gpu_uuid: str,
         containers: list[ContainerUsage],
         processes: Mapping[ContainerKey, tuple[ProcessSample, ...]],
@@ -461,18 +542,21 @@ class EnforcementPolicy:
             if state is None:
                 state = self._compute[key] = _ComputeState(u, u)
             else:
-                state.util_ratio += t.utilisation_alpha * (u - state.util_ratio)
+                state.util_ratio = _settle(
+                    state.util_ratio + t.utilisation_alpha * (u - state.util_ratio), u
+                )
                 sample = min(u / state.duty, 1.0)
-                state.gain_ratio += t.gain_alpha * (sample - state.gain_ratio)
+                state.gain_ratio = _settle(
+                    state.gain_ratio + t.gain_alpha * (sample - state.gain_ratio), sample
+                )
             state.last_ratio = u
             states[key] = state
 
-        unattributed = [p for g in snapshot.gpus if g.info.uuid == gpu_uuid for p in g.unattributed]
         u_other = _util_ratio(unattributed)
         previous = self._unattributed_util.get(gpu_uuid)
         other = u_other
         if previous is not None:
-            other = previous + t.utilisation_alpha * (u_other - previous)
+            other = _settle(previous + t.utilisation_alpha * (u_other - previous), u_other)
         self._unattributed_util[gpu_uuid] = other
 
         # 2. Demand. The GPU is full when this poll's or the smoothed load reaches

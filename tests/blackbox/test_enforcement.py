@@ -16,7 +16,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -1001,3 +1001,20 @@ def test_the_duty_cyclers_figures_match_its_readings_key_by_key() -> None:
         assert cycler.stopped_seconds("never throttled") == 0.0
     finally:
         cycler.stop()
+
+
+def test_a_steady_container_shows_the_entitlement_its_neighbours_leave_it(
+    tmp_path: Path, enforcers: list[Enforcer]
+) -> None:
+    """The enforcer hands out last poll's annotated containers while nothing changed; an
+    unattributed process filling the GPU changes the container's entitlement, not its usage."""
+    enforcer = Enforcer(config(), tmp_path, control=RecordingControl(), wall_clock=WallClock())
+    enforcers.append(enforcer)
+    alone = hand_snapshot([4001], util=30.0)
+    for _ in range(3):  # room on the GPU: it may use what it wants, no entitlement to show
+        assert enforcer.on_snapshot(alone).containers[0].entitlement_ratio is None
+    (gpu,) = alone.gpus
+    crowded = replace(alone, gpus=(replace(gpu, unattributed=(ProcessSample(99, GIB, 70.0),)),))
+    assert crowded.containers == alone.containers
+    # The GPU is full: its demand can no longer be seen, and its neighbours leave it all of it.
+    assert enforcer.on_snapshot(crowded).containers[0].entitlement_ratio == pytest.approx(1.0)
