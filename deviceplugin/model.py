@@ -116,6 +116,10 @@ class SampleReuse:
         self._current[key] = kept
         return kept
 
+    def keep(self, key: object, sample: ProcessSample) -> None:
+        """Count `sample`, handed out again by the backend itself, as made in this poll."""
+        self._current[key] = sample
+
     def next_poll(self) -> None:
         """Samples made from now on are compared with those made since the last call."""
         self._previous, self._current = self._current, {}

@@ -352,3 +352,31 @@ def test_processes_added_to_a_file_that_had_none_are_sampled(
     backend.poll()  # reads the new file
     reading = measure(backend, 0.3)
     assert utilisation(reading) == {a.pid: pytest.approx(60, abs=1)}
+
+
+def test_a_steady_gpu_reads_the_same_until_a_process_stops(
+    spawn: Spawn, state_path: Path, make_backend: MakeBackend
+) -> None:
+    """Polls of a GPU whose processes hold still give the very reading of the poll before (what
+    the snapshot build recognises without comparing it field by field), at exactly the demand."""
+    a, b = spawn(), spawn()
+    write_state_file(state_path, {"gpus": [gpu("GPU-a", 0, [(a.pid, GIB, 30), (b.pid, GIB, 20)])]})
+    backend = make_backend(state_path)
+    time.sleep(0.2)  # sampling rounds that find both running
+    backend.poll()
+    time.sleep(0.1)
+    steady = backend.poll()
+    time.sleep(0.1)
+    again = backend.poll()
+    assert again.gpus[0] is steady.gpus[0]
+    assert utilisation(again) == {a.pid: 30.0, b.pid: 20.0}
+
+    a.send_signal(signal.SIGSTOP)
+    wait_for_run_state(a.pid, stopped=True)
+    time.sleep(0.1)
+    backend.poll()  # the poll whose window saw the change
+    time.sleep(0.1)
+    stopped = backend.poll()
+    assert stopped.gpus[0] is not steady.gpus[0]
+    assert utilisation(stopped) == {a.pid: 0.0, b.pid: 20.0}
+    assert stopped.gpus[0].processes[1] is steady.gpus[0].processes[1]  # b's figures held

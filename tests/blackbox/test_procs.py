@@ -166,6 +166,30 @@ def test_resolved_processes_are_held_by_pidfds_and_let_go_when_they_exit(spawn: 
     resolver.close()
 
 
+def test_a_steady_set_of_held_processes_is_answered_at_once_until_one_exits(
+    spawn: Spawn,
+) -> None:
+    """The poller asks about the same set of PIDs at every poll: once every one is held by a
+    pidfd, the answer comes without a look at any of them, and an exit is still seen."""
+    first = spawn(["sleep", "30"], {**PATH_ONLY, ENV_NAME: ALLOC})
+    second = spawn(["sleep", "30"], {**PATH_ONLY, ENV_NAME: OTHER})
+    resolver = AllocationResolver()
+    pids = {first.pid, second.pid}
+    for _ in range(4):
+        assert resolver.resolve(pids) == {first.pid: ALLOC, second.pid: OTHER}
+    generation = resolver.generation
+    answer = resolver.resolve(pids)
+    answer[first.pid] = "changed by the caller"  # the caller's copy, not the resolver's
+    assert resolver.resolve(pids) == {first.pid: ALLOC, second.pid: OTHER}
+    assert resolver.generation == generation
+
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(timeout=10)
+    assert resolver.resolve(pids) == {first.pid: None, second.pid: OTHER}
+    assert resolver.generation != generation
+    resolver.close()
+
+
 def test_without_pidfds_processes_are_still_told_apart_by_their_stat(
     spawn: Spawn, monkeypatch: pytest.MonkeyPatch
 ) -> None:

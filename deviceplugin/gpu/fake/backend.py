@@ -99,6 +99,11 @@ class FakeBackend:
         self._integrated_until = now
         self._current: dict[tuple[str, int], float] = {}
         self._integrated: dict[tuple[str, int], float] = {}
+        # Since when `_current` holds (a sampling round that finds the same utilisation keeps
+        # it), and per GPU UUID the last poll's (FakeGpu, utilisation dict, reading): a GPU
+        # whose state and utilisation are those of the last poll reads the same again.
+        self._current_since = now
+        self._last_read: dict[str, tuple[FakeGpu, dict[tuple[str, int], float], GpuReading]] = {}
         # Health transitions, counted where polls see them (the file may flip and flip back
         # between two polls unseen, as a real GPU's health can between two reads).
         self._healthy_before: dict[str, bool] = {}
@@ -149,10 +154,10 @@ class FakeBackend:
             now = self._clock()
             self._advance(now)
             window_s = now - self._window_start
-            if window_s > 0:
-                average = {key: total / window_s for key, total in self._integrated.items()}
+            if self._current_since <= self._window_start or window_s <= 0:
+                average = self._current  # the same all along: its average, exactly
             else:
-                average = dict(self._current)
+                average = {key: total / window_s for key, total in self._integrated.items()}
             self._integrated = {}
             self._window_start = now
             state = self._state
@@ -167,6 +172,18 @@ class FakeBackend:
             if gpu.mig_enabled and gpu.mig_block:
                 readings.extend(self._mig_readings(gpu))
                 continue
+            last = self._last_read.get(gpu.uuid)
+            transitions = self._unhealthy_transitions.get(gpu.uuid, 0)
+            if (
+                last is not None
+                and last[0] is gpu
+                and last[1] is average
+                and last[2].unhealthy_transitions == transitions
+            ):
+                readings.append(last[2])  # nothing about it changed since the last poll
+                for sample in last[2].processes:
+                    self._samples.keep((gpu.uuid, sample.pid), sample)
+                continue
             # One plain loop over the processes: hundreds of them on a full node, every poll.
             samples: list[ProcessSample] = []
             memory_used_bytes = 0
@@ -177,17 +194,17 @@ class FakeBackend:
                 samples.append(self._samples.sample(key, p.pid, p.used_memory_bytes, util))
                 memory_used_bytes += p.used_memory_bytes
                 sm_util_percent += util
-            readings.append(
-                GpuReading(
-                    info=gpu.info,
-                    healthy=gpu.healthy,
-                    health_reason=gpu.health_reason,
-                    memory_used_bytes=memory_used_bytes,
-                    sm_util_percent=min(100.0, sm_util_percent),
-                    processes=tuple(samples),
-                    unhealthy_transitions=self._unhealthy_transitions.get(gpu.uuid, 0),
-                )
+            reading = GpuReading(
+                info=gpu.info,
+                healthy=gpu.healthy,
+                health_reason=gpu.health_reason,
+                memory_used_bytes=memory_used_bytes,
+                sm_util_percent=min(100.0, sm_util_percent),
+                processes=tuple(samples),
+                unhealthy_transitions=transitions,
             )
+            self._last_read[gpu.uuid] = (gpu, average, reading)
+            readings.append(reading)
         self._samples.next_poll()
         return NodeReading(timestamp_s=now, gpus=tuple(readings))
 
@@ -315,6 +332,7 @@ class FakeBackend:
         # Processes that left the file stop accruing; new ones start at the next sampling round.
         keys = {(uuid, pid) for uuid, processes in self._plan for pid, _ in processes}
         self._current = {k: v for k, v in self._current.items() if k in keys}
+        self._current_since = self._clock()
 
     # -- utilisation ------------------------------------------------------------------------
 
@@ -357,7 +375,9 @@ class FakeBackend:
             if generation != self._generation:
                 return  # the state changed meanwhile; the next round samples the new one
             self._advance(now)
-            self._current = utils
+            if utils != self._current:
+                self._current = utils
+                self._current_since = now
 
     def _run_sampler(self) -> None:
         try:
