@@ -197,6 +197,35 @@ class UtilizationWindow:
             series.resum()
         return self.average(key, end_s)
 
+    def extend(
+        self, items: Iterable[tuple[Hashable, float]], end_s: float, duration_s: float
+    ) -> bool:
+        """`add(key, end_s, duration_s, value)` for every (key, value) of `items`, when each key
+        holds one sample of that value, ending where this one starts: then the averages stay
+        those values, and True. Otherwise nothing is added, and False."""
+        start_s = end_s - max(duration_s, 0.0)
+        steady: list[_Series] = []
+        for key, value in items:
+            series = self._series.get(key)
+            if series is None or not series.in_order or len(series.samples) != 1:
+                return False
+            _, last_end, last_value = series.samples[0]
+            if (
+                value != last_value
+                or end_s < last_end
+                or abs(start_s - last_end) > _MERGE_GAP_S
+                or series.updates + 1 >= _RESUM_EVERY
+            ):
+                return False
+            steady.append(series)
+        for series in steady:
+            first_start, last_end, value = series.samples[0]
+            series.samples[0] = (first_start, end_s, value)
+            series.weighted_sum += (end_s - last_end) * value
+            series.weight_total += end_s - last_end
+            series.updates += 1
+        return True
+
     def average(self, key: Hashable, now_s: float) -> float | None:
         """The time-weighted mean of the key's samples within [now_s - window_s, now_s]; None when
         there is none. Samples that cover no time there (duration 0) give 0.0."""
@@ -292,13 +321,21 @@ class _Accumulator:
     processes: list[ProcessSample] = dataclasses.field(default_factory=list)
 
 
+# ContainerUsage's fields before `sm_utilization_ratio`, and after it up to `container`.
+_Head = tuple[str, str, int, int, int, int]
+_Tail = tuple[float, tuple[ProcessSample, ...], str, str, str]
+_Charged = tuple[tuple[str, str], float, _Head, _Tail]
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Charges:
     """Phase one of a build: the accumulators per (allocation ID, GPU UUID), and per GPU UUID the
     processes charged to no allocation, the refused claims, the pods' unattributed processes and
     the slice counts; the accepted allocation IDs this daemon does not know."""
 
-    accumulators: Mapping[tuple[str, str], _Accumulator]
+    # Per (allocation ID, GPU UUID), in charge order: its utilisation ratio this poll, and the
+    # ContainerUsage fields before and after `sm_utilization_ratio` (up to `container`).
+    containers: tuple[_Charged, ...]
     unattributed: Mapping[str, tuple[ProcessSample, ...]]
     misattributed: Mapping[str, tuple[ProcessSample, ...]]
     unattributed_pods: Mapping[str, tuple[tuple[int, str], ...]]
@@ -320,6 +357,11 @@ class _Memo:
     charges: _Charges
 
 
+# A container's ContainerUsage, with the fields it was made of: before the utilisation ratio,
+# after it, and the ratio.
+_Built = tuple[_Head, _Tail, float, ContainerUsage]
+
+
 class SnapshotBuilder:
     """Builds the NodeSnapshot after every poll. Holds only the utilisation windows between
     builds, keyed by (allocation ID, GPU UUID) for containers and by GPU UUID for GPUs."""
@@ -330,7 +372,11 @@ class SnapshotBuilder:
         # The previous build's ContainerUsage per (allocation ID, GPU UUID), with the values it
         # was made of: one whose values did not change is handed out again rather than rebuilt
         # (most containers, most polls), which also lets the enforcer see it is unchanged.
-        self._containers: dict[tuple[str, str], tuple[tuple[object, ...], ContainerUsage]] = {}
+        self._containers: dict[tuple[str, str], _Built] = {}
+        self._sorted: tuple[ContainerUsage, ...] = ()
+        # The last build's charges, and each container's figure, when every container's
+        # average was its figure: the same charges again need only the windows extended.
+        self._steady: tuple[_Charges, tuple[tuple[Hashable, float], ...]] | None = None
         self._memo: _Memo | None = None
 
     def build(
@@ -361,41 +407,21 @@ class SnapshotBuilder:
         charges = self._charges(
             gpus, inventory, allocations, pid_allocation, wall_s=wall_s, evidence=evidence
         )
-        accumulators = charges.accumulators
 
         window = self._window
         live_keys: set[Hashable] = set(gpu_by_uuid)
-        containers: list[ContainerUsage] = []
-        previous = self._containers
-        built: dict[tuple[str, str], tuple[tuple[object, ...], ContainerUsage]] = {}
-        for key, acc in accumulators.items():
-            live_keys.add(key)
-            average = window.add(key, now_s, duration_s, _ratio(acc.sm_util_percent))
-            record = acc.record
-            # ContainerUsage's fields in order, up to `container`.
-            values = (
-                key[0],
-                key[1],
-                gpu_by_uuid[key[1]].info.index,
-                acc.slices,
-                acc.memory_used_bytes,
-                acc.memory_limit_bytes,
-                average or 0.0,
-                acc.compute_share_ratio,
-                tuple(acc.processes),
-                record.namespace,
-                record.pod,
-                record.container,
-            )
-            kept = previous.get(key)
-            unchanged = kept is not None and kept[0] == values
-            usage = kept[1] if kept is not None and unchanged else ContainerUsage(*values)
-            built[key] = (values, usage)
-            containers.append(usage)
-        self._containers = built
-        containers.sort(
-            key=lambda c: (c.gpu_index, c.namespace, c.pod, c.container, c.allocation_id)
-        )
+        steady = self._steady
+        if (
+            steady is not None
+            and steady[0] is charges
+            and window.extend(steady[1], now_s, duration_s)
+        ):
+            # The charges of the last build, which left every container's average at its
+            # figure: extended by this poll, each stays there, and so does every usage.
+            live_keys.update(self._containers)
+        else:
+            self._build_containers(charges, now_s, duration_s)
+            live_keys.update(self._containers)
 
         gpu_usages: list[GpuUsage] = []
         for gpu in gpus:
@@ -422,12 +448,46 @@ class SnapshotBuilder:
             taken_at_s=wall_s,
             node_name=self.node_name,
             gpus=tuple(gpu_usages),
-            containers=tuple(containers),
+            containers=self._sorted,
             allocations=tuple(allocations),
             stale=False,
             health=health,
         )
         return snapshot, charges.unknown
+
+    def _build_containers(self, charges: _Charges, now_s: float, duration_s: float) -> None:
+        """Every container's usage from `charges`, the one of the last build where its values
+        are the same (which lets the enforcer see that it is unchanged), sorted by GPU index,
+        namespace, pod, container and allocation ID."""
+        window = self._window
+        containers: list[ContainerUsage] = []
+        previous = self._containers
+        built: dict[tuple[str, str], _Built] = {}
+        changed = len(previous) != len(charges.containers)
+        at_figures = True
+        for key, ratio, head, tail in charges.containers:
+            average = window.add(key, now_s, duration_s, ratio) or 0.0
+            at_figures = at_figures and average == ratio
+            kept = previous.get(key)
+            if kept is not None and kept[2] == average and kept[0] == head and kept[1] == tail:
+                usage = kept[3]
+            else:
+                usage = ContainerUsage(*head, average, *tail)
+                changed = True
+            built[key] = (head, tail, average, usage)
+            containers.append(usage)
+        self._containers = built
+        if changed or not self._sorted:
+            containers.sort(
+                key=lambda c: (c.gpu_index, c.namespace, c.pod, c.container, c.allocation_id)
+            )
+            self._sorted = tuple(containers)
+        # (else every container is the one of the last build: so is their order)
+        self._steady = (
+            (charges, tuple((key, ratio) for key, ratio, _, _ in charges.containers))
+            if at_figures
+            else None
+        )
 
     def _charges(
         self,
@@ -445,7 +505,7 @@ class SnapshotBuilder:
         confirmed = tuple(_confirmed(r, wall_s) for r in allocations)
         checked = evidence if evidence is not None and evidence.checkpoint.readable else None
         key: tuple[object, ...] | None = (
-            tuple((g.info.uuid, g.processes) for g in gpus),
+            tuple((g.info.uuid, g.info.index, g.processes) for g in gpus),
             tuple(allocations),
             confirmed,
             dict(pid_allocation),
@@ -598,7 +658,28 @@ def _charge(
             if len(acc.processes) > 1:
                 acc.processes.sort(key=lambda p: order.get(p.pid, 0))
     return _Charges(
-        accumulators,
+        tuple(
+            (
+                key,
+                _ratio(acc.sm_util_percent),
+                (
+                    key[0],
+                    key[1],
+                    gpu_by_uuid[key[1]].info.index,
+                    acc.slices,
+                    acc.memory_used_bytes,
+                    acc.memory_limit_bytes,
+                ),
+                (
+                    acc.compute_share_ratio,
+                    tuple(acc.processes),
+                    acc.record.namespace,
+                    acc.record.pod,
+                    acc.record.container,
+                ),
+            )
+            for key, acc in accumulators.items()
+        ),
         {uuid: tuple(ps) for uuid, ps in unattributed.items()},
         {uuid: tuple(ps) for uuid, ps in misattributed.items()},
         {uuid: tuple(ps) for uuid, ps in unattributed_pods.items()},

@@ -124,6 +124,33 @@ def test_window_keeps_one_sample_for_a_steady_value() -> None:
     assert len(window._series["k"].samples) == 1
 
 
+def test_window_extend_adds_only_to_keys_that_hold_still() -> None:
+    def window_of(*samples: tuple[str, float, float, float]) -> UtilizationWindow:
+        window = UtilizationWindow(5.0)
+        for key, end_s, duration_s, value in samples:
+            window.add(key, end_s, duration_s, value)
+        return window
+
+    steady = window_of(("a", 1.0, 1.0, 0.5), ("a", 2.0, 1.0, 0.5), ("b", 2.0, 2.0, 0.25))
+    assert steady.extend([("a", 0.5), ("b", 0.25)], 3.0, 1.0)
+    added = window_of(("a", 1.0, 1.0, 0.5), ("a", 2.0, 1.0, 0.5), ("b", 2.0, 2.0, 0.25))
+    added.add("a", 3.0, 1.0, 0.5)
+    added.add("b", 3.0, 1.0, 0.25)
+    for key in ("a", "b"):
+        assert steady._series[key].samples == added._series[key].samples  # (private detail)
+        assert steady.average(key, 3.0) == added.average(key, 3.0)
+
+    for refused in (
+        window_of(("a", 2.0, 1.0, 0.5), ("a", 2.0, 0.0, 0.9)),  # two samples
+        window_of(("a", 2.0, 1.0, 0.9)),  # another value
+        window_of(("a", 1.0, 1.0, 0.5)),  # a gap before this one
+    ):
+        before = list(refused._series["a"].samples)
+        assert not refused.extend([("a", 0.5)], 3.0, 1.0)
+        assert list(refused._series["a"].samples) == before
+    assert not UtilizationWindow(5.0).extend([("nobody", 0.5)], 3.0, 1.0)
+
+
 def test_window_samples_out_of_order_give_the_same_average() -> None:
     ordered = UtilizationWindow(4.0)
     shuffled = UtilizationWindow(4.0)
@@ -799,3 +826,53 @@ def test_a_builder_attributes_as_a_new_one_whatever_it_built_before(
         (seasoned, seasoned_unknown), (new, new_unknown) = results
         assert _without_utilisation(seasoned) == _without_utilisation(new)
         assert seasoned_unknown == new_unknown
+
+
+@settings(max_examples=150)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.integers(0, 3),  # which process's utilisation changes (3: none)
+            st.sampled_from([0.0, 25.0, 60.0]),
+            st.floats(0.3, 0.7),  # seconds since the poll before
+        ),
+        min_size=1,
+        max_size=30,
+    )
+)
+def test_steady_builds_give_the_figures_of_full_builds(
+    steps: list[tuple[int, float, float]],
+) -> None:
+    """A build whose charges are the last build's, with every average at its figure, only
+    extends the windows: its snapshot must be the one a full build gives."""
+    steady, full = SnapshotBuilder("n", 2.0), SnapshotBuilder("n", 2.0)
+    utils = [10.0, 10.0, 30.0]
+    claims = {101: a_id, 102: a_id, 201: b_id}
+    now_s, previous_s = 100.0, None
+    node = None
+    for which, util, step_s in steps:
+        if which < len(utils) or node is None:
+            if which < len(utils):
+                utils[which] = util
+            node = reading(
+                gpu0=[ProcessSample(101, GI, utils[0]), ProcessSample(102, GI, utils[1])],
+                gpu1=[ProcessSample(201, GI, utils[2])],
+                sm0=50.0,
+            )
+        now_s += step_s
+        full._steady = None  # (a private detail: the reference builds every container in full)
+        results = [
+            b.build(
+                node,
+                INVENTORY,
+                [A, B, C],
+                claims,
+                now_s=now_s,
+                wall_s=_WALL_S,
+                health=HEALTH,
+                previous_reading_s=previous_s,
+            )
+            for b in (steady, full)
+        ]
+        assert results[0] == results[1]
+        previous_s = now_s
