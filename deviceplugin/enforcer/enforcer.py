@@ -282,6 +282,7 @@ class Enforcer:
         # containers made from them.
         self._annotated: tuple[tuple[object, ...], tuple[ContainerUsage, ...]] | None = None
         self._names_from: tuple[ContainerUsage, ...] = ()
+        self._forgot_for: tuple[object, ...] = ()
         atexit.register(self.close)
         log.info(
             "enforcer started memory_action=%s grace_period_s=%s compute_action=%s "
@@ -662,6 +663,12 @@ class Enforcer:
 
     def _forget_gone(self, snapshot: NodeSnapshot) -> None:
         """Drop what is kept about containers whose allocation is gone."""
+        # Counts and names are only ever added for the snapshot's containers: with the same
+        # allocations and containers as last time, nothing new can be gone.
+        seen = (snapshot.allocations, snapshot.containers)
+        if seen == self._forgot_for:
+            return
+        self._forgot_for = seen
         live = {a.allocation_id for a in snapshot.allocations}
         live |= {c.allocation_id for c in snapshot.containers}
         for index in [i for i in self._counts if i[0] not in live]:

@@ -269,6 +269,9 @@ class EnforcementPolicy:
         # Moves whenever a container's duty or entitlement may have changed: while it stands
         # still, what the enforcer derived from them last time still holds.
         self.revision = 0
+        # The last snapshot's inputs when every GPU with containers was settled after it: the
+        # same inputs again decide nothing and change nothing, without a look at each GPU.
+        self._all_settled: tuple[object, ...] | None = None
 
     # -- queries, for tests and the enforcer ------------------------------------------------
 
@@ -294,6 +297,7 @@ class EnforcementPolicy:
             state.duty = 1.0
             state.demand_ratio = None
         self._settled.pop(key[1], None)
+        self._all_settled = None
         self.revision += 1
 
     # -- the policy ---------------------------------------------------------------------------
@@ -308,6 +312,14 @@ class EnforcementPolicy:
             self.revision += 1
             return self._stale(snapshot, now_s, now_wall_s)
         self._stale_since_s = None
+        node_inputs = (
+            snapshot.containers,
+            tuple((g.info.uuid, g.reading.healthy, g.info.is_mig_device) for g in snapshot.gpus),
+            tuple(g.unattributed for g in snapshot.gpus),
+        )
+        if node_inputs == self._all_settled:
+            return []  # every GPU would be skipped, and nothing is gone
+        self._all_settled = None
         decisions: list[Decision] = []
 
         excluded = self._excluded_pids(snapshot)
@@ -374,6 +386,8 @@ class EnforcementPolicy:
         for table in (self._last_inputs, self._settled):
             for uuid in [u for u in table if u not in by_gpu]:
                 del table[uuid]
+        if len(self._settled) == len(by_gpu):  # (each one skipped, or settled by this tick)
+            self._all_settled = node_inputs
         return decisions
 
     def _fixed_point(
@@ -431,6 +445,7 @@ class EnforcementPolicy:
         if age_s < self.tuning.stale_release_s:
             return []
         self._settled.clear()
+        self._all_settled = None
         decisions: list[Decision] = []
         for key, state in self._compute.items():
             if state.throttled:

@@ -758,7 +758,9 @@ def test_repeated_inputs_decide_as_a_policy_that_ticks_every_time(
         )
         for _ in range(repeats):
             now_s = tick * POLL_S
-            reference._settled.clear()  # (a private detail: the reference never skips)
+            # (Private details: the reference never skips a GPU, nor the whole node.)
+            reference._settled.clear()
+            reference._all_settled = None
             assert skipping.decide(snap, now_s) == reference.decide(snap, now_s)
             for key in (("a", GPU), ("b", GPU), ("c", GPU)):
                 assert skipping.duty(key) == reference.duty(key)
