@@ -29,7 +29,13 @@ from deviceplugin.gpu.backend import GpuBackend, no_wake
 from deviceplugin.incremental import InventoryCache
 from deviceplugin.kubelet.checkpoint import CheckpointReader
 from deviceplugin.kubelet.limits import DeviceListTooLargeError, device_list_problem
-from deviceplugin.model import AllocationRecord, DaemonHealth, Inventory, NodeSnapshot
+from deviceplugin.model import (
+    AllocationRecord,
+    ContainerUsage,
+    DaemonHealth,
+    Inventory,
+    NodeSnapshot,
+)
 from deviceplugin.slicing import format_bytes, keep_held, plan_gpus
 from deviceplugin.state import AllocationBook, Published
 from deviceplugin.usage.attribution import AttributionEvidence, SnapshotBuilder, mark_stale
@@ -192,6 +198,10 @@ class Poller:
         self._book = book
         self._health = health
         self._resolver = resolver or AllocationResolver()
+        # Whether a container of the last snapshot checked has no name yet, and that snapshot's
+        # containers.
+        self._unnamed = False
+        self._unnamed_checked: tuple[ContainerUsage, ...] = ()
         self._builder_node = node_name
         self._builder = SnapshotBuilder(node_name, config.enforcement.compute.window_s)
         # The inventory is rebuilt only when a GPU's facts or health, or the slicing, change.
@@ -358,7 +368,11 @@ class Poller:
         self._on_poll_duration(tick.duration_s)
         # Ask pod-resources again when processes carry an allocation this daemon does not know
         # (made before it started) or a container has no name yet (allocated since the last ask).
-        if tick.unknown_allocations or any(not c.pod for c in tick.snapshot.containers):
+        containers = tick.snapshot.containers
+        if containers is not self._unnamed_checked:  # (the same tuple while nothing changed)
+            self._unnamed = any(not c.pod for c in containers)
+            self._unnamed_checked = containers
+        if tick.unknown_allocations or self._unnamed:
             self.names_wanted.set()
 
     async def run(self, stop: asyncio.Event) -> None:
