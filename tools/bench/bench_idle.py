@@ -1,6 +1,7 @@
 """The daemon's CPU use when nothing happens, and while it tracks a full node.
 
-    .venv/bin/python tools/bench/bench_idle.py [--seconds 30] [--scenario idle|tracking|floor|all]
+    .venv/bin/python tools/bench/bench_idle.py [--seconds 30]
+        [--scenario idle|tracking|busy|floor|all]
 
 Runs `vgpu-device-plugin serve` as its own process on the fake backend, the kubelet simulator in
 this process, and measures the daemon process's CPU time (all its threads: event loop, poll
@@ -13,8 +14,14 @@ and steady:
   processes (512 processes, 64 per GPU) that carry their container's Allocate env, at the default
   poll interval (500 ms), nothing scraped. The processes run outside pod cgroups, so the daemon
   runs with `--trust-host-processes` (as the demo does) for their claims to stand. Every poll
-  reads the 8 GPUs, attributes the 512 processes and builds the snapshot; the enforcer checks
-  every container.
+  reads the 8 GPUs, checks the 512 processes' claims and builds the snapshot for the enforcer.
+  Measured once the node has been steady for SETTLE_S (30 s): the policy's smoothed figures
+  have settled, and a poll whose figures are those of the poll before is not worked through
+  again (most polls on a node whose processes hold their memory and their share of time).
+- `busy`: `tracking`, but every CHURN_S (0.25 s) another process on each GPU is stopped and
+  the one stopped before resumed: the fake GPU shares its time among the others, so every
+  process's and every container's figures change at every poll, and every poll is worked
+  through in full.
 - `floor`: not vgpu, a Python program that only wakes its event loop every 500 ms and awaits a
   no-op handed to a worker thread: what Python and the kernel charge for the poll loop's shape
   alone, on this machine, which `idle` cannot go below.
@@ -40,7 +47,9 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before grpc is imported
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import signal
@@ -48,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import psutil
@@ -60,6 +70,10 @@ MiB = 1024**2
 TRACKED_GPUS = 8
 TRACKED_SLICES = 32
 PROCESSES_PER_CONTAINER = 2
+# `tracking` measures once the policy's smoothed figures have settled on the steady load.
+SETTLE_S = 30.0
+# `busy`: how often a different process per GPU is stopped.
+CHURN_S = 0.25
 
 
 def fake_gpu(i: int) -> FakeGpu:
@@ -192,7 +206,7 @@ async def run(scenario: str, seconds: float) -> dict[str, float]:
     if scenario == "floor":
         return await run_floor(seconds)
     root = Path(tempfile.mkdtemp(prefix="vgi", dir="/tmp"))
-    tracking = scenario == "tracking"
+    tracking = scenario in {"tracking", "busy"}
     gpus = [fake_gpu(i) for i in range(TRACKED_GPUS if tracking else 1)]
     state = root / "gpus.json"
     write_state_file(state, FakeState(gpus=tuple(gpus)))
@@ -233,8 +247,19 @@ async def run(scenario: str, seconds: float) -> dict[str, float]:
                     )
                 ),
             )
-        await asyncio.sleep(5)  # steady: attribution caches, pod-resources names
-        results = await measure(daemon.pid, seconds)
+        churn: asyncio.Task[None] | None = None
+        if scenario == "busy":
+            churn = asyncio.create_task(rotate_stops(per_gpu))
+        # Steady: attribution caches and pod-resources names; for `tracking`, the policy's
+        # smoothed figures too (its averages take about 20 s to settle on new figures).
+        await asyncio.sleep(SETTLE_S if scenario == "tracking" else 5)
+        try:
+            results = await measure(daemon.pid, seconds)
+        finally:
+            if churn is not None:
+                churn.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await churn
         if daemon.returncode is not None:
             raise RuntimeError(f"the daemon exited with {daemon.returncode}")
         return results
@@ -246,9 +271,28 @@ async def run(scenario: str, seconds: float) -> dict[str, float]:
             daemon.kill()
             await daemon.wait()
         for proc in work:
+            proc.send_signal(signal.SIGCONT)  # a stopped process dies only once resumed
             proc.kill()
             proc.wait()
         await sim.stop()
+
+
+async def rotate_stops(per_gpu: Mapping[str, Sequence[FakeProcess]]) -> None:
+    """Every CHURN_S, on every GPU, resume the process stopped last and stop the next one: the
+    fake GPU then shares its time among other processes, so every process's utilisation (and
+    every container's) changes at every poll. Resumes what it stopped when cancelled."""
+    stopped: list[int] = []
+    try:
+        for turn in itertools.count():
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+            stopped = [ps[turn % len(ps)].pid for ps in per_gpu.values() if ps]
+            for pid in stopped:
+                os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(CHURN_S)
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
 
 
 async def restart_to_registered_ms(repeats: int) -> float:
@@ -292,10 +336,12 @@ async def restart_to_registered_ms(repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=30.0)
-    parser.add_argument("--scenario", choices=["idle", "tracking", "floor", "all"], default="all")
+    parser.add_argument(
+        "--scenario", choices=["idle", "tracking", "busy", "floor", "all"], default="all"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
-    scenarios = ["idle", "tracking", "floor"] if args.scenario == "all" else [args.scenario]
+    scenarios = ["idle", "tracking", "busy", "floor"] if args.scenario == "all" else [args.scenario]
     results: dict[str, float] = {}
     for scenario in scenarios:
         measured = asyncio.run(run(scenario, args.seconds))
