@@ -329,9 +329,9 @@ _Charged = tuple[tuple[str, str], float, _Head, _Tail]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Charges:
-    """Phase one of a build: the accumulators per (allocation ID, GPU UUID), and per GPU UUID the
-    processes charged to no allocation, the refused claims, the pods' unattributed processes and
-    the slice counts; the accepted allocation IDs this daemon does not know."""
+    """Phase one of a build: what is charged to each (allocation ID, GPU UUID), and per GPU UUID
+    the processes charged to no allocation, the refused claims, the pods' unattributed processes
+    and the slice counts; the accepted allocation IDs this daemon does not know."""
 
     # Per (allocation ID, GPU UUID), in charge order: its utilisation ratio this poll, and the
     # ContainerUsage fields before and after `sm_utilization_ratio` (up to `container`).
