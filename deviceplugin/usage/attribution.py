@@ -98,6 +98,33 @@ class _Series:
         self.weight_total = math.fsum(end - start for start, end, _ in self.samples)
         self.updates = 0
 
+    def follows(self, start_s: float, end_s: float, value: float) -> bool:
+        """Whether a sample (start_s, end_s, value) carries on the last one: in order, the same
+        value, starting where it ended. `stretch` then makes the two one sample, which gives the
+        same averages over any window; a steady key keeps a single sample."""
+        last_start, last_end, last_value = self.samples[-1]
+        return (
+            self.in_order
+            and value == last_value
+            and start_s >= last_start
+            and end_s >= last_end
+            and abs(start_s - last_end) <= _MERGE_GAP_S
+        )
+
+    def stretch(self, end_s: float) -> None:
+        """Make the last sample end at `end_s` (see `follows`)."""
+        start_s, last_end, value = self.samples[-1]
+        self.samples[-1] = (start_s, end_s, value)
+        self.weighted_sum += (end_s - last_end) * value
+        self.weight_total += end_s - last_end
+
+
+def _single_average(sample: tuple[float, float, float], window_start_s: float) -> float:
+    """The average of a key holding only `sample`: its value, exactly (running sums of its
+    pieces round), so that an unchanged container reads the same from one poll to the next."""
+    start_s, end_s, value = sample
+    return value if end_s - max(start_s, window_start_s) > _MIN_WEIGHT_S else 0.0
+
 
 def _clipped_average(
     samples: Iterable[tuple[float, float, float]], window_start_s: float, now_s: float
@@ -144,39 +171,15 @@ class UtilizationWindow:
             series = self._series[key] = _Series()
         samples = series.samples
         start_s = end_s - max(duration_s, 0.0)
-        if series.in_order and len(samples) == 1:
-            # The usual case, made short: a steady key (one sample) gets the same value again.
-            first_start, last_end, last_value = samples[0]
-            if (
-                value == last_value
-                and end_s >= last_end
-                and abs(start_s - last_end) <= _MERGE_GAP_S
-                and series.updates + 1 < _RESUM_EVERY
-            ):
-                samples[0] = (first_start, end_s, value)
-                series.weighted_sum += (end_s - last_end) * value
-                series.weight_total += end_s - last_end
+        if samples and series.follows(start_s, end_s, value):
+            series.stretch(end_s)
+            if len(samples) == 1 and series.updates + 1 < _RESUM_EVERY:
+                # The usual case, made short: a steady key gets the same value again.
                 series.updates += 1
-                return (
-                    value
-                    if end_s - max(first_start, end_s - self.window_s) > _MIN_WEIGHT_S
-                    else 0.0
-                )
-        merged = False
-        if samples:
-            last_start, last_end, last_value = samples[-1]
-            if start_s < last_start or end_s < last_end:
+                return _single_average(samples[0], end_s - self.window_s)
+        else:
+            if samples and (start_s < samples[-1][0] or end_s < samples[-1][1]):
                 series.in_order = False
-            elif (
-                value == last_value and abs(start_s - last_end) <= _MERGE_GAP_S and series.in_order
-            ):
-                # The same value again, right after the last sample: one longer sample gives
-                # the same averages over any window. A steady container keeps a single sample.
-                samples[-1] = (last_start, end_s, value)
-                series.weighted_sum += (end_s - last_end) * value
-                series.weight_total += end_s - last_end
-                merged = True
-        if not merged:
             samples.append((start_s, end_s, value))
             series.weighted_sum += (end_s - start_s) * value
             series.weight_total += end_s - start_s
@@ -207,22 +210,16 @@ class UtilizationWindow:
         steady: list[_Series] = []
         for key, value in items:
             series = self._series.get(key)
-            if series is None or not series.in_order or len(series.samples) != 1:
-                return False
-            _, last_end, last_value = series.samples[0]
             if (
-                value != last_value
-                or end_s < last_end
-                or abs(start_s - last_end) > _MERGE_GAP_S
+                series is None
+                or len(series.samples) != 1
                 or series.updates + 1 >= _RESUM_EVERY
+                or not series.follows(start_s, end_s, value)
             ):
                 return False
             steady.append(series)
         for series in steady:
-            first_start, last_end, value = series.samples[0]
-            series.samples[0] = (first_start, end_s, value)
-            series.weighted_sum += (end_s - last_end) * value
-            series.weight_total += end_s - last_end
+            series.stretch(end_s)
             series.updates += 1
         return True
 
@@ -239,10 +236,7 @@ class UtilizationWindow:
         if samples[-1][1] <= window_start_s:
             return None
         if len(samples) == 1:
-            # A steady value: itself, exactly (running sums of its pieces round), so that an
-            # unchanged container reads the same from one poll to the next.
-            start, end, value = samples[0]
-            return value if end - max(start, window_start_s) > _MIN_WEIGHT_S else 0.0
+            return _single_average(samples[0], window_start_s)
         # Every sample ends by now_s; only a prefix reaches back before the window: take its
         # full weight out of the running sums and put back the part inside the window.
         weighted_sum = series.weighted_sum
@@ -319,6 +313,11 @@ class _Accumulator:
     memory_used_bytes: int = 0
     sm_util_percent: float = 0.0
     processes: list[ProcessSample] = dataclasses.field(default_factory=list)
+
+    def add(self, process: ProcessSample) -> None:
+        self.processes.append(process)
+        self.memory_used_bytes += process.used_memory_bytes or 0
+        self.sm_util_percent += process.sm_util_percent or 0.0
 
 
 # ContainerUsage's fields before `sm_utilization_ratio`, and after it up to `container`.
@@ -410,18 +409,16 @@ class SnapshotBuilder:
 
         window = self._window
         live_keys: set[Hashable] = set(gpu_by_uuid)
+        # On the charges of the last build, which left every container's average at its figure,
+        # extending the windows is all: each average stays there, and so does every usage.
         steady = self._steady
         if (
-            steady is not None
-            and steady[0] is charges
-            and window.extend(steady[1], now_s, duration_s)
+            steady is None
+            or steady[0] is not charges
+            or not window.extend(steady[1], now_s, duration_s)
         ):
-            # The charges of the last build, which left every container's average at its
-            # figure: extended by this poll, each stays there, and so does every usage.
-            live_keys.update(self._containers)
-        else:
             self._build_containers(charges, now_s, duration_s)
-            live_keys.update(self._containers)
+        live_keys.update(self._containers)
 
         gpu_usages: list[GpuUsage] = []
         for gpu in gpus:
@@ -502,34 +499,33 @@ class SnapshotBuilder:
         """Who each GPU process is charged to, and the slice counts: the same inputs give the
         same answer, so the last one is handed out again while they stay the same (a node whose
         processes and figures hold still, most polls)."""
-        confirmed = tuple(_confirmed(r, wall_s) for r in allocations)
         checked = evidence if evidence is not None and evidence.checkpoint.readable else None
-        key: tuple[object, ...] | None = (
+        if checked is not None and checked.version is None:
+            # The evidence cannot say whether its answers changed: never reused.
+            self._memo = None
+            return _charge(
+                gpus, inventory, allocations, pid_allocation, wall_s=wall_s, checked=checked
+            )
+        checkpoint = None if checked is None else checked.checkpoint
+        key = (
             tuple((g.info.uuid, g.info.index, g.processes) for g in gpus),
             tuple(allocations),
-            confirmed,
+            tuple(_confirmed(r, wall_s) for r in allocations),
             dict(pid_allocation),
             None if checked is None else (checked.trust_host_processes, checked.version),
         )
-        if checked is not None and checked.version is None:
-            key = None  # the evidence cannot say whether its answers changed: never reused
         memo = self._memo
         if (
-            key is not None
-            and memo is not None
+            memo is not None
             and memo.inventory is inventory
-            and memo.checkpoint is (None if checked is None else checked.checkpoint)
+            and memo.checkpoint is checkpoint
             and memo.key == key
         ):
             return memo.charges
         charges = _charge(
             gpus, inventory, allocations, pid_allocation, wall_s=wall_s, checked=checked
         )
-        self._memo = (
-            None
-            if key is None
-            else _Memo(key, inventory, None if checked is None else checked.checkpoint, charges)
-        )
+        self._memo = _Memo(key, inventory, checkpoint, charges)
         return charges
 
 
@@ -609,9 +605,7 @@ def _charge(
         acc = accumulators.get(key)
         if acc is None:
             acc = accumulators[key] = _Accumulator(owner)
-        acc.processes.append(process)
-        acc.memory_used_bytes += process.used_memory_bytes or 0
-        acc.sm_util_percent += process.sm_util_percent or 0.0
+        acc.add(process)
 
     # Without a readable checkpoint every claim stands: `attribute` is not asked.
     claim_of = pid_allocation.get
@@ -632,15 +626,7 @@ def _charge(
                         continue
                     if cgroup is not None:
                         cgroup_allocations.setdefault(cgroup, set()).add(found)
-            # `charge`, inline for the usual case (hundreds of processes every poll): an
-            # allocation holding slices on this GPU.
-            acc = accumulators.get((found, uuid)) if found is not None else None
-            if acc is None:
-                charge(uuid, process, found)
-                continue
-            acc.processes.append(process)
-            acc.memory_used_bytes += process.used_memory_bytes or 0
-            acc.sm_util_percent += process.sm_util_percent or 0.0
+            charge(uuid, process, found)
     for uuid, process, pod_uid, cgroup in pending:
         sharing = cgroup_allocations.get(cgroup, set()) if cgroup is not None else set()
         if len(sharing) == 1:
