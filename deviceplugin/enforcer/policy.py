@@ -262,10 +262,10 @@ class EnforcementPolicy:
         self._compute: dict[ContainerKey, _ComputeState] = {}
         self._unattributed_util: dict[str, float] = {}
         self._stale_since_s: float | None = None
-        # Per GPU: the inputs of its last tick, and the inputs of a tick that changed nothing
-        # and depended on no clock (see `_fixed_point`): the same inputs again need no tick.
+        # Per GPU: the inputs of its last tick; and the GPUs whose last tick changed nothing and
+        # depended on no clock (see `_fixed_point`): the same inputs again need no tick.
         self._last_inputs: dict[str, tuple[object, ...]] = {}
-        self._settled: dict[str, tuple[object, ...]] = {}
+        self._settled: set[str] = set()
         # Moves whenever a container's duty or entitlement may have changed: while it stands
         # still, what the enforcer derived from them last time still holds.
         self.revision = 0
@@ -296,7 +296,7 @@ class EnforcementPolicy:
         if state is not None:
             state.duty = 1.0
             state.demand_ratio = None
-        self._settled.pop(key[1], None)
+        self._settled.discard(key[1])
         self._all_settled = None
         self.revision += 1
 
@@ -338,18 +338,18 @@ class EnforcementPolicy:
 
         for gpu_uuid, containers in by_gpu.items():
             if gpu_uuid not in healthy_gpus:
-                self._settled.pop(gpu_uuid, None)
+                self._settled.discard(gpu_uuid)
                 self.revision += 1
                 decisions.extend(self._release_gpu(containers, "GPU unhealthy or not reported"))
                 continue
             inputs = (tuple(containers), unattributed.get(gpu_uuid, ()), excluded_inputs)
-            if self._settled.get(gpu_uuid) == inputs:
+            repeated = self._last_inputs.get(gpu_uuid) == inputs
+            if repeated and gpu_uuid in self._settled:
                 continue  # a tick on these inputs changed nothing, and would change nothing now
             self.revision += 1
-            repeated = self._last_inputs.get(gpu_uuid) == inputs
             before = self._fixed_point(gpu_uuid, containers) if repeated else None
             self._last_inputs[gpu_uuid] = inputs
-            self._settled.pop(gpu_uuid, None)
+            self._settled.discard(gpu_uuid)
             gpu_decisions: list[Decision] = []
             own: dict[ContainerKey, tuple[ProcessSample, ...]] = {}
             for c in containers:
@@ -371,7 +371,7 @@ class EnforcementPolicy:
                 and not gpu_decisions
                 and before == self._fixed_point(gpu_uuid, containers)
             ):
-                self._settled[gpu_uuid] = inputs
+                self._settled.add(gpu_uuid)
 
         for key in [k for k in self._compute if k not in seen]:
             self.revision += 1
@@ -383,9 +383,9 @@ class EnforcementPolicy:
         gpus = {g.info.uuid for g in snapshot.gpus}
         for uuid in [u for u in self._unattributed_util if u not in gpus]:
             del self._unattributed_util[uuid]
-        for table in (self._last_inputs, self._settled):
-            for uuid in [u for u in table if u not in by_gpu]:
-                del table[uuid]
+        for uuid in [u for u in self._last_inputs if u not in by_gpu]:
+            del self._last_inputs[uuid]
+        self._settled.intersection_update(by_gpu)
         if len(self._settled) == len(by_gpu):  # (each one skipped, or settled by this tick)
             self._all_settled = node_inputs
         return decisions
