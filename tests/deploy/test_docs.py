@@ -114,9 +114,32 @@ def test_readme_names_files_that_exist() -> None:
 
 def test_top_level_readme_points_to_the_operator_guide() -> None:
     text = (ROOT / "README.md").read_text()
-    deploying = section(text, "Deploying")
-    assert "daemonset/README.md" in deploying
-    assert "kubectl apply -k daemonset/" in deploying
+    install = section(text, "Install")
+    assert "daemonset/README.md" in install
+    assert "kubectl apply -k daemonset/" in install
+    # The image exists before anything that pulls it is applied.
+    assert install.index("podman push") < install.index("kubectl apply -k daemonset/")
+    assert install.index("pod-security.kubernetes.io/enforce=privileged") < install.index(
+        "helm install"
+    )
+
+
+def test_the_readme_is_a_front_door() -> None:
+    """The README stays short: what vgpu is, how it compares, install, migrate, where to read on."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 300
+    for heading in ("Install", "Migrate from NVIDIA's device plugin", "Operate"):
+        assert section(text, heading)
+    assert "Not yet run on a real GPU" in text[:3000]
+
+
+def test_links_between_the_pages_resolve() -> None:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target:
+                continue
+            assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links to {target}"
 
 
 def test_the_overlay_example_builds(tmp_path: Path) -> None:
