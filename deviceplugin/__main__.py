@@ -32,6 +32,8 @@ log = logging.getLogger("deviceplugin")
 EXIT_OK = 0
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
+# 128 + SIGPIPE, what a shell reports for a command that SIGPIPE ended.
+EXIT_BROKEN_PIPE = 141
 
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -212,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(--metrics-client-ca); needs --client-key",
     )
     status.add_argument("--client-key", default="", help="the PEM key of --client-cert")
+    for command in sub.choices.values():
+        command.set_defaults(command_parser=command)
     return parser
 
 
@@ -363,8 +367,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     )
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line; a flag the command does not know gets that command's usage, not the
+    top level's (`serve --bakend x` shows serve's flags)."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command: argparse.ArgumentParser = args.command_parser
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     commands = {
         "serve": cmd_serve,
         "check-config": cmd_check_config,
@@ -372,7 +387,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "demo": cmd_demo,
         "status": cmd_status,
     }
-    return commands[args.command](args)
+    try:
+        return commands[args.command](args)
+    except BrokenPipeError:
+        # The reader went away (`check-config FILE | head -1`, Ctrl-C on `demo | cat`): end
+        # quietly, as a command killed by SIGPIPE would, without a traceback. Later writes to the
+        # closed pipe (the interpreter flushes stdout at exit) go nowhere.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -242,3 +242,48 @@ def test_the_demo_tells_its_story_once_and_writes_no_screen_codes_into_a_pipe() 
     # Containers are namespace/pod/container everywhere the demo names them.
     assert "default/llm-finetune/trainer" in out
     assert not re.search(r"(?<![/\w-])llm-finetune/trainer", out)
+
+
+def test_a_misspelt_flag_shows_the_usage_of_its_command() -> None:
+    result = run_cli("serve", "--bakend", "nvml")
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: vgpu-device-plugin serve ")
+    assert "--device-plugin-dir" in result.stderr
+    assert "unrecognized arguments: --bakend nvml" in result.stderr
+
+
+def piped_into(args: list[str], reader: str, timeout: float = 60) -> tuple[int, str, str]:
+    """Run the CLI into `reader` (a shell command that may close the pipe early); the CLI's exit
+    code and stderr, and what the reader printed."""
+    with subprocess.Popen(
+        [*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as cli:
+        assert cli.stdout is not None
+        read = subprocess.run(
+            ["sh", "-c", reader], stdin=cli.stdout, capture_output=True, text=True, check=True
+        )
+        cli.stdout.close()
+        try:
+            _, stderr = cli.communicate(timeout=timeout)
+        finally:
+            cli.kill()
+        return cli.returncode, stderr, read.stdout
+
+
+def test_check_config_into_head_ends_quietly(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("version: v1\n")
+    code, stderr, first = piped_into(["check-config", str(config)], "head -1")
+    assert first.startswith(f"{config}: valid")
+    assert "Traceback" not in stderr
+    assert "BrokenPipeError" not in stderr
+    assert code in (0, 141)
+
+
+def test_the_demo_into_head_ends_quietly_and_leaves_nothing_behind() -> None:
+    before = set(Path("/tmp").glob("vgpu-demo-*"))
+    code, stderr, shown = piped_into(["demo", "--duration", "20"], "head -3")
+    assert shown.startswith("vgpu demo: 3 fake GPUs")
+    assert "Traceback" not in stderr
+    assert code == 141
+    assert set(Path("/tmp").glob("vgpu-demo-*")) <= before
