@@ -44,6 +44,7 @@ from deviceplugin.sim.demo_view import (
     _status_lines,
     _wait_for_usage,
     describe_actions,
+    plural,
     render_pods,
     render_slices,
 )
@@ -113,7 +114,7 @@ async def _demo(duration_s: float | None, out: TextIO, workdir: Path) -> int:
             f"state file (edit it to change the GPUs while the demo runs): {state_file}",
             "",
             *(
-                f"kubelet: plugin registered and {len(sim.healthy_ids(r))} {r} slices "
+                f"kubelet: plugin registered and {plural(len(sim.healthy_ids(r)), r + ' slice')} "
                 f"advertised {(time.monotonic() - started) * 1000:.0f} ms after start"
                 for r in inventory.resource_names
             ),

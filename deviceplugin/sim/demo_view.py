@@ -103,13 +103,25 @@ def describe_actions(before: NodeSnapshot | None, after: NodeSnapshot | None) ->
         elif e.kind == "compute" and e.action == "throttle":
             share = f"{c.compute_share_ratio * 100:.4g}%" if c else "its share"
             used = f"{c.sm_utilization_ratio * 100:.0f}%" if c else "more"
+            # The figure it is held to is the entitlement the status view shows ("may use"),
+            # not the bare share: under work-conserving sharing the two differ.
+            if c is not None and c.entitlement_ratio is not None:
+                limit = f"{c.entitlement_ratio * 100:.0f}%"
+                held = f"more than the {limit} it may use now (a {share} share)"
+            else:
+                held = f"more than its {share} share"
             lines.append(
-                f"enforcer: throttling {who}: it used {used} of the GPU against a {share} share "
-                "while others wanted more (SIGSTOP/SIGCONT duty cycle)"
+                f"enforcer: throttling {who}: it used {used} of the GPU, {held}, while others "
+                "wanted more (SIGSTOP/SIGCONT duty cycle)"
             )
         else:
             lines.append(f"enforcer: {e.kind} {e.action} on {who}")
     return lines
+
+
+def plural(count: int, word: str) -> str:
+    """`1 slice`, `2 slices`."""
+    return f"{count} {word}{'' if count == 1 else 's'}"
 
 
 def _short(uuid: str) -> str:
@@ -143,7 +155,7 @@ def render_slices(inventory: Inventory, held_by: dict[str, str]) -> list[str]:
             else f"{plan.compute_share_ratio * 100:.4g}% compute each"
         )
         lines.append(
-            f"{pad}  {plan.resource_name}: {plan.replicas} slices x "
+            f"{pad}  {plan.resource_name}: {plural(plan.replicas, 'slice')} x "
             f"{format_bytes(plan.memory_per_slice_bytes)} memory, {compute}"
         )
         cells = []
@@ -151,8 +163,11 @@ def render_slices(inventory: Inventory, held_by: dict[str, str]) -> list[str]:
             if s.id.gpu_uuid == gpu.uuid:
                 owner = held_by.get(s.device_id, "free")
                 cells.append(f"::{s.id.n} {owner}")
+        # Two columns, each wide enough for the longest cell and two spaces, so no two run
+        # together.
+        width = max([36, *(len(c) + 2 for c in cells)])
         for i in range(0, len(cells), 2):
-            lines.append(f"{pad}    " + "".join(f"{c:<36}" for c in cells[i : i + 2]).rstrip())
+            lines.append(f"{pad}    " + "".join(f"{c:<{width}}" for c in cells[i : i + 2]).rstrip())
     return lines
 
 

@@ -201,6 +201,12 @@ def test_demo_shows_slices_pods_and_env_then_cleans_up() -> None:
     assert Path(workdir.group(1)).name.startswith("vgpu-demo-")
     assert not Path(workdir.group(1)).exists()
     assert RESOURCE in out
+    # Counts read as English, and the slice map's columns never run together.
+    assert "1 nvidia.com/mig-3g.40gb slice advertised" in out
+    assert "1 slice x 40Gi memory" in out
+    assert not re.search(r"\b1 [\w./-]*\s?slices\b", out)
+    for line in out.splitlines():
+        assert not re.search(r"\S::\d", line), line
 
 
 def test_demo_shows_the_enforcer_at_work() -> None:
@@ -208,6 +214,14 @@ def test_demo_shows_the_enforcer_at_work() -> None:
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "throttling default/inference/server" in out
+    # It is held to what the view says it may use, not to its bare share.
+    throttled = re.search(
+        r"throttling default/inference/server: it used (\d+)% of the GPU, more than the "
+        r"(\d+)% it may use now \(a 25% share\)",
+        out,
+    )
+    assert throttled is not None, out
+    assert int(throttled.group(1)) > int(throttled.group(2)) >= 25
     assert "THROTTLED" in out
     assert "killed the largest GPU process of default/notebook/jupyter" in out
     # The JAX-style container read its hint and reserved 0.22 of the L4, inside its 5.6Gi slice:
