@@ -40,13 +40,9 @@ _SIZE_UNITS: dict[str, int] = {
     "B": 1,
     "k": 1000,
     "K": 1000,
-    "KB": 1000,
     "M": 1000**2,
-    "MB": 1000**2,
     "G": 1000**3,
-    "GB": 1000**3,
     "T": 1000**4,
-    "TB": 1000**4,
     "Ki": 1024,
     "KiB": 1024,
     "Mi": 1024**2,
@@ -56,6 +52,9 @@ _SIZE_UNITS: dict[str, int] = {
     "Ti": 1024**4,
     "TiB": 1024**4,
 }
+# KB, MB, GB and TB mean 1000^n to some and 1024^n to others (nvidia-smi's "80GB" is GiB), and
+# Kubernetes quantities refuse them: a size says which it means.
+_AMBIGUOUS_SIZE_UNITS = {"KB": ("K", "Ki"), "MB": ("M", "Mi"), "GB": ("G", "Gi"), "TB": ("T", "Ti")}
 _SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)")
 
 # Extended resource names, as the kubelet's IsExtendedResourceName checks them.
@@ -163,8 +162,9 @@ def format_size(size_bytes: int) -> str:
 def parse_size(value: str | int) -> int:
     """Bytes from a size such as `10Gi`, `512Mi`, `80GiB`, `1G` (decimal) or `1024` (bytes).
 
-    Binary units Ki Mi Gi Ti (KiB ...), decimal units K M G T (k, KB ...). A fraction is accepted
-    when the result is a whole number of bytes (`1.5Gi`)."""
+    Binary units Ki Mi Gi Ti (KiB ...), decimal units K M G T (k). KB, MB, GB and TB are refused
+    with a hint, since they are read both ways. A fraction is accepted when the result is a whole
+    number of bytes (`1.5Gi`)."""
     if isinstance(value, bool) or not isinstance(value, str | int):
         raise ValueError(f"{_show(value)} is not a size ({_SIZE_HINT})")
     if isinstance(value, int):
@@ -172,6 +172,14 @@ def parse_size(value: str | int) -> int:
             raise ValueError(f"{value} is not a size: sizes cannot be negative")
         return value
     found = _SIZE.fullmatch(value.strip())
+    if found is not None and found.group(2) in _AMBIGUOUS_SIZE_UNITS:
+        number, unit = found.group(1), found.group(2)
+        decimal, binary = _AMBIGUOUS_SIZE_UNITS[unit]
+        raise ValueError(
+            f"{_show(value)} is ambiguous: {unit} means 1000 or 1024 to the power of "
+            f"{' KMGT'.index(decimal)}; write {number}{binary} (binary, as nvidia-smi counts) "
+            f"or {number}{decimal} (decimal)"
+        )
     if found is None or found.group(2) not in _SIZE_UNITS:
         raise ValueError(f"{_show(value)} is not a size ({_SIZE_HINT})")
     size = Fraction(found.group(1)) * _SIZE_UNITS[found.group(2)]

@@ -49,7 +49,7 @@ _DURATION_PATTERN = (
 # "/"), without commas or colons: the MPS root, which containers get at the same path.
 _MPS_ROOT_PATTERN = r"^/[^,:\n]*$"
 _NOT_NORMALISED_PATTERN = r"//|/\.\.?(/|$)|./$"
-_SIZE_PATTERN = r"^\s*(\d+(\.\d*)?|\.\d+)\s*(B|k|K|KB|M|MB|G|GB|T|TB|Ki|KiB|Mi|MiB|Gi|GiB|Ti|TiB)?$"
+_SIZE_PATTERN = r"^\s*(\d+(\.\d*)?|\.\d+)\s*(B|k|K|M|G|T|Ki|KiB|Mi|MiB|Gi|GiB|Ti|TiB)?$"
 # An extended resource name as the kubelet checks it: <DNS subdomain>/<qualified name>.
 _RESOURCE_NAME_PATTERN = (
     r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"

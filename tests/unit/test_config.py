@@ -504,7 +504,6 @@ def test_format_duration_is_short(seconds: float, text: str) -> None:
         ("80GiB", 80 * GI),
         ("1.5Gi", 3 * GI // 2),
         ("1G", 10**9),
-        ("1GB", 10**9),
         ("4k", 4000),
         ("3M", 3 * 10**6),
         ("1T", 10**12),
@@ -524,6 +523,17 @@ def test_parse_size(value: str | int, size: int) -> None:
 def test_parse_size_rejects(value: str | int) -> None:
     with pytest.raises(ValueError, match=r"size|bytes"):
         parse_size(value)
+
+
+@pytest.mark.parametrize(
+    ("value", "binary", "decimal"),
+    [("10GB", "10Gi", "10G"), ("512MB", "512Mi", "512M"), ("1TB", "1Ti", "1T")],
+)
+def test_a_size_in_gb_is_refused_with_both_readings(value: str, binary: str, decimal: str) -> None:
+    with pytest.raises(ValueError, match="ambiguous") as refused:
+        parse_size(value)
+    assert f"write {binary} " in str(refused.value)
+    assert f"or {decimal} (decimal)" in str(refused.value)
 
 
 def test_parse_size_message_shows_the_expected_format() -> None:
