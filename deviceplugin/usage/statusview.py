@@ -118,18 +118,27 @@ def container_name(c: Mapping[str, Any], room: int = 10_000) -> str:
     return _clip(full, room)
 
 
+def _healthy_of(devices: Sequence[Mapping[str, Any]]) -> str:
+    return f"{sum(1 for d in devices if d.get('healthy'))}/{len(devices)}"
+
+
 def _header(doc: Mapping[str, Any], width: int) -> list[str]:
     health = doc.get("health") or {}
     gpus = doc.get("gpus") or []
-    healthy = sum(1 for g in gpus if g.get("healthy"))
+    # Physical GPUs and MIG devices are counted apart: a node of 3 GPUs, one of them split into 3
+    # MIG devices, has 3 GPUs, not 6.
+    full = [g for g in gpus if not g.get("parent_gpu_uuid")]
+    mig = [g for g in gpus if g.get("parent_gpu_uuid")]
     when = str(doc.get("taken_at", "?"))
     freshness = "STALE" if doc.get("stale") else "fresh"
     first = _name_and_tail(0, f"node {doc.get('node', '?')}", f"{when}  {freshness}", width)
     flags = [
         "kubelet registered" if health.get("registered") else "kubelet NOT REGISTERED",
         "pod-resources up" if health.get("pod_resources_ok") else "pod-resources DOWN",
-        f"GPUs {healthy}/{len(gpus)} healthy",
+        f"GPUs {_healthy_of(full)} healthy",
     ]
+    if mig:
+        flags.append(f"MIG devices {_healthy_of(mig)} healthy")
     mps = health.get("mps")
     if isinstance(mps, Mapping):
         flags.append("MPS up" if mps.get("up") else "MPS DOWN")

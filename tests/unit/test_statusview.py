@@ -391,3 +391,15 @@ def test_the_view_groups_mig_devices_under_their_gpu() -> None:
     mig_block = "\n".join(lines[starts[1] : starts[3]])
     assert "compute: not measurable per MIG device (NVML), not enforced" in mig_block
     assert "default/on-mig" in mig_block or "on-mig" in mig_block
+
+
+def test_the_header_counts_gpus_and_mig_devices_apart() -> None:
+    snapshot = mig_snapshot()
+    full = [g for g in snapshot.gpus if not g.info.is_mig_device]
+    mig = [g for g in snapshot.gpus if g.info.is_mig_device]
+    assert len(mig) == 2
+    assert len(full) == 2
+    healthy = sum(1 for g in full if g.reading.healthy)
+    header = "\n".join(render_status(doc_of(snapshot), width=120)[:3])
+    assert f"GPUs {healthy}/2 healthy" in header
+    assert "MIG devices 2/2 healthy" in header
