@@ -39,11 +39,13 @@ class StatusTls:
 
 
 def _status_url(address: str, *, https: bool = False) -> str:
-    """The /status URL of a daemon at `address` (`HOST:PORT`, or `https://HOST:PORT`)."""
+    """The /status URL of a daemon at `address` (`HOST:PORT`, or `https://HOST:PORT`; a URL's
+    trailing `/` or `/status` is the same address, as pasted from a browser)."""
     if address.startswith("https://"):
         address, https = address.removeprefix("https://"), True
     elif address.startswith("http://"):
         address = address.removeprefix("http://")
+    address = address.removesuffix("/").removesuffix("/status")
     host, port = parse_address(address)
     if host in ("", "0.0.0.0"):  # noqa: S104 (the daemon's "all interfaces", reached locally)
         host = "127.0.0.1"

@@ -264,20 +264,22 @@ async def test_status_json_and_cli_against_the_running_daemon(node: Node) -> Non
         doc = json.loads(body)
         assert [g["uuid"] for g in doc["gpus"]] == [g.uuid for g in TWO_GPUS]
         assert daemon.http is not None
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "deviceplugin",
-            "status",
-            "--address",
-            f"127.0.0.1:{daemon.http.port}",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await asyncio.wait_for(proc.communicate(), 30)
-        assert proc.returncode == 0, err.decode()
-        view = out.decode()
-        assert "NVIDIA L4" in view
-        assert "default/nb/jupyter" in view
-        assert all(len(line) <= 80 for line in view.splitlines())
+        # As `--metrics-address` gives it, and as a browser's address bar does.
+        for address in (f"127.0.0.1:{daemon.http.port}", f"http://127.0.0.1:{daemon.http.port}/"):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "deviceplugin",
+                "status",
+                "--address",
+                address,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            out, err = await asyncio.wait_for(proc.communicate(), 30)
+            assert proc.returncode == 0, err.decode()
+            view = out.decode()
+            assert "NVIDIA L4" in view
+            assert "default/nb/jupyter" in view
+            assert all(len(line) <= 80 for line in view.splitlines())
         assert RESOURCE  # the view is of this resource's slices
