@@ -12,7 +12,15 @@ from deviceplugin.allocation import (
     mps_log_directory,
     mps_pipe_directory,
 )
-from deviceplugin.config import Config, format_size, load_config
+from deviceplugin.config import (
+    ComputeAction,
+    Config,
+    ConfigFormat,
+    MemoryAction,
+    format_duration,
+    format_size,
+    load_config,
+)
 from deviceplugin.errors import BackendError, ConfigError
 from deviceplugin.kubelet.limits import device_list_problem
 from deviceplugin.model import GpuInfo, GpuPlan
@@ -139,6 +147,53 @@ def render_limits(plans: tuple[GpuPlan, ...], config: Config) -> list[str]:
     return lines
 
 
+def nvidia_meaning(config: Config) -> str:
+    """What NVIDIA's plugin serves for this NVIDIA config, as vgpu serves it too."""
+    how = "MPS" if config.mps.enabled else "time-slicing"
+    replicas = config.slicing.default.replicas or 1
+    served = (
+        f"{config.resource_name}, whole GPUs (1 per GPU)"
+        if replicas == 1
+        else f"{config.resource_name}, {replicas} per GPU shared by {how}"
+    )
+    mig = config.mig.strategy.value
+    return f"read as NVIDIA k8s-device-plugin's config: {served}; MIG strategy {mig}"
+
+
+def beyond_nvidia(plans: tuple[GpuPlan, ...], config: Config) -> list[str]:
+    """What vgpu does with an NVIDIA config that NVIDIA's plugin does not, and where the two
+    serve a GPU differently: the lines under the plan, so that nobody moving over is surprised
+    by a kill, a pause or a missing GPU."""
+    shared = [p for p in plans if p.sliced and p.replicas > 1]
+    e = config.enforcement
+    lines = ["beyond NVIDIA's plugin, vgpu also:"]
+    if shared:
+        grace = format_duration(e.memory.grace_period_s)
+        lines.append("  holds each slice to its share of the GPU's memory (MEM/SLICE):")
+        lines.append(
+            f"    kills a container's largest GPU process after {grace} above it"
+            if e.memory.action is MemoryAction.KILL
+            else "    records (does not stop) a container above it"
+        )
+        if e.compute.action is ComputeAction.THROTTLE and not config.mps.enabled:
+            lines.append("  pauses a container above its compute share (COMPUTE/SLICE) while")
+            lines.append("    others wait; NVIDIA's time-slicing gives every process equal turns")
+        lines.append("  (to only record, write the config in vgpu's format with")
+        lines.append("    enforcement: {memory: {action: monitor}, compute: {action: monitor}})")
+    else:
+        lines.append("  nothing to enforce on whole GPUs: a container has all of its GPU")
+    lines.append("  measures memory and utilisation per GPU and per container (/metrics,")
+    lines.append("    /status, `vgpu-device-plugin status`)")
+    whole_mig = [
+        p.gpu.index for p in plans if p.gpu.mig_enabled and not p.gpu.is_mig_device and not p.sliced
+    ]
+    if whole_mig and config.mig.strategy.value == "none":
+        gpus = ", ".join(str(i) for i in whole_mig)
+        lines.append(f"differs from NVIDIA's plugin: GPU {gpus} in MIG mode is left out; with")
+        lines.append("  migStrategy none NVIDIA's plugin serves it whole as nvidia.com/gpu")
+    return lines
+
+
 def check_config(path: Path, backend_spec: str, out: TextIO, err: TextIO) -> int:
     try:
         config = load_config(path)
@@ -149,6 +204,8 @@ def check_config(path: Path, backend_spec: str, out: TextIO, err: TextIO) -> int
         print(f"{path}: invalid ({count} problem{'s' if count != 1 else ''})", file=err)
         return EXIT_INVALID
     print(f"{path}: valid ({describe(config)})", file=out)
+    if config.format is ConfigFormat.NVIDIA:
+        print(nvidia_meaning(config), file=out)
     for warning in config.warnings:
         print(f"warning: {warning}", file=out)
     if backend_spec:
@@ -182,4 +239,7 @@ def check_config(path: Path, backend_spec: str, out: TextIO, err: TextIO) -> int
         print(line, file=out)
     for line in render_limits(plans, config):
         print(line, file=out)
+    if config.format is ConfigFormat.NVIDIA:
+        for line in beyond_nvidia(plans, config):
+            print(line, file=out)
     return EXIT_OK

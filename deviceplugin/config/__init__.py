@@ -18,7 +18,13 @@ The rest of the code imports the public names from here.
 """
 
 from deviceplugin.config.defaults import default_config_yaml
-from deviceplugin.config.load import config_from_bytes, load_config, parse_config
+from deviceplugin.config.load import (
+    HAS_LIBYAML,
+    config_from_bytes,
+    is_nvidia_config,
+    load_config,
+    parse_config,
+)
 from deviceplugin.config.model import (
     DEFAULT_CONTEXT_RESERVE_BYTES,
     DEFAULT_HANG_TIMEOUT_S,
@@ -42,6 +48,7 @@ from deviceplugin.config.model import (
     ComputeAction,
     ComputeEnforcement,
     Config,
+    ConfigFormat,
     DeviceListStrategy,
     EnforcementConfig,
     GpuMatch,
@@ -68,6 +75,7 @@ __all__ = [
     "DEFAULT_RECOVERY_DELAY_S",
     "DEFAULT_REPLICAS",
     "DEFAULT_RESOURCE_NAME",
+    "HAS_LIBYAML",
     "MAX_DURATION_S",
     "MAX_POLL_INTERVAL_S",
     "MAX_REPLICAS",
@@ -82,6 +90,7 @@ __all__ = [
     "ComputeAction",
     "ComputeEnforcement",
     "Config",
+    "ConfigFormat",
     "DeviceListStrategy",
     "EnforcementConfig",
     "GpuMatch",
@@ -100,6 +109,7 @@ __all__ = [
     "default_config_yaml",
     "format_duration",
     "format_size",
+    "is_nvidia_config",
     "load_config",
     "parse_config",
     "parse_duration",

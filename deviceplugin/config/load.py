@@ -1,6 +1,11 @@
 """From a file to a Config: parse_config, which tells vgpu's format from NVIDIA's, and the
 reading of a file's bytes as YAML with its safety checks (UTF-8, no key written twice, bounded
 nesting, no integer too long to convert), each failure a ConfigError naming the file.
+
+The YAML is read by libyaml (PyYAML's C loader), the scanner NVIDIA's plugin uses too (Go's
+yaml.v2 is a port of it): both skip a tab between tokens inside a flow collection or after a
+key's colon, so that tab-indented JSON, which PyYAML's pure-Python scanner refuses, reads the same
+in vgpu as in NVIDIA's plugin. Without libyaml the pure-Python loader is used.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import yaml
 from deviceplugin.config.model import (
     Config,
 )
-from deviceplugin.config.nvidia import _parse_nvidia
+from deviceplugin.config.nvidia import _NV_TOP_KEYS, _parse_nvidia
 from deviceplugin.config.reader import (
     _Reader,
     _show,
@@ -23,19 +28,37 @@ from deviceplugin.config.reader import (
 from deviceplugin.config.vgpu import _TOP_KEYS, _parse_vgpu
 from deviceplugin.errors import ConfigError
 
+# Top-level keys that only NVIDIA k8s-device-plugin's format has (Go matches them ignoring case).
+_NVIDIA_ONLY_KEYS = frozenset(k for k in _NV_TOP_KEYS if k not in _TOP_KEYS)
+
+
+def is_nvidia_config(data: object) -> bool:
+    """Whether YAML-loaded data is NVIDIA k8s-device-plugin's format: it has a top-level key of
+    NVIDIA's that vgpu's format lacks (flags, sharing, resources or imex, in any case, as NVIDIA's
+    plugin matches them). version and health are in both formats; a file with only those is
+    vgpu's."""
+    return isinstance(data, dict) and any(str(k).lower() in _NVIDIA_ONLY_KEYS for k in data)
+
 
 def parse_config(data: object, source: str = "config") -> Config:
     """A Config from YAML-loaded data (None: all defaults). Both vgpu's format and NVIDIA
-    k8s-device-plugin's (recognised by a top-level `sharing` or `flags` key) are read.
+    k8s-device-plugin's (see is_nvidia_config) are read; an NVIDIA file means what NVIDIA's
+    plugin makes of it, or a warning names the difference.
 
     Raises ConfigError listing every problem, each naming its key path and the bad value. Settings
     that are valid but that vgpu does not act on are returned in `Config.warnings`."""
-    if isinstance(data, dict) and ("sharing" in data or "flags" in data):
+    if is_nvidia_config(data):
+        assert isinstance(data, dict)
         hint = (
             " (this file is read as NVIDIA k8s-device-plugin config because it has a top-level"
-            ' "sharing" or "flags" key; vgpu keys cannot be mixed into it)'
+            " flags, sharing, resources or imex key; vgpu keys cannot be mixed into it; to use"
+            " them, write the file in vgpu's format)"
         )
-        reader = _Reader(null_is_absent=True, top_level_hints=dict.fromkeys(_TOP_KEYS, hint))
+        reader = _Reader(
+            null_is_absent=True,
+            top_level_hints=dict.fromkeys([k for k in _TOP_KEYS if k not in _NV_TOP_KEYS], hint),
+            lenient_keys=True,
+        )
         config = _parse_nvidia(reader, data)
     else:
         reader = _Reader()
@@ -45,8 +68,16 @@ def parse_config(data: object, source: str = "config") -> Config:
     return replace(config, warnings=tuple(reader.warnings))
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a key written twice in one mapping (PyYAML would silently keep
+# libyaml where PyYAML has it (the wheels on PyPI do); the tests check that it is there.
+try:
+    from yaml import CSafeLoader as _SafeLoader
+except ImportError:  # PyYAML built without libyaml
+    from yaml import SafeLoader as _SafeLoader  # type: ignore[assignment]
+HAS_LIBYAML: bool = yaml.__with_libyaml__
+
+
+class _UniqueKeyLoader(_SafeLoader):
+    """The safe loader that refuses a key written twice in one mapping (PyYAML would silently keep
     the last one, hiding a setting the user believes is in force)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
@@ -90,6 +121,8 @@ def config_from_bytes(content: bytes, source: str) -> Config:
         mark = e.problem_mark or e.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         what = e.problem or e.context or "invalid YAML"
+        if "maximum nesting depth" in what:  # libyaml's bound
+            what = "invalid YAML: nested too deep"
         raise ConfigError([f"{where}{what}"], source) from e
     except yaml.YAMLError as e:
         raise ConfigError([f"invalid YAML: {e}"], source) from e

@@ -220,6 +220,14 @@ class HealthConfig:
         return xid not in self.ignored_xids and xid not in self.additional_ignored_xids
 
 
+class ConfigFormat(StrEnum):
+    """The format a config file was written in: vgpu's own, or NVIDIA k8s-device-plugin's, which
+    is read with the meaning NVIDIA's plugin gives it."""
+
+    VGPU = "vgpu"
+    NVIDIA = "nvidia"
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     version: str = "v1"
@@ -233,6 +241,8 @@ class Config:
     mig: MigConfig = field(default_factory=MigConfig)
     # Non-fatal findings, e.g. NVIDIA keys that parse but that vgpu does not act on.
     warnings: tuple[str, ...] = field(default=(), compare=False)
+    # The format the file was written in (check-config says what vgpu adds to NVIDIA's meaning).
+    format: ConfigFormat = field(default=ConfigFormat.VGPU, compare=False)
 
 
 MIN_POLL_INTERVAL_S = 0.05

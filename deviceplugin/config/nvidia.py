@@ -1,24 +1,39 @@
-"""NVIDIA k8s-device-plugin's config format (api/config/v1 of NVIDIA/k8s-device-plugin).
+"""NVIDIA k8s-device-plugin's config format (api/config/v1 of NVIDIA/k8s-device-plugin, v0.20).
 
-Users bring the file they already have. What vgpu can act on is mapped: the resources of
-`sharing.timeSlicing` or `sharing.mps` become the resource name, slicing and MIG resources;
-`flags` and `health` are read by `nvidia_flags`. Settings vgpu does not act on are accepted and
-reported as warnings when they differ from NVIDIA's defaults.
+Users bring the file they already have, and it means what NVIDIA's plugin makes of it: the same
+resources with the same replicas, the same refusals with NVIDIA's reason, and NVIDIA's warnings
+for what it ignores. Where vgpu cannot do the same, a warning names the difference.
+
+What NVIDIA's plugin makes of a file:
+
+- With no `sharing` resources, every GPU is served whole as `nvidia.com/gpu`, 1 per GPU (with
+  `flags.migStrategy: mixed`, each MIG device as `nvidia.com/mig-<profile>`).
+- `sharing.timeSlicing` or `sharing.mps` (MPS wins when both are there) replicates the resources
+  it names: `nvidia.com/gpu` (a name without a domain gets `nvidia.com/`), and with the mixed
+  strategy `nvidia.com/mig-<profile>`. `renameByDefault` serves them as `<name>.shared`; `rename`
+  and `devices` are ignored with NVIDIA's warnings. A name NVIDIA's plugin serves no device under
+  replicates nothing.
+- It refuses a sharing section without resources, `replicas` below 2, a name outside
+  `nvidia.com/` or not a DNS subdomain, a bad `devices` value, and MPS with the mixed strategy.
+- It ignores keys it does not know (a warning here) and matches the keys of its Go structs
+  ignoring case.
+
+`flags` and `health` are read by `nvidia_flags`.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from deviceplugin.config.model import (
     DEFAULT_MPS_ROOT,
-    DEFAULT_REPLICAS,
-    DEFAULT_RESOURCE_NAME,
     MAX_REPLICAS,
     MIG_RESOURCE_PREFIX,
     AllocationConfig,
     Config,
+    ConfigFormat,
     DeviceListStrategy,
     GpuMatch,
     MigConfig,
@@ -30,175 +45,304 @@ from deviceplugin.config.model import (
 )
 from deviceplugin.config.nvidia_flags import (
     _nvidia_flags,
+    _nvidia_flags_section,
     _nvidia_health,
     _nvidia_mig_strategy,
     _nvidia_mps_root,
 )
 from deviceplugin.config.reader import (
     _join,
+    _kind,
     _Reader,
-    _resource_name_problem,
     _show,
 )
 
-_NVIDIA_PREFIX = "nvidia.com"
+NVIDIA_GPU_RESOURCE = "nvidia.com/gpu"
+_NVIDIA_PREFIX = "nvidia.com/"
 _NVIDIA_SHARED_SUFFIX = ".shared"
+_NVIDIA_MAX_NAME_LENGTH = 63
 _NV_TOP_KEYS = ("version", "flags", "resources", "sharing", "imex", "health")
 _NV_RESOURCES_KEYS = ("gpus", "mig")
+_NV_PATTERN_KEYS = ("pattern", "name")
 _NV_SHARING_KEYS = ("timeSlicing", "mps")
+_NV_IMEX_KEYS = ("channelIDs", "required")
 _NV_REPLICATED_KEYS = ("renameByDefault", "failRequestsGreaterThanOne", "resources")
 _NV_RESOURCE_KEYS = ("name", "replicas", "rename", "devices")
 
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS_SUBDOMAIN = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
+_HEX = "[0-9a-fA-F]"
+_UUID = rf"({_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}|{_HEX}{{32}})"
+# A device of `devices`: a GPU index, a MIG index (gpu:mig), a GPU UUID or a MIG UUID.
+_DEVICE_REF = re.compile(rf"\d+|\d+:\d+|GPU-{_UUID}|MIG-{_UUID}|MIG-GPU-{_UUID}/\d+/\d+")
 
-def _nvidia_resource_name(r: _Reader, value: object, path: str, suffix: str = "") -> str | None:
-    """NVIDIA's resource names get the nvidia.com/ prefix when they have no domain."""
-    name = r.string(value, path)
-    if name is None:
+
+def _refused(reason: str) -> str:
+    return f"NVIDIA's plugin refuses it ({reason})"
+
+
+def _nvidia_resource_name(r: _Reader, value: object, path: str) -> str | None:
+    """A resource name as NVIDIA's plugin reads it: `nvidia.com/` is put in front of a name
+    that does not start with it, and the rest must be a DNS subdomain."""
+    if not isinstance(value, str):
+        r.error(path, f"{_show(value)} is not a string")
         return None
-    full = (name if "/" in name else f"{_NVIDIA_PREFIX}/{name}") + suffix
-    problem = _resource_name_problem(full)
-    if problem is not None:
-        r.error(path, problem)
+    full = value if value.startswith(_NVIDIA_PREFIX) else _NVIDIA_PREFIX + value
+    short = full.removeprefix(_NVIDIA_PREFIX)
+    if len(full) > _NVIDIA_MAX_NAME_LENGTH:
+        r.error(
+            path,
+            f"{_show(value)}: "
+            + _refused(
+                f"fully-qualified resource name must be {_NVIDIA_MAX_NAME_LENGTH} characters or"
+                f" less: {full}"
+            ),
+        )
+        return None
+    if not _DNS_SUBDOMAIN.fullmatch(short):
+        outside = (
+            f"; names are in nvidia.com/, so {_show(value)} is read as {_show(full)}"
+            if "/" in short
+            else ""
+        )
+        r.error(
+            path,
+            f"{_show(value)}: "
+            + _refused(
+                f"incorrect format for resource name {_show(full)}: the part after nvidia.com/"
+                " must be lower-case letters, digits, '-' and '.', starting and ending with a"
+                f" letter or digit{outside}"
+            ),
+        )
         return None
     return full
 
 
-def _nvidia_devices(r: _Reader, value: object, path: str) -> None:
-    """`devices`: "all", a positive count, or a list of GPU indices and UUIDs. vgpu slices every
-    GPU, so anything but "all" is a warning."""
-    ignored = (
-        f"{path} is ignored: vgpu slices every GPU of the node (vgpu's own slicing.overrides"
-        " can give GPUs different replicas)."
-    )
-    if value == "all":
-        return
+def _nvidia_devices(r: _Reader, value: object, path: str) -> bool:
+    """`devices`: "all", a positive count, or a list of GPU indices, MIG indices and UUIDs, as
+    NVIDIA's plugin checks them. True when it is not "all" (NVIDIA's plugin then ignores it)."""
+    if isinstance(value, str):
+        if value != "all":
+            r.error(
+                path,
+                _refused(f'devices set as {_show(value)} but the only valid string is "all"'),
+            )
+        return False
     if isinstance(value, int) and not isinstance(value, bool):
         if value <= 0:
-            r.error(path, f"{value} is too small (a count of devices must be >= 1)")
-        else:
-            r.warn(ignored)
-        return
+            r.error(path, _refused(f"devices set as {value} but a count of devices must be > 0"))
+            return False
+        return True
     if isinstance(value, list):
         for i, item in enumerate(value):
-            if isinstance(item, bool) or not isinstance(item, int | str):
-                r.error(f"{path}[{i}]", f"{_show(item)} is not a GPU index or UUID")
-        r.warn(ignored)
-        return
-    r.error(path, f'{_show(value)} is not "all", a count or a list of GPU indices and UUIDs')
+            valid = (isinstance(item, int) and not isinstance(item, bool) and item >= 0) or (
+                isinstance(item, str) and _DEVICE_REF.fullmatch(item) is not None
+            )
+            if not valid:
+                r.error(
+                    f"{path}[{i}]",
+                    f"{_show(item)}: "
+                    + _refused(
+                        "unsupported device in devices list: expected a GPU index, a MIG index"
+                        " such as 0:1, or a GPU-<uuid> or MIG-<uuid>"
+                    ),
+                )
+        return True
+    r.error(path, _refused(f"unrecognized type for devices spec: {_kind(value)}"))
+    return False
 
 
 @dataclass(frozen=True, slots=True)
-class _NvidiaSharing:
-    resource_name: str | None  # as advertised: after rename or renameByDefault
-    replicas: int | None
-    base_name: str | None  # as named, e.g. nvidia.com/gpu or nvidia.com/mig-1g.10gb
+class _Replicated:
+    name: str  # as NVIDIA's plugin names it, e.g. nvidia.com/gpu or nvidia.com/mig-1g.10gb
+    advertised: str  # with renameByDefault, <name>.shared
+    replicas: int
     path: str
 
 
-def _nvidia_replicated(r: _Reader, value: object, path: str) -> list[_NvidiaSharing]:
-    """sharing.timeSlicing or sharing.mps: its resources, in the file's order."""
+@dataclass(frozen=True, slots=True)
+class _Sharing:
+    resources: tuple[_Replicated, ...]
+    # None: not written (NVIDIA's default is false for timeSlicing, true for mps).
+    fail_requests_greater_than_one: bool | None
+
+
+def _nvidia_replicated(r: _Reader, value: object, kind: str) -> _Sharing | None:
+    """sharing.timeSlicing or sharing.mps: its valid resources, in the file's order; None when
+    the section is absent."""
+    path = f"sharing.{kind}"
+    if value is None:
+        return None
     section = r.section(value, path, _NV_REPLICATED_KEYS)
+    if not isinstance(value, dict):
+        return None
     rename_by_default = False
     if "renameByDefault" in section:
         rename_by_default = bool(
             r.boolean(section["renameByDefault"], _join(path, "renameByDefault"))
         )
+    fail: bool | None = None
     if "failRequestsGreaterThanOne" in section:
-        key_path = _join(path, "failRequestsGreaterThanOne")
-        if r.boolean(section["failRequestsGreaterThanOne"], key_path):
-            r.warn(
-                f"{key_path}: true is ignored:"
-                " vgpu accepts requests for several slices and gives the container"
-                " the memory and compute of all of them.",
-            )
+        fail = r.boolean(
+            section["failRequestsGreaterThanOne"], _join(path, "failRequestsGreaterThanOne")
+        )
     resources_path = _join(path, "resources")
-    resources = r.items(section.get("resources"), resources_path)
-    chosen: list[_NvidiaSharing] = []
-    for i, item in enumerate(resources):
+    items = r.items(section.get("resources"), resources_path)
+    if not items and isinstance(section.get("resources", []), list):
+        r.error(
+            resources_path if "resources" in section else path,
+            _refused("no resources specified")
+            + "; list at least one, e.g. resources: [{name: nvidia.com/gpu, replicas: 4}],"
+            f" or leave {kind} out to serve whole GPUs",
+        )
+    chosen: list[_Replicated] = []
+    renamed = customised_devices = False
+    for i, item in enumerate(items):
         item_path = f"{resources_path}[{i}]"
         resource = r.section(item, item_path, _NV_RESOURCE_KEYS)
         if not isinstance(item, dict):
             continue
         name: str | None = None
-        base: str | None = None
-        if "rename" in resource:
-            name = _nvidia_resource_name(r, resource["rename"], _join(item_path, "rename"))
         if "name" not in resource:
-            r.error(item_path, "needs a name, e.g. name: nvidia.com/gpu")
+            r.error(item_path, _refused("no resource name specified") + ", e.g. name: gpu")
         else:
-            suffix = _NVIDIA_SHARED_SUFFIX if rename_by_default else ""
-            base = _nvidia_resource_name(r, resource["name"], _join(item_path, "name"))
-            name = name or (base + suffix if base is not None else None)
+            name = _nvidia_resource_name(r, resource["name"], _join(item_path, "name"))
+        if "devices" in resource:
+            customised_devices |= _nvidia_devices(
+                r, resource["devices"], _join(item_path, "devices")
+            )
         replicas: int | None = None
         if "replicas" not in resource:
-            r.error(item_path, "needs replicas, e.g. replicas: 4")
+            r.error(item_path, _refused("no replicas specified") + ", e.g. replicas: 4")
         else:
-            replicas = r.integer(
-                resource["replicas"], _join(item_path, "replicas"), 1, MAX_REPLICAS
-            )
-        if "devices" in resource:
-            _nvidia_devices(r, resource["devices"], _join(item_path, "devices"))
-        chosen.append(_NvidiaSharing(name, replicas, base, item_path))
-    return chosen
+            replicas = _nvidia_replicas(r, resource["replicas"], _join(item_path, "replicas"))
+        if "rename" in resource:
+            rename = _nvidia_resource_name(r, resource["rename"], _join(item_path, "rename"))
+            default = None if name is None else name + _NVIDIA_SHARED_SUFFIX
+            if rename is not None and not (rename_by_default and rename == default):
+                renamed = True
+        if name is not None and replicas is not None:
+            advertised = name + _NVIDIA_SHARED_SUFFIX if rename_by_default else name
+            chosen.append(_Replicated(name, advertised, replicas, item_path))
+    if renamed:
+        r.warn(
+            f"{resources_path}: rename is ignored, as NVIDIA's plugin ignores it (\"Setting the"
+            f" 'rename' field in sharing.{kind}.resources is not yet supported in the config."
+            ' Ignoring..."); renameByDefault: true serves <name>.shared.'
+        )
+    if customised_devices:
+        r.warn(
+            f"{resources_path}: devices is ignored, as NVIDIA's plugin ignores it (\"Customizing"
+            f" the 'devices' field in sharing.{kind}.resources is not yet supported in the"
+            ' config. Ignoring..."): every GPU is shared.'
+        )
+    return _Sharing(tuple(chosen), fail)
+
+
+def _nvidia_replicas(r: _Reader, value: object, path: str) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        r.error(path, f"{_show(value)} is not an integer")
+        return None
+    if value < 2:
+        r.error(
+            path,
+            f"{value}: "
+            + _refused("number of replicas must be >= 2")
+            + "; leave the resource out to serve whole GPUs",
+        )
+        return None
+    if value > MAX_REPLICAS:
+        r.error(path, f"{value} is too large (vgpu serves at most {MAX_REPLICAS} per GPU)")
+        return None
+    return value
+
+
+def _nvidia_pattern_resources(r: _Reader, value: object) -> None:
+    """The top-level `resources` (gpus and mig lists of {pattern, name}): checked as NVIDIA's
+    plugin checks them, then ignored with its warning, as it ignores them."""
+    section = r.section(value, "resources", _NV_RESOURCES_KEYS, fold_case=True)
+    customised = False
+    for key, listed in section.items():
+        list_path = _join("resources", key)
+        for i, item in enumerate(r.items(listed, list_path)):
+            item_path = f"{list_path}[{i}]"
+            resource = r.section(item, item_path, _NV_PATTERN_KEYS, fold_case=True)
+            if not isinstance(item, dict):
+                continue
+            customised = True
+            for field in _NV_PATTERN_KEYS:
+                if field not in resource:
+                    r.error(item_path, _refused(f"resources must have a '{field}' field set"))
+            if "pattern" in resource and not isinstance(resource["pattern"], str):
+                pattern = resource["pattern"]
+                r.error(_join(item_path, "pattern"), f"{_show(pattern)} is not a string")
+            if "name" in resource:
+                _nvidia_resource_name(r, resource["name"], _join(item_path, "name"))
+    if customised:
+        r.warn(
+            "resources is ignored, as NVIDIA's plugin ignores it (\"Customizing the 'resources'"
+            ' field is not yet supported in the config. Ignoring...").'
+        )
+
+
+def _nvidia_imex(r: _Reader, value: object) -> None:
+    section = r.section(value, "imex", _NV_IMEX_KEYS, fold_case=True)
+    channels = r.items(section.get("channelIDs"), "imex.channelIDs")
+    for i, channel in enumerate(channels):
+        r.integer(channel, f"imex.channelIDs[{i}]", 0)
+    required = r.boolean(section["required"], "imex.required") if "required" in section else None
+    if channels or required:
+        r.warn("imex is ignored: vgpu does not pass IMEX channels to containers.")
 
 
 def _parse_nvidia(r: _Reader, data: Mapping[str, object]) -> Config:
-    top = r.section(data, "", _NV_TOP_KEYS)
+    top = r.section(data, "", _NV_TOP_KEYS, fold_case=True)
     defaults = Config()
-    if "version" in top:
+    if "version" in top and top["version"] != "":
         r.version(top["version"], "version")
 
-    policy, strategies, pass_specs = _nvidia_flags(r, top.get("flags"))
+    flags = _nvidia_flags_section(r, top.get("flags"))
+    policy, strategies, pass_specs = _nvidia_flags(r, flags)
     device_list = strategies or defaults.allocation.device_list_strategy
     if pass_specs and DeviceListStrategy.DEVICE_SPECS not in device_list:
         device_list = (*device_list, DeviceListStrategy.DEVICE_SPECS)
+    mig_strategy = _nvidia_mig_strategy(r, flags)
+    mps_root = _nvidia_mps_root(r, flags)
 
-    resources = r.section(top.get("resources"), "resources", _NV_RESOURCES_KEYS)
-    for key, value in resources.items():
-        if r.items(value, _join("resources", key)):
-            r.warn(
-                f"resources.{key} is ignored: vgpu advertises every GPU under the one resource"
-                " name of the sharing section.",
-            )
-    if top.get("imex"):
-        r.warn("imex is ignored: vgpu does not pass IMEX channels.")
+    _nvidia_pattern_resources(r, top.get("resources"))
+    _nvidia_imex(r, top.get("imex"))
     health = _nvidia_health(r, top.get("health"))
 
-    mig_strategy = _nvidia_mig_strategy(r, top.get("flags"))
-    sharing = r.section(top.get("sharing"), "sharing", _NV_SHARING_KEYS)
-    time_slicing = _nvidia_replicated(r, sharing.get("timeSlicing"), "sharing.timeSlicing")
-    mps = _nvidia_replicated(r, sharing.get("mps"), "sharing.mps")
-    if time_slicing and mps:
-        r.error(
-            "sharing",
-            "timeSlicing and mps both list resources; vgpu shares GPUs one way, so keep one",
+    sharing = r.section(top.get("sharing"), "sharing", _NV_SHARING_KEYS, fold_case=True)
+    time_slicing = _nvidia_replicated(r, sharing.get("timeSlicing"), "timeSlicing")
+    mps = _nvidia_replicated(r, sharing.get("mps"), "mps")
+    if mps is not None and time_slicing is not None:
+        r.warn(
+            "sharing.timeSlicing is ignored: with sharing.mps, NVIDIA's plugin shares GPUs"
+            " through MPS only, and so does vgpu."
         )
     chosen = mps or time_slicing
-    flags = top.get("flags")
-    mps_root = _nvidia_mps_root(r, flags) if isinstance(flags, dict) else None
-    if mps:
-        r.warn(
-            "sharing.mps: vgpu runs one MPS control daemon for the node, with its pipe directory"
-            " at <mps root>/pipe (not NVIDIA's <mps root>/<resource>/pipe), and does not set"
-            " the GPUs' compute mode to EXCLUSIVE_PROCESS: a process that bypasses MPS still"
-            " reaches the GPU, and the poller enforces its container's limits."
-        )
+    if mps is not None:
+        if mig_strategy is MigStrategy.MIXED:
+            r.error(
+                "flags.migStrategy",
+                '"mixed": ' + _refused("using --mig-strategy=mixed is not supported with MPS"),
+            )
+        _warn_mps(r, mps, mps_root)
     elif mps_root is not None:
         r.warn(
             "flags.mpsRoot is ignored: vgpu runs MPS only for a sharing.mps resource,"
             " and none is listed."
         )
-    resource_name = defaults.resource_name
-    slicing = defaults.slicing
-    mig = MigConfig(strategy=mig_strategy)
-    if not chosen:
+    elif time_slicing is not None and time_slicing.fail_requests_greater_than_one:
         r.warn(
-            "sharing: no timeSlicing or mps resource is listed, so vgpu uses its defaults:"
-            f" {defaults.resource_name} with {DEFAULT_REPLICAS} slices per GPU.",
+            "sharing.timeSlicing.failRequestsGreaterThanOne: true is ignored:"
+            " vgpu accepts requests for several slices and gives the container"
+            " the memory and compute of all of them.",
         )
-    else:
-        resource_name, slicing, mig = _nvidia_resources(r, chosen, mig_strategy)
-
+    resource_name, slicing, mig = _nvidia_resources(
+        r, chosen.resources if chosen else (), mig_strategy
+    )
     return Config(
         resource_name=resource_name,
         slicing=slicing,
@@ -206,62 +350,83 @@ def _parse_nvidia(r: _Reader, data: Mapping[str, object]) -> Config:
             policy=policy or defaults.allocation.policy, device_list_strategy=device_list
         ),
         mps=MpsConfig(
-            enabled=bool(mps),
-            root=(mps_root if mps and mps_root else DEFAULT_MPS_ROOT),
+            enabled=mps is not None,
+            root=mps_root if mps is not None and mps_root else DEFAULT_MPS_ROOT,
         ),
         health=health,
         mig=mig,
+        format=ConfigFormat.NVIDIA,
     )
 
 
+def _warn_mps(r: _Reader, mps: _Sharing, mps_root: str | None) -> None:
+    """What vgpu's MPS does differently from NVIDIA's, said once per file."""
+    root = (
+        ""
+        if mps_root
+        else f" flags.mpsRoot is not set (NVIDIA's chart passes /run/nvidia/mps), so vgpu uses"
+        f" {DEFAULT_MPS_ROOT}."
+    )
+    r.warn(
+        "sharing.mps: vgpu runs one MPS control daemon for the node, with its pipe directory"
+        " at <mps root>/pipe (not NVIDIA's <mps root>/<resource>/pipe), and does not set"
+        " the GPUs' compute mode to EXCLUSIVE_PROCESS: a process that bypasses MPS still"
+        " reaches the GPU, and the poller enforces its container's limits." + root
+    )
+    if mps.fail_requests_greater_than_one is not False:
+        written = (
+            "true"
+            if mps.fail_requests_greater_than_one
+            else "not set, so true (NVIDIA's default with MPS)"
+        )
+        names = ", ".join(sorted({m.advertised for m in mps.resources})) or "a shared resource"
+        r.warn(
+            f"sharing.mps.failRequestsGreaterThanOne: {written}: NVIDIA's plugin refuses a"
+            f" container that asks for more than 1 of {names}; vgpu admits it and gives it the"
+            " memory and compute of every slice it asks for (write"
+            " failRequestsGreaterThanOne: false to say that is what you expect)."
+        )
+
+
 def _nvidia_resources(
-    r: _Reader, resources: Sequence[_NvidiaSharing], strategy: MigStrategy
+    r: _Reader, resources: Sequence[_Replicated], strategy: MigStrategy
 ) -> tuple[str, SlicingConfig, MigConfig]:
-    """The shared resources of NVIDIA's file: one name for full GPUs (`nvidia.com/gpu` or any
-    name that is not a MIG profile's), and with the mixed strategy one `mig-<profile>` name per
-    MIG profile, each with its replicas. With the single strategy the full GPUs' replicas apply to
-    MIG devices too, as in NVIDIA's plugin, where MIG devices are then `nvidia.com/gpu`."""
-    resource_name = DEFAULT_RESOURCE_NAME
-    default = SlicingConfig().default
-    gpu_names: list[str] = []
+    """What NVIDIA's plugin serves: full GPUs as nvidia.com/gpu, whole or with the replicas of a
+    nvidia.com/gpu entry; with the mixed strategy each MIG profile as nvidia.com/mig-<profile>,
+    whole or with its entry's replicas; with the single strategy MIG devices as nvidia.com/gpu,
+    with the full GPUs' replicas. An entry under any other name replicates nothing."""
+    resource_name = NVIDIA_GPU_RESOURCE
+    default = SliceRule(replicas=1)
     overrides: list[SliceOverride] = []
     renames: list[tuple[str, str]] = []
     seen: set[str] = set()
+    gpu_listed = False
     for resource in resources:
-        if resource.base_name is None or resource.resource_name is None:
+        if resource.name in seen:
+            r.error(resource.path, f"{resource.name} is listed twice; keep one entry")
             continue
-        if resource.base_name in seen:
-            r.error(resource.path, f"{resource.base_name} is listed twice; keep one entry")
-            continue
-        seen.add(resource.base_name)
-        if resource.base_name.startswith(MIG_RESOURCE_PREFIX):
-            profile = resource.base_name.removeprefix(MIG_RESOURCE_PREFIX)
-            if strategy is not MigStrategy.MIXED:
-                r.error(
-                    _join(resource.path, "name"),
-                    f"{resource.base_name} names a MIG profile, which is advertised on its own"
-                    f" only with flags.migStrategy: mixed (it is {strategy.value})",
-                )
-                continue
-            if resource.replicas is not None:
-                overrides.append(
-                    SliceOverride(GpuMatch(profile=profile), SliceRule(replicas=resource.replicas))
-                )
-            if resource.resource_name != resource.base_name:
-                renames.append((profile, resource.resource_name))
-            continue
-        gpu_names.append(resource.resource_name)
-        resource_name = resource.resource_name
-        if resource.replicas is not None:
+        seen.add(resource.name)
+        if resource.name == NVIDIA_GPU_RESOURCE:
+            gpu_listed = True
+            resource_name = resource.advertised
             default = SliceRule(replicas=resource.replicas)
-    if len(gpu_names) > 1:
-        r.error(
-            resources[0].path.rpartition("[")[0],
-            f"lists {len(gpu_names)} resources for full GPUs ({', '.join(gpu_names)}); vgpu"
-            " advertises full GPUs under one name, so keep one (MIG profiles may each have"
-            " their own nvidia.com/mig-<profile> entry with flags.migStrategy: mixed)",
-        )
-    if strategy is MigStrategy.SINGLE and gpu_names:
+        elif resource.name.startswith(MIG_RESOURCE_PREFIX) and strategy is MigStrategy.MIXED:
+            profile = resource.name.removeprefix(MIG_RESOURCE_PREFIX)
+            overrides.append(
+                SliceOverride(GpuMatch(profile=profile), SliceRule(replicas=resource.replicas))
+            )
+            if resource.advertised != resource.name:
+                renames.append((profile, resource.advertised))
+        else:
+            served = NVIDIA_GPU_RESOURCE + (
+                " and nvidia.com/mig-<profile>" if strategy is MigStrategy.MIXED else ""
+            )
+            r.warn(
+                f"{resource.path}.name: {resource.name} is ignored: with flags.migStrategy"
+                f" {strategy.value} NVIDIA's plugin serves no device under that name (it serves"
+                f" {served}), so it replicates nothing, and neither does vgpu."
+            )
+    if strategy is MigStrategy.SINGLE and gpu_listed:
         overrides.append(SliceOverride(GpuMatch(profile="*"), default))
     return (
         resource_name,

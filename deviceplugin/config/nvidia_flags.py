@@ -161,18 +161,23 @@ def _nvidia_mps_root(r: _Reader, flags: Mapping[str, object]) -> str | None:
     return _mps_root(r, value, "flags.mpsRoot")
 
 
+def _nvidia_flags_section(r: _Reader, value: object) -> dict[str, object]:
+    """flags, its keys matched ignoring case as NVIDIA's plugin matches them."""
+    return r.section(value, "flags", _NV_FLAGS_KEYS, fold_case=True)
+
+
 def _nvidia_flags(
-    r: _Reader, value: object
+    r: _Reader, flags: Mapping[str, object]
 ) -> tuple[AllocationPolicy | None, tuple[DeviceListStrategy, ...] | None, bool]:
-    """flags: the allocation policy, device list strategies and passDeviceSpecs, where set."""
-    flags = r.section(value, "flags", _NV_FLAGS_KEYS)
+    """flags (as _nvidia_flags_section read it): the allocation policy, device list strategies
+    and passDeviceSpecs, where set."""
     _ignored_settings(r, flags, "flags", _NV_IGNORED_FLAGS)
     gfd = flags.get("gfd")
     if gfd is not None and not isinstance(gfd, dict):
         r.error("flags.gfd", f"expected a mapping, got {_kind(gfd)}")
     elif gfd:
         r.warn("flags.gfd is ignored: it configures gpu-feature-discovery, not vgpu.")
-    plugin = r.section(flags.get("plugin"), "flags.plugin", _NV_PLUGIN_KEYS)
+    plugin = r.section(flags.get("plugin"), "flags.plugin", _NV_PLUGIN_KEYS, fold_case=True)
     _ignored_settings(r, plugin, "flags.plugin", _NV_IGNORED_PLUGIN)
     policy: AllocationPolicy | None = None
     if "sharedDevicesAllocationPolicy" in plugin:
@@ -196,7 +201,7 @@ def _nvidia_health(r: _Reader, value: object) -> HealthConfig:
     vgpu's enabled and ignoredXids; `criticalXIDs` "all" is vgpu's behaviour. A list of critical
     Xids (only those act) and a narrower `eventTypes` are accepted with a warning."""
     path = "health"
-    section = r.section(value, path, _NV_HEALTH_KEYS)
+    section = r.section(value, path, _NV_HEALTH_KEYS, fold_case=True)
     defaults = HealthConfig()
     enabled = defaults.enabled
     if "disabled" in section:
@@ -240,9 +245,8 @@ def _nvidia_health(r: _Reader, value: object) -> HealthConfig:
     return replace(defaults, enabled=enabled, ignored_xids=ignored)
 
 
-def _nvidia_mig_strategy(r: _Reader, value: object) -> MigStrategy:
+def _nvidia_mig_strategy(r: _Reader, flags: Mapping[str, object]) -> MigStrategy:
     """flags.migStrategy (NVIDIA's default: none)."""
-    flags = value if isinstance(value, dict) else {}
     if flags.get("migStrategy") is None:
         return MigStrategy.NONE
     shown = ", ".join(_MIG_STRATEGIES)

@@ -217,14 +217,20 @@ class _Reader:
     value that does not fit and returns None for it. parse_config raises once, at the end."""
 
     def __init__(
-        self, *, null_is_absent: bool = False, top_level_hints: Mapping[str, str] | None = None
+        self,
+        *,
+        null_is_absent: bool = False,
+        top_level_hints: Mapping[str, str] | None = None,
+        lenient_keys: bool = False,
     ) -> None:
         self.problems: list[str] = []
         self.warnings: list[str] = []
         # NVIDIA's files (and its "Running with config" dumps) write unset settings as null.
         self._null_is_absent = null_is_absent
-        # Extra words for an unknown top-level key, by key.
+        # Extra words for an unknown top-level key, by key; such a key is always a problem.
         self._top_level_hints = top_level_hints or {}
+        # NVIDIA's plugin ignores keys it does not know: a warning, not a problem.
+        self._lenient_keys = lenient_keys
 
     def error(self, path: str, message: str) -> None:
         self.problems.append(f"{path or 'top level'}: {message}")
@@ -233,25 +239,48 @@ class _Reader:
         """A finding that does not stop the config from loading; it names its key path."""
         self.warnings.append(sentence)
 
-    def section(self, value: object, path: str, keys: Sequence[str]) -> dict[str, object]:
-        """The known keys of a mapping; unknown keys are problems. A missing or null section is
-        empty."""
+    def section(
+        self, value: object, path: str, keys: Sequence[str], *, fold_case: bool = False
+    ) -> dict[str, object]:
+        """The known keys of a mapping; unknown keys are problems (with lenient_keys, warnings).
+        A missing or null section is empty. fold_case matches keys ignoring case, as Go's
+        encoding/json matches a struct's fields (a key written both ways: the last one wins)."""
         if value is None:
             return {}
         if not isinstance(value, dict):
-            self.error(path, f"expected a mapping with keys {', '.join(keys)}, got {_kind(value)}")
+            refused = " (NVIDIA's plugin refuses it too)" if self._lenient_keys else ""
+            self.error(
+                path, f"expected a mapping with keys {', '.join(keys)}, got {_kind(value)}{refused}"
+            )
             return {}
+        folded = {k.lower(): k for k in keys} if fold_case else {}
         known: dict[str, object] = {}
         for key, item in value.items():
-            if key not in keys:
-                hint = "" if path else self._top_level_hints.get(str(key), "")
-                self.error(
-                    path,
-                    f"unknown key {_show(key)} (expected one of: {', '.join(sorted(keys))}){hint}",
+            name = key if key in keys else folded.get(str(key).lower()) if fold_case else None
+            if name is None:
+                self._unknown_key(path, key, keys)
+                continue
+            if name != key:
+                self.warn(
+                    f"{_join(path, str(key))}: read as {name}, as NVIDIA's plugin reads it"
+                    " (it matches these keys ignoring case)."
                 )
-            elif not (self._null_is_absent and item is None):
-                known[key] = item
+            if self._null_is_absent and item is None:
+                known.pop(name, None)
+            else:
+                known[name] = item
         return known
+
+    def _unknown_key(self, path: str, key: object, keys: Sequence[str]) -> None:
+        expected = f"expected one of: {', '.join(sorted(keys))}"
+        hint = "" if path else self._top_level_hints.get(str(key), "")
+        if self._lenient_keys and not hint:
+            self.warn(
+                f"{_join(path, str(key))} is ignored: NVIDIA's plugin does not read this key,"
+                f" and neither does vgpu ({expected})."
+            )
+            return
+        self.error(path, f"unknown key {_show(key)} ({expected}){hint}")
 
     def integer(
         self, value: object, path: str, minimum: int, maximum: int | None = None

@@ -10,8 +10,8 @@ parser without its schema fails them.
 Durations and sizes are strings with a unit, which JSON Schema cannot compare: their bounds
 travel as `x-minimumSeconds`, `x-maximumSeconds` and `x-minimumBytes` and are enforced by the
 parser (`check-config`). NVIDIA
-k8s-device-plugin's format (a file with a top-level `sharing` or `flags`) is described at its top
-level only; `check-config` checks it in full.
+k8s-device-plugin's format (a file with a top-level `flags`, `sharing`, `resources` or `imex`) is
+described at its top level only; `check-config` checks it in full.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ Schema = dict[str, Any]
 # NVIDIA's names for the allocation policies, accepted as synonyms.
 _POLICY_SYNONYMS = ("packed", "distributed")
 _NVIDIA_TOP_KEYS = ("version", "flags", "resources", "sharing", "imex", "health")
+# Any of these makes a file NVIDIA's (the parser also matches them ignoring case, as Go does).
+_NVIDIA_ONLY_TOP_KEYS = ("flags", "sharing", "resources", "imex")
 
 _DURATION_PATTERN = (
     r"^\s*(\+?((\d+(\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h))+|[+-]?(0+(\.0*)?|\.0+))\s*$"
@@ -364,11 +366,16 @@ def _vgpu_schema() -> Schema:
 
 def config_schema() -> Schema:
     """The JSON Schema (draft 2020-12) of a config file, as JSON data."""
+    vgpu_only = [k for k in _vgpu_schema()["properties"] if k not in _NVIDIA_TOP_KEYS]
     nvidia = {
         "type": "object",
-        "description": "NVIDIA k8s-device-plugin's format (check-config checks it in full).",
-        "properties": {key: {} for key in _NVIDIA_TOP_KEYS},
-        "additionalProperties": False,
+        "description": "NVIDIA k8s-device-plugin's format, read as NVIDIA's plugin reads it"
+        " (check-config checks it in full). Keys NVIDIA's plugin does not know are ignored with"
+        " a warning, as it ignores them; vgpu's own keys are refused.",
+        "properties": {
+            **{key: {} for key in _NVIDIA_TOP_KEYS},
+            **dict.fromkeys(vgpu_only, False),
+        },
     }
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -377,7 +384,7 @@ def config_schema() -> Schema:
         "$defs": {"vgpu": _vgpu_schema(), "nvidia": nvidia},
         "if": {
             "type": "object",
-            "anyOf": [{"required": ["sharing"]}, {"required": ["flags"]}],
+            "anyOf": [{"required": [key]} for key in _NVIDIA_ONLY_TOP_KEYS],
         },
         "then": {"$ref": "#/$defs/nvidia"},
         "else": {"$ref": "#/$defs/vgpu"},

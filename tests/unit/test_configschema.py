@@ -297,3 +297,18 @@ def test_nvidia_files_are_told_apart_and_validate() -> None:
 def test_an_empty_file_is_valid_for_both() -> None:
     assert parser_accepts(None)
     assert schema_accepts(None)
+
+
+@pytest.mark.parametrize(
+    "nvidia",
+    [
+        {"imex": {"channelIDs": [0]}},
+        {"resources": {"gpus": [{"pattern": "*", "name": "gpu"}]}},
+        {"version": "v1", "flags": {"migStrategy": "none"}, "unknownToNvidia": 1},
+    ],
+)
+def test_every_nvidia_only_key_tells_the_formats_apart_in_both(nvidia: dict[str, object]) -> None:
+    assert parser_accepts(nvidia)
+    assert schema_accepts(nvidia)
+    assert not parser_accepts({**nvidia, "nodeLabels": {"path": ""}})
+    assert not schema_accepts({**nvidia, "nodeLabels": {"path": ""}})

@@ -167,16 +167,16 @@ def test_nvidia_file_with_mig_strategy_and_several_resources() -> None:
     config = parse_config(yaml.safe_load(NVIDIA_MIXED))
     assert config.resource_name == "nvidia.com/gpu"
     assert config.slicing.default == SliceRule(replicas=4)
-    assert config.mig == MigConfig(
-        strategy=MigStrategy.MIXED, renames=(("3g.40gb", "nvidia.com/big-slice"),)
-    )
+    # NVIDIA's plugin ignores rename, with a warning: the profile keeps its own name.
+    assert config.mig == MigConfig(strategy=MigStrategy.MIXED)
     plans = {p.gpu.uuid: p for p in plan_gpus(NODE, config.slicing, mig=config.mig)}
     assert (plans["MIG-2"].resource_name, plans["MIG-2"].replicas) == (
         "nvidia.com/mig-1g.10gb",
         2,
     )
-    assert (plans["MIG-1"].resource_name, plans["MIG-1"].replicas) == ("nvidia.com/big-slice", 3)
-    assert config.warnings == ()
+    assert (plans["MIG-1"].resource_name, plans["MIG-1"].replicas) == ("nvidia.com/mig-3g.40gb", 3)
+    assert [w.split(":")[0] for w in config.warnings] == ["sharing.timeSlicing.resources"]
+    assert "rename is ignored" in config.warnings[0]
 
 
 def test_nvidia_single_strategy_slices_mig_devices_like_gpus() -> None:
@@ -197,12 +197,6 @@ def test_nvidia_single_strategy_slices_mig_devices_like_gpus() -> None:
     ("text", "problem"),
     [
         (
-            "flags: {migStrategy: single}\n"
-            "sharing: {timeSlicing: {resources: [{name: mig-1g.10gb, replicas: 2}]}}",
-            "sharing.timeSlicing.resources[0].name: nvidia.com/mig-1g.10gb names a MIG profile,"
-            " which is advertised on its own only with flags.migStrategy: mixed (it is single)",
-        ),
-        (
             "sharing: {timeSlicing: {resources: [{name: a, replicas: 2}, {name: a, replicas: 3}]}}",
             "sharing.timeSlicing.resources[1]: nvidia.com/a is listed twice; keep one entry",
         ),
@@ -212,6 +206,22 @@ def test_nvidia_mig_resources_that_cannot_be_served(text: str, problem: str) -> 
     with pytest.raises(ConfigError) as e:
         parse_config(yaml.safe_load(text))
     assert e.value.problems == [problem]
+
+
+def test_an_nvidia_mig_resource_without_the_mixed_strategy_replicates_nothing() -> None:
+    # NVIDIA's plugin serves no nvidia.com/mig-<profile> with the single strategy: the entry
+    # matches no device, and the MIG devices are nvidia.com/gpu, whole.
+    config = parse_config(
+        yaml.safe_load(
+            "flags: {migStrategy: single}\n"
+            "sharing: {timeSlicing: {resources: [{name: mig-1g.10gb, replicas: 2}]}}"
+        )
+    )
+    assert config.slicing == SlicingConfig(SliceRule(replicas=1))
+    (warning,) = config.warnings
+    assert warning.startswith(
+        "sharing.timeSlicing.resources[0].name: nvidia.com/mig-1g.10gb is ignored"
+    )
 
 
 # --- fake state file ---------------------------------------------------------------------
