@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import textwrap
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,8 @@ from deviceplugin.config import (
     parse_config,
 )
 from deviceplugin.errors import ConfigError
+from tests.blackbox.daemon_harness import TWO_GPUS, Node, registered
+from tests.blackbox.test_enforcement_daemon import Serve
 
 CORPUS = Path(__file__).resolve().parents[1] / "nvidia_configs"
 GPU = "nvidia.com/gpu"
@@ -615,3 +618,36 @@ def test_a_vgpu_file_gets_no_nvidia_lines(tmp_path: Path) -> None:
     lines = check(path)
 
     assert not any("NVIDIA's" in line or "k8s-device-plugin" in line for line in lines)
+
+
+# --- serve with an NVIDIA file and the daemon's flags -------------------------------------------
+
+
+@pytest.fixture
+async def two_gpu_node(short_tmp: Path) -> AsyncIterator[Node]:
+    node = Node(short_tmp, TWO_GPUS)
+    await node.sim.start()
+    try:
+        yield node
+    finally:
+        await node.sim.stop()
+
+
+@pytest.mark.parametrize(
+    ("name", "resource", "per_gpu"),
+    [("readme-flags-only.yaml", GPU, 1), ("tab-indented.json", GPU, 2)],
+)
+async def test_serve_with_an_unchanged_nvidia_file_serves_what_nvidias_plugin_serves(
+    two_gpu_node: Node, name: str, resource: str, per_gpu: int
+) -> None:
+    serve = Serve(two_gpu_node, (CORPUS / name).read_text())
+    try:
+        await serve.start()
+        await registered(two_gpu_node, 2 * per_gpu, resource)
+        pod = await two_gpu_node.sim.admit_pod("p", [("c", 1)], resource_name=resource)
+        (grant,) = pod.containers
+        assert len(grant.device_ids) == 1
+        code, err = await serve.stop()
+        assert code == 0, err
+    finally:
+        await serve.kill_if_running()
