@@ -199,7 +199,9 @@ def _nvidia_replicated(r: _Reader, value: object, kind: str) -> _Sharing | None:
     renamed = customised_devices = False
     for i, item in enumerate(items):
         item_path = f"{resources_path}[{i}]"
-        resource = r.section(item, item_path, _NV_RESOURCE_KEYS)
+        # NVIDIA's plugin reads a null name, replicas, rename or devices as an empty value,
+        # which it refuses: not as an absent one.
+        resource = r.section(item, item_path, _NV_RESOURCE_KEYS, keep_null=True)
         if not isinstance(item, dict):
             continue
         name: str | None = None
@@ -240,6 +242,9 @@ def _nvidia_replicated(r: _Reader, value: object, kind: str) -> _Sharing | None:
 
 
 def _nvidia_replicas(r: _Reader, value: object, path: str) -> int | None:
+    # NVIDIA's plugin turns YAML into JSON first, where 2.0 is written 2: a whole float is read.
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         r.error(path, f"{_show(value)} is not an integer")
         return None
@@ -313,7 +318,14 @@ def _parse_nvidia(r: _Reader, data: Mapping[str, object]) -> Config:
     _nvidia_imex(r, top.get("imex"))
     health = _nvidia_health(r, top.get("health"))
 
+    # timeSlicing: null is an empty section to NVIDIA's plugin (mps: null is an absent one).
     sharing = r.section(top.get("sharing"), "sharing", _NV_SHARING_KEYS, fold_case=True)
+    raw_sharing = top.get("sharing")
+    null_time_slicing = isinstance(raw_sharing, dict) and any(
+        str(k).lower() == "timeslicing" and v is None for k, v in raw_sharing.items()
+    )
+    if null_time_slicing and "timeSlicing" not in sharing:
+        sharing["timeSlicing"] = {}
     time_slicing = _nvidia_replicated(r, sharing.get("timeSlicing"), "timeSlicing")
     mps = _nvidia_replicated(r, sharing.get("mps"), "mps")
     if mps is not None and time_slicing is not None:

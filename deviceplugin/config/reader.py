@@ -240,11 +240,19 @@ class _Reader:
         self.warnings.append(sentence)
 
     def section(
-        self, value: object, path: str, keys: Sequence[str], *, fold_case: bool = False
+        self,
+        value: object,
+        path: str,
+        keys: Sequence[str],
+        *,
+        fold_case: bool = False,
+        keep_null: bool = False,
     ) -> dict[str, object]:
         """The known keys of a mapping; unknown keys are problems (with lenient_keys, warnings).
         A missing or null section is empty. fold_case matches keys ignoring case, as Go's
-        encoding/json matches a struct's fields (a key written both ways: the last one wins)."""
+        encoding/json matches a struct's fields (a key written both ways: the last one wins).
+        keep_null keeps a null value where null_is_absent would drop it (NVIDIA's plugin reads
+        null as an empty value, not as an absent one, in some places)."""
         if value is None:
             return {}
         if not isinstance(value, dict):
@@ -265,7 +273,7 @@ class _Reader:
                     f"{_join(path, str(key))}: read as {name}, as NVIDIA's plugin reads it"
                     " (it matches these keys ignoring case)."
                 )
-            if self._null_is_absent and item is None:
+            if self._null_is_absent and item is None and not keep_null:
                 known.pop(name, None)
             else:
                 known[name] = item

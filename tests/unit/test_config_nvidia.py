@@ -99,6 +99,7 @@ CASES: dict[str, Meaning] = {
         warnings=(f"{TS0}.name: nvidia.com/valid1 is ignored", f"{TS}.resources[1].name")
     ),
     "running-config-dump.json": Meaning(replicas=4, warnings=("resources is ignored",)),
+    "replicas-whole-float.yaml": Meaning(replicas=2),
     "rename-gpu.yaml": Meaning(replicas=4, warnings=(f"{TS}.resources: rename is ignored",)),
     "rename-is-the-default-shared-name.yaml": Meaning(resource=f"{GPU}.shared", replicas=2),
     "devices-all.yaml": Meaning(replicas=2),
@@ -139,6 +140,9 @@ CASES: dict[str, Meaning] = {
     "time-slicing-empty.yaml": refused((TS, "no resources specified")),
     "time-slicing-resources-empty.yaml": refused((f"{TS}.resources", "no resources specified")),
     "mps-empty.yaml": refused(("sharing.mps", "no resources specified")),
+    "time-slicing-null.yaml": refused((TS, "no resources specified")),
+    "replicas-fraction.yaml": refused((f"{TS0}.replicas", "2.5 is not an integer")),
+    "devices-null.yaml": refused((f"{TS0}.devices", "unrecognized type for devices spec")),
     "top-level-resources-list.yaml": refused(("resources", "expected a mapping")),
     "resources-without-pattern.yaml": refused(
         ("resources.gpus[0]", "resources must have a 'pattern' field set")
