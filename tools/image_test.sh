@@ -182,6 +182,13 @@ step "built $IMAGE ($((size / 1024 / 1024)) MiB)"
     { cat "$WORK/inspect.log" >&2; fail "the image has a compiler, a pip cache or build files"; }
 step "image holds no compiler, cache or build files: $(tail -1 "$WORK/inspect.log")"
 
+# NVIDIA's config files are read through libyaml, as NVIDIA's plugin reads them (tab-indented JSON
+# included): PyYAML in the image must have its C loader.
+"${PODMAN[@]}" run --rm "${ULIMITS[@]}" --network none --entrypoint /opt/vgpu/bin/python "$IMAGE" \
+    -c 'import yaml; assert yaml.__with_libyaml__, "PyYAML without libyaml"' \
+    >"$WORK/libyaml.log" 2>&1 || { cat "$WORK/libyaml.log" >&2; fail "PyYAML has no libyaml"; }
+step "PyYAML in the image has libyaml"
+
 # --- run it as the DaemonSet does -----------------------------------------------------------------
 NODE=$WORK/node
 mkdir -p "$NODE/device-plugins" "$NODE/pod-resources" "$NODE/state" "$NODE/fake" "$NODE/features.d"
