@@ -235,7 +235,15 @@ def _nvidia_health(r: _Reader, value: object) -> HealthConfig:
         if isinstance(critical, str) and critical.lower() == "all":
             pass
         elif isinstance(critical, list):
-            if r.xids(critical, critical_path):
+            listed = r.xids(critical, critical_path)
+            both = [x for x in listed or () if "ignoredXIDs" in section and x in ignored]
+            if both:
+                r.error(
+                    critical_path,
+                    f"NVIDIA's plugin refuses it (XID {both[0]} is in both ignored and critical"
+                    " lists)",
+                )
+            elif listed:
                 r.warn(
                     f"{critical_path}: a list is ignored: vgpu treats every Xid that is not in"
                     " ignoredXIDs as critical."

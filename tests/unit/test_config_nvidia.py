@@ -542,6 +542,11 @@ NVIDIA_ERRORS = [
     ("flags: {}\nhealth: {criticalXIDs: some}", "health.criticalXIDs", '"some"'),
     ("flags: {}\nhealth: {criticalXIDs: [0]}", "health.criticalXIDs[0]", "0 is too small"),
     ("flags: {}\nhealth: {eventTypes: [Xid]}", "health.eventTypes[0]", '"Xid"'),
+    (
+        "flags: {}\nhealth: {ignoredXIDs: [13, 79], criticalXIDs: [48, 79]}",
+        "health.criticalXIDs",
+        "XID 79 is in both ignored and critical lists",
+    ),
     ("imex: {channelIDs: [x]}", "imex.channelIDs[0]", '"x"'),
     ("imex: {required: maybe}", "imex.required", '"maybe"'),
 ]
