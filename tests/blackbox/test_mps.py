@@ -111,7 +111,7 @@ async def test_starts_the_control_daemon_with_one_slice_per_gpu(node: Node) -> N
     async with running_daemon(node, mps_config(node)) as daemon:
         await registered(node, 8)
         runs = [r for r in records(node) if r["event"] == "run"]
-        assert runs[0]["argv"] == ["-d"]
+        assert runs[0]["argv"] == ["-f"]
         assert runs[0]["env"] == {
             "CUDA_MPS_PIPE_DIRECTORY": str(mps_root(node) / "pipe"),
             "CUDA_MPS_LOG_DIRECTORY": str(mps_root(node) / "log"),
@@ -190,7 +190,7 @@ async def test_a_dead_control_daemon_is_started_again_with_its_defaults(node: No
         assert status.pid == second
         # Its settings died with it: they are set again.
         assert commands(node) == one_slice_defaults() * 2
-        starts = [r for r in records(node) if r["event"] == "run" and r["argv"] == ["-d"]]
+        starts = [r for r in records(node) if r["event"] == "run" and r["argv"] == ["-f"]]
         assert len(starts) == 2
 
         assert daemon.http is not None
@@ -257,7 +257,7 @@ async def test_a_failed_start_stops_the_daemon_and_still_sends_quit(node: Node) 
     finally:
         backend.close()
     runs = [r for r in records(node) if r["event"] == "run"]
-    assert [r["argv"] for r in runs] == [["-d"], []]
+    assert [r["argv"] for r in runs] == [["-f"], []]
     assert runs[1]["stdin"] == "quit\n"
     assert not node.sim.is_registered("nvidia.com/vgpu")
 
@@ -301,7 +301,9 @@ async def test_a_control_daemon_left_running_is_taken_over(node: Node) -> None:
         assert status is not None
         assert status.up
         assert status.pid == orphan
-    assert [r["argv"] for r in records(node) if r["event"] == "run"].count(["-d"]) == 1
+    argvs = [r["argv"] for r in records(node) if r["event"] == "run"]
+    assert argvs.count(["-d"]) == 1
+    assert ["-f"] not in argvs
     assert commands(node)[-1] == "quit"
     assert not alive(orphan)
 
