@@ -160,7 +160,7 @@ async def test_allocate_hands_containers_the_pipe_directory_and_shared_memory(
         grant = (await node.sim.admit_pod("p", [("c", 2)])).containers[0]
     pipe = str(mps_root(node) / "pipe")
     assert grant.envs["CUDA_MPS_PIPE_DIRECTORY"] == pipe
-    assert (pipe, pipe, False) in grant.mounts
+    assert (pipe, pipe, True) in grant.mounts
     assert ("/dev/shm", str(mps_root(node) / "shm"), False) in grant.mounts
     # Two slices of one GPU: the container's own limits, besides the control daemon's defaults.
     assert grant.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
