@@ -97,6 +97,10 @@ class MpsCommandError(Exception):
     """A run of the control command failed; the message says how."""
 
 
+class MpsPathError(MpsCommandError):
+    """The MPS directories cannot be made safely: nothing was started, nothing is sent."""
+
+
 def _stat_fields(pid: int) -> list[str] | None:
     """/proc/<pid>/stat's fields after the command name (the state is [0], start time [19])."""
     try:
@@ -297,11 +301,23 @@ class MpsControlDaemon:
         return process.pid if process is not None and process.alive() else None
 
     def _pid_file(self) -> int | None:
+        """The PID in the PID file: a regular file, read without following a symlink or
+        blocking on a FIFO, at most 64 bytes."""
         try:
-            with open(self.pipe_directory / PID_FILE, "rb") as f:
-                return int(f.read(64).strip())
+            fd = os.open(
+                self.pipe_directory / PID_FILE,
+                os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+            )
+        except OSError:
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            return int(os.read(fd, 64).strip())
         except (OSError, ValueError):
             return None
+        finally:
+            os.close(fd)
 
     def _set_status(self, *, up: bool, pid: int | None = None, error: str = "") -> None:
         old = self.status
@@ -338,7 +354,7 @@ class MpsControlDaemon:
                 if not handle.created:
                     self._check_existing(directory, handle.fd, mode)
         except OSError as e:
-            raise MpsCommandError(
+            raise MpsPathError(
                 f"cannot create the MPS directories under {self.root}: {e.strerror or e}; "
                 "set mps.root to a directory without symbolic links in its path (the "
                 "DaemonSet's MPS component mounts it)"
@@ -480,9 +496,15 @@ class MpsControlDaemon:
         PID. Raises MpsCommandError."""
         self._attempted = True
         self._prepare_directories()
-        process = self._take_over()
-        if process is None:
-            process = self._spawn()
+        try:
+            process = self._take_over()
+            if process is None:
+                process = self._spawn()
+        except OSError as e:
+            raise MpsCommandError(
+                f"cannot start the MPS control daemon in {self.root}: {e.strerror or e}"
+            ) from e
+        if process.child is not None:
             self._process = process
             deadline = time.monotonic() + SETTLE_TIMEOUT_S
             while self._pid_file() != process.pid:
@@ -586,7 +608,10 @@ class MpsControlDaemon:
                 pid = self._start_once(defaults)
             except MpsCommandError as e:
                 self._set_status(up=False, error=str(e))
-                self._quit()
+                if not isinstance(e, MpsPathError):
+                    # No quit to a pipe directory that could not be made safely: the control
+                    # program would follow the symlink there.
+                    self._quit()
                 self._attempted = False
                 raise StartupError(f"cannot start the MPS control daemon: {e}") from e
             self._set_status(up=True, pid=pid)

@@ -56,7 +56,13 @@ def records(node: Node) -> list[dict[str, Any]]:
 
 
 def commands(node: Node) -> list[str]:
-    return [r["command"] for r in records(node) if r["event"] == "command"]
+    """The commands the control daemon was sent, but the reads of its defaults that the
+    supervisor makes at every check."""
+    return [
+        r["command"]
+        for r in records(node)
+        if r["event"] == "command" and not r["command"].startswith("get_default_")
+    ]
 
 
 def control_pid(node: Node) -> int | None:
