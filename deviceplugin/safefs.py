@@ -80,18 +80,3 @@ def _open_child(name: str, parent: int, walked: PurePosixPath) -> int:
         if e.errno in (errno.ELOOP, errno.ENOTDIR):
             raise UnsafePathError(e.errno, f"{walked} is a symbolic link or not a directory") from e
         raise
-
-
-def valid_file_name(name: str) -> str | None:
-    """Why `name` cannot be a file name chosen by config (a name, not a path), or None."""
-    if not name:
-        return "is empty"
-    if "/" in name or "\0" in name:
-        return "is a path, not a file name (no / allowed)"
-    if name in (".", "..") or name.startswith("."):
-        return "starts with a dot (hidden names are the daemon's temporary files)"
-    if len(name) > 200:
-        return "is longer than 200 characters"
-    if not all(c.isalnum() or c in "-_." for c in name) or not name.isascii():
-        return "has characters other than letters, digits, '-', '_' and '.'"
-    return None
