@@ -96,7 +96,7 @@ mps:
   enabled: {"true" if d.mps.enabled else "false"}
   # The MPS pipe (<root>/pipe), log (<root>/log) and shared memory (<root>/shm) directories.
   root: {d.mps.root}
-  # The MPS control program, started with -d and sent its commands on stdin.
+  # The MPS control program, run with -f as the daemon's child and sent commands on stdin.
   controlCommand: {d.mps.control_command}
 
 health:

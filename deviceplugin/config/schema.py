@@ -283,7 +283,7 @@ def _vgpu_schema() -> Schema:
                 "default": d.mps.root,
             },
             "controlCommand": {
-                "description": "The MPS control command, started with -d.",
+                "description": "The MPS control command, run with -f (in the foreground).",
                 "type": "string",
                 "minLength": 1,
                 "not": {"pattern": r"^\s*$"},
