@@ -136,6 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"stopped (default: {DEFAULT_STATE_DIR}; env VGPU_STATE_DIR)",
     )
     serve.add_argument(
+        "--node-features-dir",
+        metavar="DIR",
+        default=_env("VGPU_NODE_FEATURES_DIR", ""),
+        help="node feature discovery's features.d directory: the only place node labels "
+        "(nodeLabels.file) are written (default: none, no node labels; env "
+        "VGPU_NODE_FEATURES_DIR)",
+    )
+    serve.add_argument(
         "--node-name",
         metavar="NAME",
         default=_env("NODE_NAME", ""),
@@ -260,6 +268,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             pod_resources_socket=Path(args.pod_resources_socket).absolute(),
             metrics_address=args.metrics_address,
             state_dir=Path(args.state_dir).absolute(),
+            node_features_dir=Path(args.node_features_dir).absolute()
+            if args.node_features_dir
+            else None,
             node_name=args.node_name,
             trust_host_processes=args.trust_host_processes,
         )

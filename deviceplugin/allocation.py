@@ -275,10 +275,11 @@ def build_container_allocation(
             for uuid in uuids
         )
     if mps.enabled:
-        # Read-write, as the MPS client connects to the control daemon's socket in the pipe
-        # directory and shares memory with the MPS server through /dev/shm.
+        # The pipe directory read-only: the MPS client connects to sockets there (which needs
+        # no write access to the mount), and a pod must not replace the control daemon's files.
+        # /dev/shm read-write: the client shares memory with the MPS server through it.
         pipe = mps_pipe_directory(mps.root)
-        mounts.append(MountSpec(container_path=pipe, host_path=pipe, read_only=False))
+        mounts.append(MountSpec(container_path=pipe, host_path=pipe, read_only=True))
         mounts.append(
             MountSpec(
                 container_path=MPS_SHM_CONTAINER_PATH,

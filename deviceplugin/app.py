@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -76,6 +77,9 @@ class DaemonSettings:
     # The file `config` was read from, watched for changes and read again on SIGHUP; None for
     # the built-in defaults (nothing to reload).
     config_path: Path | None = None
+    # The node feature discovery features directory: the only place node labels are written;
+    # None: nowhere.
+    node_features_dir: Path | None = None
     config_hash: str = ""
     # Let a process outside every pod cgroup keep its claimed allocation: only for workloads
     # that are not in pods (the demo, tests); `serve` refuses it outside a fake backend.
@@ -250,10 +254,32 @@ class Daemon:
         )
 
     def _make_node_labels(self, cfg: Config) -> NodeLabelFile | None:
-        if not cfg.node_labels.path:
+        """The feature file, only ever in the directory the daemon was started with."""
+        name = cfg.node_labels.file
+        directory = self.settings.node_features_dir
+        if not name:
+            return None
+        if directory is None:
+            log.error(
+                "node labels are not written: the config asks for nodeLabels.file %s, but the "
+                "daemon was started without --node-features-dir (VGPU_NODE_FEATURES_DIR)",
+                name,
+            )
+            return None
+        legacy = cfg.node_labels.legacy_directory
+        if legacy and os.path.normpath(legacy) != os.path.normpath(directory):
+            log.error(
+                "node labels are not written: nodeLabels.path names the directory %s, but this "
+                "daemon writes node labels only in its --node-features-dir %s; set "
+                "nodeLabels.file: %s instead",
+                legacy,
+                directory,
+                name,
+            )
             return None
         return NodeLabelFile(
-            Path(cfg.node_labels.path),
+            directory,
+            name,
             mig_strategy=cfg.mig.strategy.value,
             resource_name=cfg.resource_name,
         )

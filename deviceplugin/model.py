@@ -359,6 +359,9 @@ class MpsStatus:
     pipe_directory: str = ""
     # Why it is down, or why the last start or command failed; "" when all is well.
     error: str = ""
+    # Changes made through the control socket behind the daemon's back, each undone: (what,
+    # count), what being pinned_mem_limit, active_thread_percentage or quit.
+    drift_total: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,23 +3,29 @@
 NFD's worker reads every file in `/etc/kubernetes/node-feature-discovery/features.d/` on the node
 (its `local` source) and turns each `name=value` line into a node label; GPU feature discovery
 publishes NVIDIA's `nvidia.com/gpu.*` labels the same way. The daemon keeps one such file
-(`nodeLabels.path`) in step with its slice inventory, so that autoscalers and schedulers can
-select nodes by their slices while the daemon itself holds no API token.
+(`nodeLabels.file`, a name) in step with its slice inventory, so that autoscalers and schedulers
+can select nodes by their slices while the daemon itself holds no API token.
 
-The file is rewritten only when its content changes, and atomically: the new content goes to a
-hidden file beside it (NFD skips names that start with a dot, since v0.15), which then replaces
-the old one by a rename. A reader sees the old file or the new one, never half of either.
+The file lives only in the features directory the daemon was started with
+(`--node-features-dir`), never anywhere a config names. It is rewritten only when its content
+changes, and atomically: the new content goes to a hidden file of a random name beside it (NFD
+skips names that start with a dot, since v0.15), created exclusively without following a
+symlink, which then replaces the old one by a rename. A reader sees the old file or the new
+one, never half of either. Only the file the daemon wrote is ever removed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
+import secrets
 from pathlib import Path
 
 from deviceplugin.model import Inventory
+from deviceplugin.safefs import open_directory
 from deviceplugin.state import Published
 
 log = logging.getLogger(__name__)
@@ -76,35 +82,63 @@ def feature_file(labels: dict[str, str]) -> str:
     return "".join(f"{name}={value}\n" for name, value in labels.items())
 
 
-def write_atomically(path: Path, content: str) -> None:
-    """Replace `path` with `content` by a rename from a hidden file in the same directory.
+def write_atomically(directory: Path, name: str, content: str) -> tuple[int, int]:
+    """Replace the file `name` in `directory` with `content`; the (device, inode) written.
 
-    Mode 0644: NFD's worker may run as another user, and node labels are public anyway."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    The directory is opened without following a symlink (and made when missing); the content
+    goes to a new hidden file of a random name, created with O_EXCL | O_NOFOLLOW in that open
+    directory, which is then renamed over `name`: whatever was at `name` (a symlink included)
+    is replaced, never written through. Mode 0644: NFD's worker may run as another user, and
+    node labels are public anyway."""
+    handle = open_directory(str(directory), create=True)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(content)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(temporary, 0o644)  # the daemon's umask would leave it owner-only
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+        temporary = f".{name}.{secrets.token_hex(8)}.tmp"
+        fd = os.open(
+            temporary,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o644,
+            dir_fd=handle.fd,
+        )
+        try:
+            try:
+                os.fchmod(fd, 0o644)  # the daemon's umask would leave it owner-only
+                os.write(fd, content.encode())
+                os.fsync(fd)
+                written = os.fstat(fd)
+            finally:
+                os.close(fd)
+            os.rename(temporary, name, src_dir_fd=handle.fd, dst_dir_fd=handle.fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary, dir_fd=handle.fd)
+            raise
+    finally:
+        os.close(handle.fd)
+    return written.st_dev, written.st_ino
 
 
 class NodeLabelFile:
-    """Keeps the feature file at `path` in step with the published inventory."""
+    """Keeps the feature file `name` in `directory` (the node features directory the daemon
+    was started with) in step with the published inventory."""
 
     def __init__(
-        self, path: Path, *, mig_strategy: str = "none", resource_name: str | None = None
+        self,
+        directory: Path,
+        name: str,
+        *,
+        mig_strategy: str = "none",
+        resource_name: str | None = None,
     ) -> None:
-        self.path = path
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"{name!r} is not a feature file name")
+        self.directory = directory
+        self.name = name
+        self.path = directory / name
         self._mig_strategy = mig_strategy
         self._resource_name = resource_name
         self._written: str | None = None
+        # The file this daemon wrote last, by (device, inode): the only one remove() deletes.
+        self._identity: tuple[int, int] | None = None
         self._failing = False
 
     def update(self, inventory: Inventory) -> bool:
@@ -118,7 +152,7 @@ class NodeLabelFile:
         if content == self._written:
             return False
         try:
-            write_atomically(self.path, content)
+            self._identity = write_atomically(self.directory, self.name, content)
         except OSError as e:
             if not self._failing:
                 log.warning(
@@ -141,10 +175,27 @@ class NodeLabelFile:
         return True
 
     def remove(self) -> None:
-        """Remove the file (a reload moved it or turned node labels off): NFD then drops its
-        labels. Never raises; a failure is logged."""
+        """Remove the file (a reload renamed it or turned node labels off): NFD then drops its
+        labels. Only the file this daemon wrote is removed: a file that has been replaced since
+        (another inode, a symlink) is left alone. Never raises; a failure is logged."""
+        if self._identity is None:
+            return
         try:
-            self.path.unlink(missing_ok=True)
+            handle = open_directory(str(self.directory), create=False)
+            try:
+                st = os.stat(self.name, dir_fd=handle.fd, follow_symlinks=False)
+                if (st.st_dev, st.st_ino) != self._identity:
+                    log.warning(
+                        "the node feature file is not the one this daemon wrote; left in place "
+                        "path=%s",
+                        self.path,
+                    )
+                    return
+                os.unlink(self.name, dir_fd=handle.fd)
+            finally:
+                os.close(handle.fd)
+        except FileNotFoundError:
+            pass
         except OSError as e:
             log.warning(
                 "cannot remove the old node feature file path=%s error=%s",
@@ -153,6 +204,7 @@ class NodeLabelFile:
             )
             return
         self._written = None
+        self._identity = None
         log.info("node feature file removed path=%s", self.path)
 
     async def run(self, inventory: Published[Inventory], stop: asyncio.Event) -> None:

@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from deviceplugin.config import NFD_FEATURE_FILE, default_config_yaml
+from deviceplugin.config import NFD_FEATURE_NAME, default_config_yaml
 
 DEPLOY = Path(__file__).resolve().parent.parent / "daemonset"
 CONFIG = DEPLOY / "base" / "config.yaml"
@@ -37,7 +37,7 @@ def readme_with(readme: str, config: str) -> str:
 
 def mps_config_yaml() -> str:
     """The MPS component's config: the DaemonSet's (node labels included) with MPS on."""
-    config = default_config_yaml(node_labels_path=NFD_FEATURE_FILE)
+    config = default_config_yaml(node_labels_file=NFD_FEATURE_NAME)
     off = "mps:\n"
     head, found, tail = config.partition(off)
     enabled = "  enabled: false\n"
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="write or check daemonset/base/config.yaml")
     parser.add_argument("--check", action="store_true", help="exit 1 if a file is stale")
     args = parser.parse_args(argv)
-    config = default_config_yaml(node_labels_path=NFD_FEATURE_FILE)
+    config = default_config_yaml(node_labels_file=NFD_FEATURE_NAME)
     readme = README.read_text()
     wanted = {
         CONFIG: config,

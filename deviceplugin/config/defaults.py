@@ -15,10 +15,10 @@ from deviceplugin.config.reader import (
 )
 
 
-def default_config_yaml(*, node_labels_path: str = "") -> str:
+def default_config_yaml(*, node_labels_file: str = "") -> str:
     """The full default config as commented YAML, for the DaemonSet's ConfigMap and the docs.
-    It parses back to Config(), but for `nodeLabels.path` when given (the DaemonSet's config sets
-    it to NFD_FEATURE_FILE)."""
+    It parses back to Config(), but for `nodeLabels.file` when given (the DaemonSet's config sets
+    it to NFD_FEATURE_NAME)."""
     d = Config()
     e = d.enforcement
     replicas = d.slicing.default.replicas
@@ -96,7 +96,7 @@ mps:
   enabled: {"true" if d.mps.enabled else "false"}
   # The MPS pipe (<root>/pipe), log (<root>/log) and shared memory (<root>/shm) directories.
   root: {d.mps.root}
-  # The MPS control program, started with -d and sent its commands on stdin.
+  # The MPS control program, run with -f as the daemon's child and sent commands on stdin.
   controlCommand: {d.mps.control_command}
 
 health:
@@ -116,11 +116,12 @@ health:
   hangTimeout: {format_duration(h.hang_timeout_s)}
 
 nodeLabels:
-  # Keep a node feature discovery feature file here (NFD v0.15 or newer turns its lines into node
+  # Keep a node feature discovery feature file of this name (a name, not a path) in the directory
+  # the daemon was started with, --node-features-dir: NFD v0.15 or newer turns its lines into node
   # labels nvidia.com/vgpu.count, .replicas, .memory-per-slice-mib, .product, .mig-strategy; all
-  # but the last describe resourceName's slices); "" (the built-in default) keeps none; the
-  # DaemonSet's config names NFD's features.d directory.
-  path: {json.dumps(node_labels_path)}
+  # but the last describe resourceName's slices. "" (the built-in default) keeps none; the
+  # DaemonSet mounts NFD's features.d directory and names it.
+  file: {json.dumps(node_labels_file)}
 
 mig:
   # GPUs in MIG mode. none: left out. single: every MIG device is sliced like a GPU and advertised

@@ -151,16 +151,24 @@ class MpsConfig:
     control_command: str = DEFAULT_MPS_CONTROL_COMMAND
 
 
-# Where node feature discovery's local source reads feature files; the DaemonSet's config sets it.
-NFD_FEATURE_FILE = "/etc/kubernetes/node-feature-discovery/features.d/vgpu"
+# Where node feature discovery's local source reads feature files (the DaemonSet gives the daemon
+# this directory, --node-features-dir), and the feature file's name in the DaemonSet's config.
+NFD_FEATURES_DIR = "/etc/kubernetes/node-feature-discovery/features.d"
+NFD_FEATURE_NAME = "vgpu"
+NFD_FEATURE_FILE = f"{NFD_FEATURES_DIR}/{NFD_FEATURE_NAME}"
 
 
 @dataclass(frozen=True, slots=True)
 class NodeLabelsConfig:
-    """`nodeLabels.path`: the feature file the daemon keeps for node feature discovery, which
-    turns its lines into node labels; "" keeps none."""
+    """`nodeLabels.file`: the name of the feature file the daemon keeps for node feature
+    discovery, which turns its lines into node labels; "" keeps none. The file is written only
+    in the directory the daemon was started with (--node-features-dir), never elsewhere.
 
-    path: str = ""
+    `legacy_directory`: the directory that an old `nodeLabels.path` named; the daemon writes
+    the file only when it is that same directory."""
+
+    file: str = ""
+    legacy_directory: str = ""
 
 
 # Xids that an application causes (its own bad kernel, page fault, or a context it lost), not the

@@ -285,7 +285,7 @@ def _vgpu_schema() -> Schema:
                 "default": d.mps.root,
             },
             "controlCommand": {
-                "description": "The MPS control command, started with -d.",
+                "description": "The MPS control command, run with -f (in the foreground).",
                 "type": "string",
                 "minLength": 1,
                 "not": {"pattern": r"^\s*$"},
@@ -296,12 +296,21 @@ def _vgpu_schema() -> Schema:
     node_labels = _section(
         "Node labels through a node feature discovery feature file.",
         {
+            "file": {
+                "description": "The feature file's name (no path), e.g. vgpu: written only in"
+                " the directory the daemon was started with (--node-features-dir); empty keeps"
+                " none.",
+                "type": "string",
+                "pattern": "^([A-Za-z0-9_-][A-Za-z0-9_.-]*)?$",
+                "maxLength": 200,
+                "default": d.node_labels.file,
+            },
             "path": {
-                "description": "The feature file to keep (an absolute path, e.g. NFD's"
-                " /etc/kubernetes/node-feature-discovery/features.d/vgpu); empty keeps none.",
+                "description": "The old spelling: an absolute path, read as file: <its name>"
+                " and written only when its directory is the daemon's --node-features-dir.",
                 "type": "string",
                 "pattern": "^(/.*)?$",
-                "default": d.node_labels.path,
+                "deprecated": True,
             },
         },
     )

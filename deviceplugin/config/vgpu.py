@@ -15,7 +15,7 @@ from deviceplugin.config.model import (
     MIN_HANG_TIMEOUT_S,
     MIN_MEMORY_PER_SLICE_BYTES,
     MIN_POLL_INTERVAL_S,
-    NFD_FEATURE_FILE,
+    NFD_FEATURE_NAME,
     AllocationConfig,
     AllocationPolicy,
     ComputeAction,
@@ -64,7 +64,7 @@ _TOP_KEYS = (
     "nodeLabels",
     "mig",
 )
-_NODE_LABELS_KEYS = ("path",)
+_NODE_LABELS_KEYS = ("file", "path")
 _SLICING_KEYS = ("replicas", "memoryPerSlice", "overrides")
 _OVERRIDE_KEYS = ("match", "replicas", "memoryPerSlice")
 _MATCH_KEYS = ("model", "index", "uuid", "profile")
@@ -293,17 +293,52 @@ def _mps(r: _Reader, value: object) -> MpsConfig:
     return MpsConfig(enabled=enabled, root=root, control_command=command)
 
 
+def feature_file_name_problem(name: str) -> str | None:
+    """Why `name` cannot name the node feature file (a file name, not a path), or None."""
+    if "/" in name:
+        return "is a path, not a file name: the file is written in the daemon's --node-features-dir"
+    if name.startswith("."):
+        return "starts with a dot (NFD skips hidden files; the daemon's temporary files are hidden)"
+    if len(name) > 200:
+        return "is longer than 200 characters"
+    if not name.isascii() or not all(c.isalnum() or c in "-_." for c in name):
+        return "has characters other than letters, digits, '-', '_' and '.'"
+    return None
+
+
 def _node_labels(r: _Reader, value: object) -> NodeLabelsConfig:
     section = r.section(value, "nodeLabels", _NODE_LABELS_KEYS)
+    if "file" in section and section.get("path", "") != "":
+        r.error("nodeLabels", "sets both file and path; keep file (path is the old spelling)")
+        return NodeLabelsConfig()
+    if section.get("file", "") != "":
+        name = r.string(section["file"], "nodeLabels.file")
+        problem = None if name is None else feature_file_name_problem(name)
+        if problem is not None:
+            r.error("nodeLabels.file", f"{_show(name)} {problem}; use e.g. {NFD_FEATURE_NAME}")
+            return NodeLabelsConfig()
+        return NodeLabelsConfig(file=name or "")
     if section.get("path", "") == "":
         return NodeLabelsConfig()
     path = r.string(section["path"], "nodeLabels.path")
-    if path and not path.startswith("/"):
+    if path is None:
+        return NodeLabelsConfig()
+    directory, _, name = path.rpartition("/")
+    problem = feature_file_name_problem(name) if name else "has no file name"
+    if not path.startswith("/") or os.path.normpath(path) != path or problem is not None:
         r.error(
-            "nodeLabels.path", f"{_show(path)} is not an absolute path; use e.g. {NFD_FEATURE_FILE}"
+            "nodeLabels.path",
+            f"{_show(path)} is not an absolute, normalised path to a file"
+            f"{'' if problem is None else f' (its file name {problem})'}; "
+            f"use nodeLabels.file: {NFD_FEATURE_NAME} instead",
         )
         return NodeLabelsConfig()
-    return NodeLabelsConfig(path=path or "")
+    r.warn(
+        f"nodeLabels.path is the old spelling: it is read as nodeLabels.file: {name}, and the "
+        f"file is written only when the daemon's --node-features-dir is {directory or '/'}; "
+        f"write nodeLabels.file: {name} instead"
+    )
+    return NodeLabelsConfig(file=name, legacy_directory=directory or "/")
 
 
 def _health(r: _Reader, value: object) -> HealthConfig:

@@ -230,6 +230,12 @@ class SnapshotCollector(Collector):
             "Times the MPS control daemon was found dead and started again, a count.",
             NODE_LABELS,
         )
+        mps_drift = _counter(
+            "vgpu_mps_drift",
+            "Changes made through the MPS control socket by others (a default raised, a quit), "
+            "each undone by the daemon, a count; by change.",
+            (*NODE_LABELS, "change"),
+        )
 
         if snapshot is not None:
             for gpu in snapshot.gpus:
@@ -303,6 +309,8 @@ class SnapshotCollector(Collector):
             if health.mps is not None:
                 mps_up.add_metric(n, _flag(health.mps.up))
                 mps_restarts.add_metric(n, health.mps.restarts_total)
+                for change, count in health.mps.drift_total:
+                    mps_drift.add_metric([node, change], count)
 
         yield from (
             gpu_info,
@@ -331,4 +339,5 @@ class SnapshotCollector(Collector):
             age,
             mps_up,
             mps_restarts,
+            mps_drift,
         )

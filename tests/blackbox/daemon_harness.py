@@ -91,6 +91,8 @@ class Node:
             device_plugin_dir=self.plugin_dir,
             pod_resources_socket=self.podres_socket,
             state_dir=self.root / "state",
+            # Where node labels may be written (nodeLabels.file); made only when one is.
+            node_features_dir=self.root / "features.d",
             metrics_address="127.0.0.1:0",
             node_name="test-node",
             # The test's workloads run outside pod cgroups, like the demo's.

@@ -63,6 +63,7 @@ def test_serve_help_shows_every_default_and_its_environment_variable() -> None:
         "--metrics-tls-key": "VGPU_METRICS_TLS_KEY",
         "--metrics-client-ca": "VGPU_METRICS_CLIENT_CA",
         "--state-dir": "VGPU_STATE_DIR",
+        "--node-features-dir": "VGPU_NODE_FEATURES_DIR",
         "--node-name": "NODE_NAME",
         "--trust-host-processes": "VGPU_TRUST_HOST_PROCESSES",
         "--log-format": "VGPU_LOG_FORMAT",

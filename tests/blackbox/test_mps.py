@@ -56,7 +56,13 @@ def records(node: Node) -> list[dict[str, Any]]:
 
 
 def commands(node: Node) -> list[str]:
-    return [r["command"] for r in records(node) if r["event"] == "command"]
+    """The commands the control daemon was sent, but the reads of its defaults that the
+    supervisor makes at every check."""
+    return [
+        r["command"]
+        for r in records(node)
+        if r["event"] == "command" and not r["command"].startswith("get_default_")
+    ]
 
 
 def control_pid(node: Node) -> int | None:
@@ -111,7 +117,7 @@ async def test_starts_the_control_daemon_with_one_slice_per_gpu(node: Node) -> N
     async with running_daemon(node, mps_config(node)) as daemon:
         await registered(node, 8)
         runs = [r for r in records(node) if r["event"] == "run"]
-        assert runs[0]["argv"] == ["-d"]
+        assert runs[0]["argv"] == ["-f"]
         assert runs[0]["env"] == {
             "CUDA_MPS_PIPE_DIRECTORY": str(mps_root(node) / "pipe"),
             "CUDA_MPS_LOG_DIRECTORY": str(mps_root(node) / "log"),
@@ -160,7 +166,7 @@ async def test_allocate_hands_containers_the_pipe_directory_and_shared_memory(
         grant = (await node.sim.admit_pod("p", [("c", 2)])).containers[0]
     pipe = str(mps_root(node) / "pipe")
     assert grant.envs["CUDA_MPS_PIPE_DIRECTORY"] == pipe
-    assert (pipe, pipe, False) in grant.mounts
+    assert (pipe, pipe, True) in grant.mounts
     assert ("/dev/shm", str(mps_root(node) / "shm"), False) in grant.mounts
     # Two slices of one GPU: the container's own limits, besides the control daemon's defaults.
     assert grant.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
@@ -190,7 +196,7 @@ async def test_a_dead_control_daemon_is_started_again_with_its_defaults(node: No
         assert status.pid == second
         # Its settings died with it: they are set again.
         assert commands(node) == one_slice_defaults() * 2
-        starts = [r for r in records(node) if r["event"] == "run" and r["argv"] == ["-d"]]
+        starts = [r for r in records(node) if r["event"] == "run" and r["argv"] == ["-f"]]
         assert len(starts) == 2
 
         assert daemon.http is not None
@@ -257,7 +263,7 @@ async def test_a_failed_start_stops_the_daemon_and_still_sends_quit(node: Node) 
     finally:
         backend.close()
     runs = [r for r in records(node) if r["event"] == "run"]
-    assert [r["argv"] for r in runs] == [["-d"], []]
+    assert [r["argv"] for r in runs] == [["-f"], []]
     assert runs[1]["stdin"] == "quit\n"
     assert not node.sim.is_registered("nvidia.com/vgpu")
 
@@ -301,7 +307,9 @@ async def test_a_control_daemon_left_running_is_taken_over(node: Node) -> None:
         assert status is not None
         assert status.up
         assert status.pid == orphan
-    assert [r["argv"] for r in records(node) if r["event"] == "run"].count(["-d"]) == 1
+    argvs = [r["argv"] for r in records(node) if r["event"] == "run"]
+    assert argvs.count(["-d"]) == 1
+    assert ["-f"] not in argvs
     assert commands(node)[-1] == "quit"
     assert not alive(orphan)
 

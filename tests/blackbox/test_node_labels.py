@@ -28,12 +28,17 @@ from tests.blackbox.daemon_harness import (
 )
 
 
-def labels_config(path: Path, slicing: SlicingConfig | None = None) -> Config:
+def labels_config(name: str, slicing: SlicingConfig | None = None) -> Config:
     return Config(
         enforcement=FAST,
         slicing=slicing or SlicingConfig(),
-        node_labels=NodeLabelsConfig(path=str(path)),
+        node_labels=NodeLabelsConfig(file=name),
     )
+
+
+def features_dir(node: Node) -> Path:
+    """The directory the test daemons are started with (--node-features-dir)."""
+    return node.root / "features.d"
 
 
 def read_labels(path: Path) -> dict[str, str]:
@@ -50,7 +55,7 @@ def file_reads(path: Path, want: dict[str, str]) -> bool:
 
 
 async def test_the_feature_file_names_the_slices_and_follows_gpu_health(node: Node) -> None:
-    features = node.root / "features.d" / "vgpu"  # the directory is made when missing
+    features = features_dir(node) / "vgpu"  # the directory is made when missing
     # Both GPUs the same model here, so that replicas is uniform: 4 slices of 80 GiB each.
     node.write_gpus((gpu(0), gpu(1)))
     healthy = {
@@ -60,7 +65,7 @@ async def test_the_feature_file_names_the_slices_and_follows_gpu_health(node: No
         "nvidia.com/vgpu.product": "NVIDIA-A100-SXM4-80GB",
         "nvidia.com/vgpu.mig-strategy": "none",
     }
-    async with running_daemon(node, labels_config(features)) as daemon:
+    async with running_daemon(node, labels_config("vgpu")) as daemon:
         await registered(node, 8)
         await eventually(lambda: file_reads(features, healthy), what="the feature file")
         mode = stat.S_IMODE(features.stat().st_mode)
@@ -84,12 +89,12 @@ async def test_the_feature_file_names_the_slices_and_follows_gpu_health(node: No
 
 
 async def test_mixed_gpus_leave_replicas_out_and_give_the_smallest_slice(node: Node) -> None:
-    features = node.root / "vgpu.features"
+    features = features_dir(node) / "vgpu.features"
     # TWO_GPUS: an A100 80 GiB and an L4 24 GiB; the L4 split in 3 (8 GiB slices).
     slicing = SlicingConfig(
         overrides=(SliceOverride(GpuMatch(model="*L4*"), SliceRule(replicas=3)),)
     )
-    async with running_daemon(node, labels_config(features, slicing)):
+    async with running_daemon(node, labels_config("vgpu.features", slicing)):
         await registered(node, 7)
         want = {
             "nvidia.com/vgpu.count": "7",
@@ -110,10 +115,9 @@ async def test_no_path_writes_no_file(node: Node) -> None:
 async def test_an_unwritable_directory_is_logged_and_the_daemon_serves_on(
     node: Node, caplog: pytest.LogCaptureFixture
 ) -> None:
-    blocker = node.root / "not-a-dir"
-    blocker.write_text("")
-    features = blocker / "vgpu"  # its "directory" is a file: every write fails
-    async with running_daemon(node, labels_config(features)):
+    features_dir(node).write_text("")  # the "directory" is a file: every write fails
+    features = features_dir(node) / "vgpu"
+    async with running_daemon(node, labels_config("vgpu")):
         await registered(node, 8)
         await eventually(
             lambda: "cannot write the node feature file" in caplog.text, what="the warning"

@@ -376,9 +376,10 @@ async def test_a_reload_to_the_mixed_mig_strategy_registers_the_profiles_and_mov
     resourceName's slices. Back to none: a profile whose slice a pod holds stays, Unhealthy,
     until the pod ends; the other goes at once."""
     node.write_gpus([gpu(0, name="NVIDIA L4", memory_gib=24), mig_gpu(1, *LAYOUT)])
-    old_labels, new_labels = node.root / "nfd-a" / "vgpu", node.root / "nfd-b" / "vgpu"
+    features = node.root / "features.d"  # the daemon's --node-features-dir
+    old_labels, new_labels = features / "vgpu-a", features / "vgpu-b"
     path = configmap(
-        node.root / "cfg", 1, FAST + f"nodeLabels:\n  path: {old_labels}\nmig:\n  strategy: none\n"
+        node.root / "cfg", 1, FAST + "nodeLabels:\n  file: vgpu-a\nmig:\n  strategy: none\n"
     )
     sim = node.sim
     async with daemon_with_config(node, path) as (daemon, _):
@@ -389,7 +390,7 @@ async def test_a_reload_to_the_mixed_mig_strategy_registers_the_profiles_and_mov
         )
         assert not node.plugin_socket(MIG_1G).exists()
 
-        mixed = f"nodeLabels:\n  path: {new_labels}\nmig:\n  strategy: mixed\n"
+        mixed = "nodeLabels:\n  file: vgpu-b\nmig:\n  strategy: mixed\n"
         configmap(node.root / "cfg", 2, FAST + mixed)
         await registered(node, 2, MIG_1G)
         await registered(node, 1, MIG_3G)

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 import deviceplugin
-from deviceplugin.config import NFD_FEATURE_FILE, Config, NodeLabelsConfig, parse_config
+from deviceplugin.config import NFD_FEATURE_NAME, Config, NodeLabelsConfig, parse_config
 from tests.deploy.support import CHART, DEPLOY, MONITORING, NAMESPACE, ROOT, Manifest
 from tests.deploy.test_manifests import KUBERNETES_VERSIONS, is_crd, kustomize, validate
 from tools import fetch_k8s_tools
@@ -137,7 +137,7 @@ def test_the_default_render_is_the_kustomize_install() -> None:
         yaml.safe_load(kust[("ConfigMap", "vgpu-config")]["data"]["config.yaml"])
     )
     assert config_of(render()) == kust_config
-    assert kust_config == Config(node_labels=NodeLabelsConfig(path=NFD_FEATURE_FILE))
+    assert kust_config == Config(node_labels=NodeLabelsConfig(file=NFD_FEATURE_NAME))
 
 
 def test_namespace_create_renders_the_kustomize_namespace() -> None:
@@ -268,7 +268,7 @@ def test_gpu_operator_values_move_the_host_paths_and_the_image() -> None:
     # Node labels off: no feature directory from the host, no path in the config.
     assert "nfd-features" not in volumes
     config = config_of(docs)
-    assert config.node_labels.path == ""
+    assert config.node_labels.file == ""
     assert config.enforcement.memory.action.value == "monitor"
 
 
@@ -282,7 +282,7 @@ def test_node_labels_feature_directory_follows_its_value() -> None:
     volumes, mounts = volumes_and_mounts(docs)
     assert volumes["nfd-features"]["hostPath"]["path"] == "/opt/nfd/features.d"
     assert mounts["nfd-features"]["mountPath"] == "/opt/nfd/features.d"
-    assert config_of(docs).node_labels.path == "/opt/nfd/features.d/vgpu"
+    assert config_of(docs).node_labels.file == "vgpu"
 
 
 def test_the_readme_installs_the_chart_as_tested() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deviceplugin.config import NFD_FEATURE_FILE, default_config_yaml
+from deviceplugin.config import NFD_FEATURE_NAME, default_config_yaml
 from tests.deploy.support import DEPLOY, ROOT
 
 README = DEPLOY / "README.md"
@@ -70,7 +70,7 @@ def test_readme_quotes_the_default_config() -> None:
     _, _, rest = text.partition(BEGIN + "\n")
     quoted, found, _ = rest.partition(END)
     assert found, "the default-config markers are missing"
-    assert quoted == f"```yaml\n{default_config_yaml(node_labels_path=NFD_FEATURE_FILE)}```\n", (
+    assert quoted == f"```yaml\n{default_config_yaml(node_labels_file=NFD_FEATURE_NAME)}```\n", (
         "stale: run python tools/gen_daemonset_config.py"
     )
 

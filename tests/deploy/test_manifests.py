@@ -16,6 +16,7 @@ import deviceplugin
 from deviceplugin.__main__ import build_parser
 from deviceplugin.config import (
     NFD_FEATURE_FILE,
+    NFD_FEATURE_NAME,
     Config,
     NodeLabelsConfig,
     default_config_yaml,
@@ -109,7 +110,7 @@ def test_kustomize_wires_the_generated_config_map_and_the_image() -> None:
     # A stable name: a new config is reloaded live by the running daemons, no pod restarts.
     assert config_map["metadata"]["name"] == "vgpu-config"
     assert config_map["data"] == {
-        "config.yaml": default_config_yaml(node_labels_path=NFD_FEATURE_FILE)
+        "config.yaml": default_config_yaml(node_labels_file=NFD_FEATURE_NAME)
     }
     spec = docs[("DaemonSet", "vgpu")]["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in spec["volumes"]}
@@ -169,11 +170,11 @@ def test_the_image_tag_is_the_package_version() -> None:
 
 def test_the_config_file_is_the_built_in_default_with_node_labels() -> None:
     path = BASE / "config.yaml"
-    assert path.read_text() == default_config_yaml(node_labels_path=NFD_FEATURE_FILE), (
+    assert path.read_text() == default_config_yaml(node_labels_file=NFD_FEATURE_NAME), (
         "daemonset/base/config.yaml is stale: run python tools/gen_daemonset_config.py"
     )
     config = load_config(path)  # what check-config validates
-    assert config == Config(node_labels=NodeLabelsConfig(path=NFD_FEATURE_FILE))
+    assert config == Config(node_labels=NodeLabelsConfig(file=NFD_FEATURE_NAME))
     assert not config.warnings
 
 
@@ -201,6 +202,7 @@ def test_the_container_command_is_accepted_by_the_cli(monkeypatch: pytest.Monkey
         "VGPU_POD_RESOURCES_SOCKET": "pod_resources_socket",
         "VGPU_METRICS_ADDRESS": "metrics_address",
         "VGPU_STATE_DIR": "state_dir",
+        "VGPU_NODE_FEATURES_DIR": "node_features_dir",
         "NODE_NAME": "node_name",
     }
     for name, value in env.items():

@@ -12,7 +12,7 @@ import yaml
 
 from deviceplugin.allocation import mps_pipe_directory, mps_shm_directory
 from deviceplugin.config import (
-    NFD_FEATURE_FILE,
+    NFD_FEATURE_NAME,
     Config,
     MpsConfig,
     NodeLabelsConfig,
@@ -26,7 +26,7 @@ from tests.deploy.test_manifests import CAPABILITIES, KUBERNETES_VERSIONS, kusto
 OVERLAY = DEPLOY / "overlays" / "mps"
 
 # The DaemonSet keeps its node-label feature file with MPS on as well.
-NODE_LABELS = NodeLabelsConfig(path=NFD_FEATURE_FILE)
+NODE_LABELS = NodeLabelsConfig(file=NFD_FEATURE_NAME)
 
 
 def rendered(path: Path) -> dict[str, Manifest]:
@@ -65,7 +65,7 @@ def test_the_component_turns_mps_on_and_changes_nothing_else_in_the_config() -> 
 def test_the_component_config_is_the_default_with_mps_on_and_current() -> None:
     path = MPS_COMPONENT / "config.yaml"
     lines = path.read_text().splitlines()
-    defaults = default_config_yaml(node_labels_path=NFD_FEATURE_FILE).splitlines()
+    defaults = default_config_yaml(node_labels_file=NFD_FEATURE_NAME).splitlines()
     changed = [i for i, (a, b) in enumerate(zip(lines, defaults, strict=True)) if a != b]
     assert [(defaults[i], lines[i]) for i in changed] == [("  enabled: false", "  enabled: true")]
     assert lines[: changed[0]][::-1].index("mps:") < 5  # the one under mps:

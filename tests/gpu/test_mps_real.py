@@ -191,6 +191,54 @@ def test_a_client_cannot_raise_its_limit_but_can_lower_it(
     assert lowered["alloc"][str(limit // 2 + 512)] == CUDA_ERROR_OUT_OF_MEMORY
 
 
+def test_defaults_read_back_match_and_a_raised_one_is_set_again(
+    mps: MpsControlDaemon, plan: GpuPlan
+) -> None:
+    """The real control daemon's answers to the reads (several on one stdin) are understood: no
+    drift right after the start, and a raised default is seen and set again."""
+    defaults = mps_defaults((plan,))
+    mps.supervise_once(defaults)
+    assert mps.status.drift_total == ()
+    mps.send("set_default_active_thread_percentage 100")
+    mps.send(f"set_default_device_pinned_mem_limit {plan.gpu.uuid} {2 * slice_mib(plan)}M")
+    mps.supervise_once(defaults)
+    assert dict(mps.status.drift_total) == {"active_thread_percentage": 1, "pinned_mem_limit": 1}
+    assert float(mps.send("get_default_active_thread_percentage")) == 100 // REPLICAS
+    report("mps-pipe-directory.json", {"files": sorted(os.listdir(mps.pipe_directory))})
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root")
+def test_a_client_works_with_the_pipe_directory_read_only(
+    mps: MpsControlDaemon, plan: GpuPlan
+) -> None:
+    """Pods get the pipe directory read-only: a client in a mount namespace where it is a
+    read-only bind mount still connects and is held to its slice."""
+    pipe = str(mps.pipe_directory)
+    limit = slice_mib(plan)
+    done = subprocess.run(
+        [
+            "unshare", "-m", "sh", "-c",
+            'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" "$1" && shift '
+            '&& exec "$@"',
+            "sh", pipe, sys.executable, "-c", CLIENT, "1024", str(limit + 512),
+        ],
+        env={
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "CUDA_VISIBLE_DEVICES": plan.gpu.uuid,
+            "CUDA_MPS_PIPE_DIRECTORY": pipe,
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    report("mps-client-read-only-pipe.json", seen)
+    assert seen["alloc"]["1024"] == 0
+    assert seen["alloc"][str(limit + 512)] == CUDA_ERROR_OUT_OF_MEMORY
+
+
 def test_quit_ends_the_control_daemon(control_command: str, plan: GpuPlan) -> None:
     root = Path(tempfile.mkdtemp(prefix="vgmps", dir="/tmp"))
     try:

@@ -6,6 +6,8 @@ It behaves like the real program where the daemon relies on it:
 - `fake_mps_control.py -d` daemonises: the command returns once a background control daemon
   listens on `$CUDA_MPS_PIPE_DIRECTORY/control` and has written its PID to
   `$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid`. It refuses to start a second one.
+- `fake_mps_control.py -f` is the same control daemon in the foreground: it writes its PID file,
+  serves until `quit` and then exits 0.
 - `fake_mps_control.py` (no argument) sends its stdin to the running control daemon, prints the
   answer and exits 0; with no control daemon running it says so on stderr and exits 1.
 - The control daemon answers `set_default_device_pinned_mem_limit <dev> <value>`,
@@ -17,7 +19,10 @@ Everything is recorded, one JSON object a line, in `$CUDA_MPS_LOG_DIRECTORY/fake
 each run's argv, pid and CUDA_MPS_* environment (`"event": "run"`), and each command the control
 daemon receives (`"event": "command"`). Tests make it fail on purpose with marker files in the
 MPS root (the pipe directory's parent): `fake-fail-start` (`-d` exits 1) and
-`fake-fail-commands` (the control daemon answers every command with an error, exit 1).
+`fake-fail-commands` (the control daemon answers every command with an error, exit 1). Others
+model misbehaving control programs: `fake-flood` (a command run prints 400 MiB and more until it
+is killed), `fake-ignore-quit` (the control daemon answers `quit` but runs on) and
+`fake-ignore-sigterm` (it ignores SIGTERM; only SIGKILL ends it).
 Standard library only: it runs under whatever `python3` is on PATH.
 """
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -96,6 +102,9 @@ def serve(listener: socket.socket, pipe: Path, root: Path) -> None:
                 if failing:
                     replies.append("!error: failing on purpose")
                     continue
+                if command == "quit" and (root / "fake-ignore-quit").exists():
+                    replies.append("")
+                    continue
                 if command == "quit":
                     conn.sendall(b"")
                     (pipe / PID_FILE).unlink(missing_ok=True)
@@ -128,16 +137,37 @@ def daemonise(pipe: Path, root: Path) -> int:
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
     try:
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(pipe / SOCKET))
-        listener.listen(8)
-        (pipe / PID_FILE).write_text(f"{os.getpid()}\n")
-        record({"event": "started"})
-        os.write(ready_w, b"1")
-        os.close(ready_w)
-        serve(listener, pipe, root)
+        control_daemon(pipe, root, ready_w)
     finally:
         os._exit(0)
+
+
+def control_daemon(pipe: Path, root: Path, ready_w: int | None = None) -> None:
+    """Listen on the control socket, write the PID file and serve until quit."""
+    if (root / "fake-ignore-sigterm").exists():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(pipe / SOCKET))
+    listener.listen(8)
+    (pipe / PID_FILE).write_text(f"{os.getpid()}\n")
+    record({"event": "started", "argv": sys.argv[1:]})
+    if ready_w is not None:
+        os.write(ready_w, b"1")
+        os.close(ready_w)
+    serve(listener, pipe, root)
+
+
+def foreground(pipe: Path, root: Path) -> int:
+    if (root / "fake-fail-start").exists():
+        print("fake: failing to start on purpose", file=sys.stderr)
+        return 1
+    if live_pid(pipe) is not None:
+        print("An instance of this daemon is already running", file=sys.stderr)
+        return 1
+    pipe.mkdir(parents=True, exist_ok=True)
+    (pipe / SOCKET).unlink(missing_ok=True)
+    control_daemon(pipe, root)
+    return 0
 
 
 def send(pipe: Path, text: str) -> int:
@@ -168,10 +198,17 @@ def main(argv: list[str]) -> int:
     if not argv:
         text = sys.stdin.read()
         record({"event": "run", "argv": argv, "env": env, "stdin": text})
+        if (pipe.parent / "fake-flood").exists():
+            line = b"x" * 1023 + b"\n"
+            for _ in range(400 * 1024):
+                sys.stdout.buffer.write(line)
+            return 0
         return send(pipe, text)
     record({"event": "run", "argv": argv, "env": env})
     if argv == ["-d"]:
         return daemonise(pipe, pipe.parent)
+    if argv == ["-f"]:
+        return foreground(pipe, pipe.parent)
     print(f"fake: unsupported arguments {argv}", file=sys.stderr)
     return 2
 

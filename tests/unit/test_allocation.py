@@ -258,7 +258,7 @@ def test_mps_mounts_the_pipe_directory_and_the_servers_shared_memory() -> None:
     a = build_container_allocation([f"{U1}::0"], INV, ENVVAR, mps)
     assert a.envs["CUDA_MPS_PIPE_DIRECTORY"] == "/run/vgpu/mps/pipe"
     assert a.mounts == (
-        MountSpec("/run/vgpu/mps/pipe", "/run/vgpu/mps/pipe", read_only=False),
+        MountSpec("/run/vgpu/mps/pipe", "/run/vgpu/mps/pipe", read_only=True),
         MountSpec("/dev/shm", "/run/vgpu/mps/shm", read_only=False),
     )
     off = build_container_allocation([f"{U1}::0"], INV, ENVVAR, NO_MPS)

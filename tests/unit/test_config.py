@@ -739,7 +739,7 @@ def test_default_config_yaml_shows_every_setting() -> None:
         "health.recovery",
         "health.recoveryDelay",
         "health.hangTimeout",
-        "nodeLabels.path",
+        "nodeLabels.file",
         "mig.strategy",
     }
 

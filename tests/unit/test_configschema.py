@@ -160,6 +160,9 @@ def samples(path: Path, schema: dict[str, Any]) -> tuple[list[object], list[obje
         bad += ["", "run/mps", "/run/../mps", "/run/mps/", "/run//mps", "/a,b", "/a:b", 5]
     if path == ("mps", "controlCommand"):
         bad += ["   "]
+    if path == ("nodeLabels", "file"):
+        good += ["", "vgpu", "vgpu.features", "a-b_c"]
+        bad += ["features.d/vgpu", "/vgpu", ".vgpu", "vg pu", "x" * 201, 5]
     if path == ("nodeLabels", "path"):
         good += ["", "/etc/kubernetes/node-feature-discovery/features.d/vgpu"]
         bad += ["features.d/vgpu", 5, None]

@@ -21,12 +21,12 @@ app.kubernetes.io/name: {{ include "vgpu.name" . }}
 {{- end -}}
 {{- end -}}
 
-{{/* The config file: .Values.config with nodeLabels.path, mps.enabled and mps.root from their
+{{/* The config file: .Values.config with nodeLabels.file, mps.enabled and mps.root from their
 values. */}}
 {{- define "vgpu.config" -}}
 {{- $config := deepCopy (.Values.config | default dict) -}}
 {{- if .Values.nodeLabels.enabled -}}
-{{- $_ := set $config "nodeLabels" (dict "path" (printf "%s/vgpu" (trimSuffix "/" .Values.nodeLabels.featuresDir))) -}}
+{{- $_ := set $config "nodeLabels" (dict "file" "vgpu") -}}
 {{- end -}}
 {{- if .Values.mps.enabled -}}
 {{- $mps := deepCopy (get $config "mps" | default dict) -}}

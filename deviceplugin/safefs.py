@@ -1,0 +1,82 @@
+"""Directories and files under paths that a config names, opened without following a symlink.
+
+The daemon runs as root, and a config (a ConfigMap that people other than the node's owner may
+edit) names some of the paths it writes. Every such path is walked one component at a time from
+`/` with `openat(O_DIRECTORY | O_NOFOLLOW)`: a symbolic link anywhere on the way is refused, not
+followed. A component that is missing is created (`mkdirat`), and only a directory created here
+is given the mode its caller asks for (`fchmod` on the open directory, never chmod by name): a
+directory that was there before keeps its owner and mode, whatever the config says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class UnsafePathError(OSError):
+    """A path that passes through a symbolic link or something that is not a directory."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpenDirectory:
+    """An open directory: `fd` (the caller closes it) and whether this call created it."""
+
+    fd: int
+    created: bool
+
+
+def open_directory(path: str, *, create: bool, mode: int = 0o755) -> OpenDirectory:
+    """Open the absolute `path` one component at a time, never through a symbolic link.
+
+    With `create`, missing components are made; the last one, when made here, is given `mode`
+    exactly (through its descriptor, whatever the umask); the parents made on the way get 0755.
+    Raises UnsafePathError naming the component that is a symbolic link or not a directory, and
+    OSError for the rest (FileNotFoundError without `create`)."""
+    pure = PurePosixPath(path)
+    if not pure.is_absolute() or ".." in pure.parts:
+        raise UnsafePathError(errno.EINVAL, f"{path} is not an absolute path without ..")
+    fd = os.open("/", DIRECTORY_FLAGS)
+    created = False
+    walked = PurePosixPath("/")
+    try:
+        for name in pure.parts[1:]:
+            walked = walked / name
+            created = False
+            try:
+                child = os.open(name, DIRECTORY_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o700, dir_fd=fd)
+                    created = True
+                child = _open_child(name, fd, walked)
+                if created:
+                    os.fchmod(child, mode if walked == pure else 0o755)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise UnsafePathError(
+                        e.errno, f"{walked} is a symbolic link or not a directory"
+                    ) from e
+                raise
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return OpenDirectory(fd=fd, created=created)
+
+
+def _open_child(name: str, parent: int, walked: PurePosixPath) -> int:
+    try:
+        return os.open(name, DIRECTORY_FLAGS, dir_fd=parent)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafePathError(e.errno, f"{walked} is a symbolic link or not a directory") from e
+        raise
