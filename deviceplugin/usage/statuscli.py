@@ -159,13 +159,20 @@ def run_status(
         print("vgpu-device-plugin status: --watch needs SECONDS > 0", file=err)
         return EXIT_USAGE
 
+    # Screen codes only for a terminal; into a pipe or a file each frame follows the last.
+    terminal = out.isatty()
+
     def frame() -> str:
         doc = _fetch_status(url, context)
         if as_json:
             return json.dumps(doc, indent=2)
-        width = max(shutil.get_terminal_size().columns, 80)
+        size = shutil.get_terminal_size()
+        width = max(size.columns, 80)
+        # On a terminal the view fits its height (less the line the cursor ends on), in the
+        # compact layout where the full one does not; into a pipe or a file, all of it.
+        height = max(size.lines - 1, 10) if terminal else None
         try:
-            return "\n".join(render_status(doc, width=width))
+            return "\n".join(render_status(doc, width=width, height=height))
         except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as e:
             # A daemon of another version, or something else answering on that port.
             raise _NoStatusError(
@@ -200,8 +207,6 @@ def run_status(
             f"running there? {hint})"
         )
 
-    # Screen codes only for a terminal; into a pipe or a file each frame follows the last.
-    terminal = out.isatty()
     try:
         try:
             text = frame()
