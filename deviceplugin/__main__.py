@@ -108,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"address (default: {DEFAULT_METRICS_ADDRESS}; env VGPU_METRICS_ADDRESS)",
     )
     serve.add_argument(
+        "--probe-address",
+        metavar="HOST:PORT",
+        default=_env("VGPU_PROBE_ADDRESS", ""),
+        help="also serve /healthz alone, plain HTTP, for the kubelet's probes, on a listener "
+        "that no client of the metrics address can crowd out (the DaemonSet: :9411) "
+        "(default: none; env VGPU_PROBE_ADDRESS)",
+    )
+    serve.add_argument(
         "--metrics-tls-cert",
         metavar="PATH",
         default=_env("VGPU_METRICS_TLS_CERT", ""),
@@ -127,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer /metrics and /status only to clients whose certificate this PEM CA signed "
         "(/healthz answers every client); needs --metrics-tls-cert (default: any client; "
         "env VGPU_METRICS_CLIENT_CA)",
+    )
+    serve.add_argument(
+        "--metrics-client-names",
+        metavar="NAME,...",
+        default=_env("VGPU_METRICS_CLIENT_NAMES", ""),
+        help="with --metrics-client-ca, answer only client certificates that name one of these "
+        "(a DNS or URI subject alternative name, or the common name), e.g. prometheus "
+        "(default: any certificate the CA signed; env VGPU_METRICS_CLIENT_NAMES)",
     )
     serve.add_argument(
         "--state-dir",
@@ -267,6 +283,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             device_plugin_dir=Path(args.device_plugin_dir).absolute(),
             pod_resources_socket=Path(args.pod_resources_socket).absolute(),
             metrics_address=args.metrics_address,
+            probe_address=args.probe_address,
             state_dir=Path(args.state_dir).absolute(),
             node_features_dir=Path(args.node_features_dir).absolute()
             if args.node_features_dir
@@ -278,13 +295,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for problem in e.problems:
             log.error("config error source=%s problem=%s", e.source, problem)
         return EXIT_USAGE
-    if settings.metrics_address:
-        from deviceplugin.usage.httpserver import parse_address  # noqa: PLC0415
+    from deviceplugin.usage.httpserver import parse_address  # noqa: PLC0415
 
+    for flag, address in (
+        ("--metrics-address", settings.metrics_address),
+        ("--probe-address", settings.probe_address),
+    ):
         try:
-            parse_address(settings.metrics_address)
+            if address:
+                parse_address(address)
         except ValueError as e:
-            log.error("config error source=--metrics-address problem=%s", e)
+            log.error("config error source=%s problem=%s", flag, e)
             return EXIT_USAGE
     tls_problem = _tls_problem(args)
     if tls_problem:
@@ -299,6 +320,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 Path(args.metrics_tls_cert).absolute(),
                 Path(args.metrics_tls_key).absolute(),
                 Path(args.metrics_client_ca).absolute() if args.metrics_client_ca else None,
+                _client_names(args.metrics_client_names),
             ),
         )
     hangup = asyncio.Event()
@@ -311,7 +333,15 @@ def _tls_problem(args: argparse.Namespace) -> str:
         return "--metrics-tls-cert and --metrics-tls-key go together: give both or neither"
     if args.metrics_client_ca and not args.metrics_tls_cert:
         return "--metrics-client-ca needs --metrics-tls-cert and --metrics-tls-key (HTTPS)"
+    if args.metrics_client_names and not args.metrics_client_ca:
+        return "--metrics-client-names needs --metrics-client-ca (client certificates to name)"
+    if args.metrics_client_names and not _client_names(args.metrics_client_names):
+        return f"--metrics-client-names {args.metrics_client_names!r} names no client"
     return ""
+
+
+def _client_names(text: str) -> frozenset[str]:
+    return frozenset(name.strip() for name in text.split(",") if name.strip())
 
 
 def run_until_signalled(

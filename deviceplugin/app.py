@@ -70,6 +70,8 @@ class DaemonSettings:
     device_plugin_dir: Path = Path(DEFAULT_DEVICE_PLUGIN_DIR)
     pod_resources_socket: Path = Path(DEFAULT_POD_RESOURCES_SOCKET)
     metrics_address: str = ":9410"
+    # /healthz alone, for the kubelet's probes, on a listener of its own; "": none.
+    probe_address: str = ""
     # HTTPS for the metrics endpoint; None: plain HTTP.
     metrics_tls: TlsFiles | None = None
     state_dir: Path = Path("/var/lib/vgpu")
@@ -153,6 +155,15 @@ class Daemon:
                 lambda: self.poller.snapshot,
                 self.healthz,
                 tls=settings.metrics_tls,
+            )
+        self.probes: HttpServer | None = None
+        if settings.probe_address:
+            self.probes = HttpServer(
+                settings.probe_address,
+                self.metrics,
+                lambda: self.poller.snapshot,
+                self.healthz,
+                probes_only=True,
             )
 
     @property
@@ -407,6 +418,13 @@ class Daemon:
                         f"{e.strerror}; set --metrics-address to a free host:port"
                     ) from e
                 log.info("serving metrics and status address=%s", self.settings.metrics_address)
+            if self.probes is not None:
+                try:
+                    self.probes.start()
+                except OSError as e:
+                    raise StartupError(
+                        f"{e.strerror}; set --probe-address to a free host:port"
+                    ) from e
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self.poller.run(stop), name="poll")
                 self._tasks, self._stop = tasks, stop
@@ -445,6 +463,8 @@ class Daemon:
                     self.mps.stop()
                 if self.http is not None:
                     self.http.stop()
+                if self.probes is not None:
+                    self.probes.stop()
         log.info("stopped")
 
 

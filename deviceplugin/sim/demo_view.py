@@ -214,7 +214,7 @@ async def _live(
     grown = False
     reported_kills: set[str] = set()  # owners whose kill the enforcer has reported
     exits: list[tuple[float, int, str, int]] = []  # (seen at, pid, owner, return code)
-    view.update(_status_lines(daemon, width=_width(view)) if view.terminal else [])
+    view.update(_status_lines(daemon, *_size(view)) if view.terminal else [])
     while not stop.is_set() and (deadline is None or loop.time() < deadline):
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.2)
@@ -249,12 +249,20 @@ async def _live(
         every = REDRAW_EVERY_S if view.terminal else STATUS_EVERY_S
         if view.terminal and now - last_view >= every:
             last_view = now
-            view.update(_status_lines(daemon, width=_width(view)))
+            view.update(_status_lines(daemon, *_size(view)))
 
 
 def _width(view: LiveView) -> int:
     """The view's width: the terminal's, less one column so that no line wraps."""
     return max(shutil.get_terminal_size((81, 24)).columns - 1, 40) if view.terminal else 80
+
+
+def _size(view: LiveView) -> tuple[int, int | None]:
+    """The view's width, and on a terminal its height: the terminal's, less two lines, so that
+    the view is redrawn in place (a taller one would scroll away) with an event line above it."""
+    if not view.terminal:
+        return _width(view), None
+    return _width(view), max(shutil.get_terminal_size((81, 24)).lines - 2, 10)
 
 
 def _killed_owners(before: NodeSnapshot | None, after: NodeSnapshot) -> set[str]:
@@ -287,8 +295,8 @@ async def _wait_for_usage(daemon: Daemon, timeout_s: float) -> None:
         await asyncio.sleep(0.1)
 
 
-def _status_lines(daemon: Daemon, width: int = 80) -> list[str]:
+def _status_lines(daemon: Daemon, width: int = 80, height: int | None = None) -> list[str]:
     snapshot = daemon.poller.snapshot
     if snapshot is None:
         return ["(no snapshot yet)"]
-    return render_status(snapshot_to_json(snapshot), width=width)
+    return render_status(snapshot_to_json(snapshot), width=width, height=height)

@@ -1,7 +1,13 @@
-"""The exporter's HTTP endpoint: /metrics, /healthz and /status, on a thread of its own.
+"""The exporter's HTTP endpoints, each on a thread of its own: /metrics, /healthz and /status on
+the metrics address, and /healthz alone on the probe address, so that no client of the one can
+keep the kubelet's probes from the other.
 
 Every request reads the latest snapshot reference and nothing else: no GPU backend call, no lock
 shared with the poll loop. The snapshot is immutable, so a request sees one consistent poll.
+
+/status names host PIDs, pods and allocation IDs: it is answered only to a client on this
+machine's loopback (the `status` command in the daemon's pod), or, with a client CA, to a client
+whose certificate passed it, like /metrics.
 """
 
 from __future__ import annotations
@@ -9,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import gzip
+import ipaddress
 import json
 import logging
 import socket
 import ssl
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -25,6 +33,7 @@ from typing import Any
 from prometheus_client.exposition import gzip_accepted
 
 from deviceplugin.errors import StartupError
+from deviceplugin.logs import brief_list
 from deviceplugin.model import NodeSnapshot
 from deviceplugin.usage.metrics import DaemonMetrics
 from deviceplugin.usage.statusdoc import snapshot_to_json
@@ -34,9 +43,15 @@ log = logging.getLogger(__name__)
 _SAFETY_POLL_INTERVAL_S = 60.0
 # A connection that sends nothing for this long is closed (a half-sent request, or a TLS
 # handshake that stalls, must not hold a thread for ever); at most this many connections are
-# served at once, the rest are closed at once. Prometheus, the probes and `status` need a handful.
+# served at once, and at most PER_CLIENT_CONNECTIONS from one client address. Prometheus, the
+# probes and `status` need a handful. A new connection is never refused for a slow one: past a
+# client's own share its oldest connection is closed; past the cap, the oldest connection open
+# for at least EVICTABLE_AFTER_S (no answer takes that long); only when every connection is
+# younger is the new one closed.
 READ_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 64
+PER_CLIENT_CONNECTIONS = 16
+EVICTABLE_AFTER_S = 1.0
 
 JSON_TYPE = "application/json"
 TEXT_TYPE = "text/plain; charset=utf-8"
@@ -62,12 +77,36 @@ def parse_address(address: str) -> tuple[str, int]:
 class TlsFiles:
     """HTTPS for the endpoint: the server's certificate chain and key (PEM), and optionally the
     CA that client certificates must chain to. With a client CA, /metrics and /status answer
-    only a client that presents a certificate it signed; /healthz answers every client, since
-    the kubelet's probes present none."""
+    only a client that presents a certificate it signed, and with `client_names` only one whose
+    certificate names one of them (a DNS or URI subject alternative name, or the common name);
+    /healthz answers every client, since the kubelet's probes present none."""
 
     cert: Path
     key: Path
     client_ca: Path | None = None
+    client_names: frozenset[str] = frozenset()
+
+
+def certificate_names(cert: Any) -> set[str]:
+    """The names a peer certificate (as `SSLSocket.getpeercert()` gives it) carries: its DNS and
+    URI subject alternative names and its common names."""
+    if not isinstance(cert, dict):
+        return set()
+    names = {str(value) for kind, value in cert.get("subjectAltName", ()) if kind in ("DNS", "URI")}
+    for rdn in cert.get("subject", ()):
+        names.update(str(value) for key, value in rdn if key == "commonName")
+    return names
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a peer address is this machine's loopback (IPv4, IPv6, or IPv4 mapped in IPv6)."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
 
 
 def tls_context(tls: TlsFiles) -> ssl.SSLContext:
@@ -99,36 +138,78 @@ class _Server(ThreadingHTTPServer):
     # Rebinding right after a restart of the daemon must not wait for TIME_WAIT.
     allow_reuse_address = True
     max_connections = MAX_CONNECTIONS
-    _slots: threading.BoundedSemaphore | None = None
+    per_client = PER_CLIENT_CONNECTIONS
+    evictable_after_s = EVICTABLE_AFTER_S
     refused = 0
+    evicted = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Each open connection: its client address and when it was accepted, oldest first.
+        self._open: dict[Any, tuple[str, float]] = {}
+        self._open_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        """A thread per connection, up to `max_connections`; past that the connection is
-        closed at once (counted in `refused`)."""
-        if self._slots is None:
-            self._slots = threading.BoundedSemaphore(self.max_connections)
-        if not self._slots.acquire(blocking=False):
-            self.refused += 1
-            if self.refused == 1 or self.refused % 1000 == 0:
-                log.warning(
-                    "http connections over the cap; closing new ones limit=%d refused=%d",
-                    self.max_connections,
-                    self.refused,
-                )
-            self.shutdown_request(request)
-            return
+        """A thread per connection. Past a client's share or the cap, an older connection
+        makes room (see EVICTABLE_AFTER_S); when none can, the new one is closed at once
+        (counted in `refused`)."""
+        client = str(client_address[0])
+        with self._open_lock:
+            if not self._make_room(client, time.monotonic()):
+                self.refused += 1
+                if self.refused == 1 or self.refused % 1000 == 0:
+                    log.warning(
+                        "http connections over the cap; closing new ones limit=%d refused=%d",
+                        self.max_connections,
+                        self.refused,
+                    )
+                self.shutdown_request(request)
+                return
+            self._open[request] = (client, time.monotonic())
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self._forget(request)
             raise
+
+    def _make_room(self, client: str, now: float) -> bool:
+        """Under the lock: close connections until `client` may open one more; False when it
+        may not (every connection is young)."""
+        own = [c for c, (owner, _) in self._open.items() if owner == client]
+        if len(own) >= self.per_client:
+            self._evict(own[0], "over the client's share", client)  # oldest first (insertion)
+        if len(self._open) < self.max_connections:
+            return True
+        for connection, (owner, opened) in self._open.items():
+            if now - opened >= self.evictable_after_s:
+                self._evict(connection, "over the cap", owner)
+                return True
+        return False
+
+    def _evict(self, connection: Any, why: str, client: str) -> None:
+        del self._open[connection]
+        self.evicted += 1
+        if self.evicted == 1 or self.evicted % 1000 == 0:
+            log.warning(
+                "http closing an older connection to make room (%s) client=%s evicted=%d",
+                why,
+                client,
+                self.evicted,
+            )
+        # The socket's own shutdown, not TLS's: this thread must not touch the TLS state the
+        # connection's thread is using. Its blocked read then ends, and so does its thread.
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(connection, socket.SHUT_RDWR)
+
+    def _forget(self, request: Any) -> None:
+        with self._open_lock:
+            self._open.pop(request, None)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            if self._slots is not None:
-                self._slots.release()
+            self._forget(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that fails its TLS handshake (plain HTTP, an unknown certificate) or goes
@@ -156,8 +237,9 @@ class _DualStack(_Server6):
 
 
 class HttpServer:
-    """Serves GET (and HEAD) /metrics, /healthz and /status on a daemon thread; `stop()` ends
-    and joins it."""
+    """Serves GET (and HEAD) /metrics, /healthz and /status on a daemon thread (with
+    `probes_only`, /healthz alone: the kubelet's probes' own listener); `stop()` ends and joins
+    it."""
 
     def __init__(
         self,
@@ -169,17 +251,26 @@ class HttpServer:
         tls: TlsFiles | None = None,
         read_timeout_s: float = READ_TIMEOUT_S,
         max_connections: int = MAX_CONNECTIONS,
+        per_client_connections: int = PER_CLIENT_CONNECTIONS,
+        probes_only: bool = False,
     ) -> None:
         self.address = address
         self.tls = tls
         self.read_timeout_s = read_timeout_s
         self.max_connections = max_connections
+        self.per_client_connections = per_client_connections
+        self.probes_only = probes_only
         self._host, self._port = parse_address(address)
         self._metrics = metrics
         self._get_snapshot = get_snapshot
         self._healthz = healthz
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
+
+    @property
+    def evicted(self) -> int:
+        """Connections closed to make room for newer ones (slow or idle clients)."""
+        return self._server.evicted if self._server is not None else 0
 
     @property
     def port(self) -> int:
@@ -206,22 +297,27 @@ class HttpServer:
                 server.socket, server_side=True, do_handshake_on_connect=False
             )
         server.max_connections = self.max_connections
+        server.per_client = self.per_client_connections
         self._server = server
         self._thread = threading.Thread(
             target=server.serve_forever,
             # No timer while no request comes: stop() wakes the select by shutting the
             # listening socket down; the long interval is only a safety net.
             kwargs={"poll_interval": _SAFETY_POLL_INTERVAL_S},
-            name="vgpu-http",
+            name="vgpu-probes" if self.probes_only else "vgpu-http",
             daemon=True,
         )
         self._thread.start()
         log.info(
-            "http listening address=%s port=%d tls=%s client_ca=%s",
+            "http listening address=%s port=%d serves=%s tls=%s client_ca=%s client_names=%s",
             self.address,
             self.port,
+            "/healthz" if self.probes_only else "/metrics,/status,/healthz",
             "on" if self.tls else "off",
             self.tls.client_ca if self.tls and self.tls.client_ca else "none",
+            ",".join(sorted(self.tls.client_names))
+            if self.tls and self.tls.client_names
+            else "any",
         )
 
     def _bind(self, handler: type[BaseHTTPRequestHandler]) -> _Server:
@@ -258,6 +354,8 @@ class HttpServer:
     def route(self, path: str, accept: str = "") -> tuple[int, str, bytes]:
         """(status, content type, body) for a GET of `path` with this Accept header."""
         path = path.split("?", 1)[0]
+        if self.probes_only and path != "/healthz":
+            return HTTPStatus.NOT_FOUND, TEXT_TYPE, b"not found: this address serves /healthz\n"
         if path == "/metrics":
             payload, content_type = self._metrics.render(accept)
             return HTTPStatus.OK, content_type, payload
@@ -290,12 +388,9 @@ def _make_handler(owner: HttpServer) -> type[BaseHTTPRequestHandler]:
         def do_GET(self, *, with_body: bool = True) -> None:
             status: int
             try:
-                if not self._client_allowed():
-                    status, content_type, body = (
-                        HTTPStatus.FORBIDDEN,
-                        TEXT_TYPE,
-                        b"a client certificate signed by the metrics client CA is required\n",
-                    )
+                refusal = self._refusal()
+                if refusal:
+                    status, content_type, body = HTTPStatus.FORBIDDEN, TEXT_TYPE, refusal
                 else:
                     status, content_type, body = owner.route(
                         self.path, self.headers.get("Accept", "")
@@ -317,15 +412,36 @@ def _make_handler(owner: HttpServer) -> type[BaseHTTPRequestHandler]:
             if with_body:
                 self.wfile.write(body)
 
-        def _client_allowed(self) -> bool:
-            """Without a client CA, every client; with one, /healthz for every client and the
-            rest for those whose certificate the handshake verified against it."""
-            if owner.tls is None or owner.tls.client_ca is None:
-                return True
-            if self.path.split("?", 1)[0] == "/healthz":
-                return True
+        def _refusal(self) -> bytes:
+            """Why this client may not have this path, or b"" when it may. /healthz: every
+            client. With a client CA: the rest only for a client whose certificate the handshake
+            verified against it (and that names one of `client_names`, when given). Without
+            one: /metrics for every client, /status only from the loopback."""
+            path = self.path.split("?", 1)[0]
+            if path == "/healthz" or owner.probes_only:
+                return b""
+            tls = owner.tls
+            if tls is None or tls.client_ca is None:
+                if path != "/status" or is_loopback(str(self.client_address[0])):
+                    return b""
+                return (
+                    b"/status names host PIDs, pods and allocation IDs: it is answered on the "
+                    b"loopback (vgpu-device-plugin status in the daemon's pod), or over TLS to a "
+                    b"client certificate (--metrics-client-ca)\n"
+                )
             connection = self.connection
-            return isinstance(connection, ssl.SSLSocket) and bool(connection.getpeercert())
+            cert = connection.getpeercert() if isinstance(connection, ssl.SSLSocket) else None
+            if not cert:
+                return b"a client certificate signed by the metrics client CA is required\n"
+            if tls.client_names and not certificate_names(cert) & tls.client_names:
+                log.info(
+                    "http client refused: its certificate names none of the allowed clients "
+                    "client=%s names=%s",
+                    self.client_address[0],
+                    brief_list(sorted(certificate_names(cert))),
+                )
+                return b"this client certificate is not one of --metrics-client-names\n"
+            return b""
 
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("http %s %s", self.address_string(), format % args)

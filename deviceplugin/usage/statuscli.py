@@ -15,6 +15,7 @@ import urllib.parse
 import urllib.request
 from typing import TextIO
 
+from deviceplugin.logs import escape
 from deviceplugin.usage.httpserver import parse_address
 from deviceplugin.usage.statusview import render_status
 
@@ -23,6 +24,8 @@ EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 # Home the cursor and clear the screen: a --watch frame replaces the last one on a terminal.
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
+# Of an error answer, this much is shown.
+_MAX_REASON_BYTES = 400
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -98,10 +101,13 @@ def _fetch_status(url: str, context: ssl.SSLContext | None = None) -> dict[str, 
         with urllib.request.urlopen(url, timeout=5, context=context) as response:  # noqa: S310
             doc = json.load(response)
     except urllib.error.HTTPError as e:
+        body = e.read(_MAX_REASON_BYTES)
         try:
-            reason = str(json.load(e).get("error", e.reason))
+            reason = str(json.loads(body).get("error", e.reason))
         except (ValueError, AttributeError):
-            reason = str(e.reason)
+            # The daemon's reason in its own words (a 403 says why and where to ask), escaped.
+            text = body.decode("utf-8", "replace").strip()
+            reason = escape(text[:_MAX_REASON_BYTES]) if text else str(e.reason)
         raise _NoStatusError(f"HTTP {e.code}: {reason}") from e
     except ValueError as e:
         raise _NoStatusError(f"not JSON: {e}") from e
@@ -153,13 +159,20 @@ def run_status(
         print("vgpu-device-plugin status: --watch needs SECONDS > 0", file=err)
         return EXIT_USAGE
 
+    # Screen codes only for a terminal; into a pipe or a file each frame follows the last.
+    terminal = out.isatty()
+
     def frame() -> str:
         doc = _fetch_status(url, context)
         if as_json:
             return json.dumps(doc, indent=2)
-        width = max(shutil.get_terminal_size().columns, 80)
+        size = shutil.get_terminal_size()
+        width = max(size.columns, 80)
+        # On a terminal the view fits its height (less the line the cursor ends on), in the
+        # compact layout where the full one does not; into a pipe or a file, all of it.
+        height = max(size.lines - 1, 10) if terminal else None
         try:
-            return "\n".join(render_status(doc, width=width))
+            return "\n".join(render_status(doc, width=width, height=height))
         except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as e:
             # A daemon of another version, or something else answering on that port.
             raise _NoStatusError(
@@ -171,7 +184,12 @@ def run_status(
     def problem(e: Exception) -> str:
         if isinstance(e, _NoStatusError):
             hint = ""
-            if "HTTP 403" in str(e):
+            if "HTTP 403" in str(e) and "loopback" in str(e):
+                hint = (
+                    " (run it where the daemon runs: kubectl exec into its pod, or "
+                    "kubectl port-forward to it)"
+                )
+            elif "HTTP 403" in str(e):
                 hint = " (it requires a client certificate: --client-cert and --client-key)"
             return f"the vgpu daemon at {url} has no status to show: {e}{hint}"
         reason = getattr(e, "reason", None) or e  # urllib's URLError wraps the socket error
@@ -189,8 +207,6 @@ def run_status(
             f"running there? {hint})"
         )
 
-    # Screen codes only for a terminal; into a pipe or a file each frame follows the last.
-    terminal = out.isatty()
     try:
         try:
             text = frame()

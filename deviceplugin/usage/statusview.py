@@ -10,6 +10,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from deviceplugin.logs import escape
 from deviceplugin.slicing import format_bytes
 from deviceplugin.usage.statusdoc import snapshot_to_json
 
@@ -26,6 +27,12 @@ def _clip(text: str, width: int) -> str:
     if width <= 0:
         return ""
     return text[: width - 1] + ELLIPSIS
+
+
+def _text(value: Any) -> str:
+    """A value of the document as text for a terminal: control characters (a pod name may hold
+    escape sequences that would rewrite the screen) written as escapes, as the logs write them."""
+    return escape(str(value))
 
 
 def _int(value: Any) -> int:
@@ -105,9 +112,9 @@ def container_name(c: Mapping[str, Any], room: int = 10_000) -> str:
     """namespace/pod/container in at most `room` characters, or the allocation ID while
     pod-resources has not named it. The pod name (usually the longest, with generated suffixes)
     is cut first, so that the namespace and container stay readable."""
-    parts = [str(c.get(k) or "") for k in ("namespace", "pod", "container")]
+    parts = [_text(c.get(k) or "") for k in ("namespace", "pod", "container")]
     if not any(parts):
-        return _clip(f"allocation {c.get('allocation_id', '?')} (unnamed)", room)
+        return _clip(f"allocation {_text(c.get('allocation_id', '?'))} (unnamed)", room)
     full = "/".join(parts)
     excess = len(full) - room
     if excess <= 0:
@@ -129,9 +136,9 @@ def _header(doc: Mapping[str, Any], width: int) -> list[str]:
     # MIG devices, has 3 GPUs, not 6.
     full = [g for g in gpus if not g.get("parent_gpu_uuid")]
     mig = [g for g in gpus if g.get("parent_gpu_uuid")]
-    when = str(doc.get("taken_at", "?"))
+    when = _text(doc.get("taken_at", "?"))
     freshness = "STALE" if doc.get("stale") else "fresh"
-    first = _name_and_tail(0, f"node {doc.get('node', '?')}", f"{when}  {freshness}", width)
+    first = _name_and_tail(0, f"node {_text(doc.get('node', '?'))}", f"{when}  {freshness}", width)
     flags = [
         "kubelet registered" if health.get("registered") else "kubelet NOT REGISTERED",
         "pod-resources up" if health.get("pod_resources_ok") else "pod-resources DOWN",
@@ -157,7 +164,7 @@ def _gpu_lines(
 ) -> list[str]:
     slices = g.get("slices") or {}
     health = "healthy" if g.get("healthy") else "UNHEALTHY"
-    reason = str(g.get("health_reason") or "")
+    reason = _text(g.get("health_reason") or "")
     tail = (
         f"{health}  slices: {_int(slices.get('allocated'))} used, "
         f"{_int(slices.get('free'))} free, {_int(slices.get('unhealthy'))} unhealthy"
@@ -167,11 +174,11 @@ def _gpu_lines(
     mig = bool(g.get("parent_gpu_uuid"))
     if mig:
         name = (
-            f"MIG {g.get('mig_profile', '?')}  GI {g.get('gpu_instance_id', '?')} "
-            f"CI {g.get('compute_instance_id', '?')}"
+            f"MIG {_text(g.get('mig_profile', '?'))}  GI {_text(g.get('gpu_instance_id', '?'))} "
+            f"CI {_text(g.get('compute_instance_id', '?'))}"
         )
     else:
-        name = f"GPU {g.get('index', '?')}  {g.get('model', '?')}"
+        name = f"GPU {_text(g.get('index', '?'))}  {_text(g.get('model', '?'))}"
     lines = [_name_and_tail(0, name, tail, width)]
     if reason and not g.get("healthy"):
         lines.append(_clip(f"  reason: {reason}", width))
@@ -234,16 +241,27 @@ def _gpu_lines(
 def _enforcement_line(entries: Iterable[Mapping[str, Any]], width: int) -> str:
     totals: dict[str, int] = {}
     for e in entries:
-        key = f"{e.get('kind', '?')}/{e.get('action', '?')}"
+        key = f"{_text(e.get('kind', '?'))}/{_text(e.get('action', '?'))}"
         totals[key] = totals.get(key, 0) + _int(e.get("count"))
     text = ", ".join(f"{k} {v}" for k, v in sorted(totals.items())) or "none"
     return _clip(f"enforcement actions: {text}", width)
 
 
-def render_status(doc: Mapping[str, Any], *, width: int = 80) -> list[str]:
+def render_status(
+    doc: Mapping[str, Any], *, width: int = 80, height: int | None = None
+) -> list[str]:
     """The /status document as terminal lines, each at most `width` characters: a header, then
     per GPU its usage, its containers and its unattributed processes, then totals. Laid out for
-    80 columns and more; narrower views are cut."""
+    80 columns and more; narrower views are cut. With a `height` the full view does not fit in,
+    the compact one (`render_compact`) instead: a line per GPU and per container, at most
+    `height` lines."""
+    lines = _render_full(doc, width)
+    if height is None or len(lines) <= height:
+        return lines
+    return render_compact(doc, width=width, height=height)
+
+
+def _render_full(doc: Mapping[str, Any], width: int) -> list[str]:
     limit = width
     width = max(width, MIN_WIDTH)
     lines = _header(doc, width)
@@ -284,8 +302,85 @@ def render_status(doc: Mapping[str, Any], *, width: int = 80) -> list[str]:
         )
     )
     lines.append(_enforcement_line(doc.get("enforcement") or [], width))
-    return [_clip(line, limit) for line in lines]
+    # Every line escaped once more: nothing from the document reaches the terminal raw.
+    return [_clip(escape(line), limit) for line in lines]
+
+
+def _acting(c: Mapping[str, Any]) -> bool:
+    """Whether the enforcer is at a container: throttled, or over its memory limit (its largest
+    process is killed once the grace period runs out)."""
+    limit = _int(c.get("memory_limit_bytes"))
+    return bool(c.get("throttled")) or 0 < limit < _int(c.get("memory_used_bytes"))
+
+
+def _compact_gpu(g: Mapping[str, Any], width: int) -> str:
+    slices = g.get("slices") or {}
+    if g.get("parent_gpu_uuid"):
+        name = f"MIG {_text(g.get('mig_profile', '?'))} GI {_text(g.get('gpu_instance_id', '?'))}"
+    else:
+        name = f"GPU {_text(g.get('index', '?'))} {_text(g.get('model', '?'))}"
+    if not g.get("healthy"):
+        name = f"UNHEALTHY {name}"
+    used_raw = g.get("memory_used_bytes")
+    used = "?" if used_raw is None else format_bytes(_int(used_raw))
+    total = format_bytes(_int(g.get("memory_total_bytes")))
+    tail = (
+        f"{used}/{total}  SM {_percent(_float(g.get('sm_utilization_ratio')))}  "
+        f"slices {_int(slices.get('allocated'))} used {_int(slices.get('free'))} free"
+    )
+    return _name_and_tail(0, name, tail, width)
+
+
+def _compact_container(c: Mapping[str, Any], width: int) -> str:
+    action = ""
+    if c.get("throttled"):
+        action = f"THROTTLED {_percent(_float(c.get('duty_cycle_ratio')))} "
+    limit = _int(c.get("memory_limit_bytes"))
+    if 0 < limit < _int(c.get("memory_used_bytes")):
+        action += "OVER LIMIT "
+    used, limit = _int(c.get("memory_used_bytes")), _int(c.get("memory_limit_bytes"))
+    sm, share = _float(c.get("sm_utilization_ratio")), _float(c.get("compute_share_ratio"))
+    tail = f"{format_bytes(used)}/{format_bytes(limit)}  SM {_percent(sm)}/{_percent(share)}"
+    room = width - 2 - len(action) - len(tail) - 2
+    return _name_and_tail(2, action + container_name(c, max(room, 8)), tail, width)
+
+
+def render_compact(doc: Mapping[str, Any], *, width: int = 80, height: int = 24) -> list[str]:
+    """The view for a small terminal, in at most `height` lines: the header, a line per GPU (MIG
+    devices as their own) followed by a line per container on it, then the enforcement totals.
+    GPUs where something happens (unhealthy, a container throttled or over its memory limit)
+    come first, those containers first on their GPU, and each line starts with what happens, so
+    that a cut view still shows it. What does not fit is counted in the last line."""
+    limit = width
+    width = max(width, MIN_WIDTH)
+    head = _header(doc, width)
+    by_gpu: dict[str, list[Mapping[str, Any]]] = {}
+    for c in doc.get("containers") or []:
+        by_gpu.setdefault(str(c.get("gpu_uuid", "")), []).append(c)
+    blocks: list[tuple[bool, list[str]]] = []
+    for g in doc.get("gpus") or []:
+        on_it = sorted(by_gpu.get(str(g.get("uuid", "")), []), key=lambda c: not _acting(c))
+        acting = not g.get("healthy") or any(_acting(c) for c in on_it)
+        lines = [_compact_gpu(g, width), *(_compact_container(c, width) for c in on_it)]
+        blocks.append((acting, lines))
+    blocks.sort(key=lambda block: not block[0])  # stable: in index order otherwise
+    body = [line for _, lines in blocks for line in lines]
+    foot = [_enforcement_line(doc.get("enforcement") or [], width)]
+    room = height - len(head) - len(foot)
+    if len(body) > room:
+        if room < 1:
+            return [_clip(escape(line), limit) for line in [*head, *foot][: max(height, 0)]]
+        shown = body[: room - 1]
+        body = [*shown, f"... {len(body) - len(shown)} more lines: a taller terminal or --json"]
+    return [_clip(escape(line), limit) for line in [*head, *body, *foot]]
 
 
 # snapshot_to_json is importable from here too, for the callers that build the document and draw it.
-__all__ = ["container_name", "memory_bar", "render_status", "share_bar", "snapshot_to_json"]
+__all__ = [
+    "container_name",
+    "memory_bar",
+    "render_compact",
+    "render_status",
+    "share_bar",
+    "snapshot_to_json",
+]

@@ -62,6 +62,8 @@ def test_serve_help_shows_every_default_and_its_environment_variable() -> None:
         "--metrics-tls-cert": "VGPU_METRICS_TLS_CERT",
         "--metrics-tls-key": "VGPU_METRICS_TLS_KEY",
         "--metrics-client-ca": "VGPU_METRICS_CLIENT_CA",
+        "--metrics-client-names": "VGPU_METRICS_CLIENT_NAMES",
+        "--probe-address": "VGPU_PROBE_ADDRESS",
         "--state-dir": "VGPU_STATE_DIR",
         "--node-features-dir": "VGPU_NODE_FEATURES_DIR",
         "--node-name": "NODE_NAME",

@@ -6,10 +6,12 @@ each one whatever the outcome.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -380,3 +382,54 @@ def test_a_steady_gpu_reads_the_same_until_a_process_stops(
     assert stopped.gpus[0] is not steady.gpus[0]
     assert utilisation(stopped) == {a.pid: 0.0, b.pid: 20.0}
     assert stopped.gpus[0].processes[1] is steady.gpus[0].processes[1]  # b's figures held
+
+
+# --- python -m deviceplugin.gpu.fake ------------------------------------------------------------
+
+
+def fake_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "deviceplugin.gpu.fake", *args],
+        capture_output=True, text=True, timeout=60, check=False,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def test_run_lists_the_command_on_its_gpu_while_it_runs(tmp_path: Path) -> None:
+    path = tmp_path / "new" / "gpus.json"
+    assert fake_cli("write", str(path)).returncode == 0
+    gpus = json.loads(path.read_text())["gpus"]
+    uuid = gpus[1]["uuid"]
+    # The GPU comes from the container's NVIDIA_VISIBLE_DEVICES; the command sees the file with
+    # its own PID on that GPU.
+    show = "import json,os,sys; d=json.load(open(sys.argv[1])); print(os.getpid(), d['gpus'][1])"
+    result = fake_cli(
+        "run", str(path), "--memory", "2Gi", "--sm", "30", "--",
+        sys.executable, "-c", show, str(path),
+        env={"NVIDIA_VISIBLE_DEVICES": uuid},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    pid, gpu = result.stdout.split(" ", 1)
+    assert f"'pid': {pid}, 'used_memory_bytes': 2147483648, 'sm_demand_percent': 30" in gpu
+    # Ended: off the file again, and its exit code is run's.
+    assert '"pid"' not in path.read_text()
+    assert fake_cli("run", str(path), "--gpu", "0", "--", "false").returncode == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "says"),
+    [
+        (["--", "true"], {"NVIDIA_VISIBLE_DEVICES": ""}, "name the GPU with --gpu"),
+        (["--gpu", "7", "--", "true"], {}, "no GPU '7' in the state file; it has 0 ("),
+        (["--gpu", "0"], {}, "give the command to run after --"),
+        (["--gpu", "0", "--memory", "10GB", "--", "true"], {}, "is not a size"),
+    ],
+)
+def test_run_says_what_is_missing(
+    tmp_path: Path, args: list[str], env: dict[str, str], says: str
+) -> None:
+    path = tmp_path / "gpus.json"
+    assert fake_cli("write", str(path)).returncode == 0
+    result = fake_cli("run", str(path), *args, env=env)
+    assert result.returncode == 2
+    assert says in result.stderr

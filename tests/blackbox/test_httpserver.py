@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pty
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 import urllib.error
@@ -341,3 +344,28 @@ def test_status_command_watch_exits_cleanly_when_the_reader_goes(server: HttpSer
     assert proc.returncode == 0, err
     assert "Traceback" not in err
     assert "BrokenPipe" not in err
+
+
+def test_status_command_fits_an_80_by_24_terminal(server: HttpServer) -> None:
+    """The sample's node takes 24 lines in full: on an 80x24 terminal (the cursor's line left
+    free) the compact view shows it, the throttled container first on its GPU."""
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    proc = subprocess.Popen(
+        [*CLI, "status", "--address", f"127.0.0.1:{server.port}"],
+        stdout=secondary, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    os.close(secondary)
+    try:
+        seen = _read_until(primary, b"enforcement actions:", 1)
+        seen += _read_until(primary, b"\n", 1)
+    finally:
+        _, err = proc.communicate(timeout=30)
+        os.close(primary)
+    assert proc.returncode == 0, err
+    lines = seen.decode().replace("\r\n", "\n").rstrip("\n").split("\n")
+    assert lines[0].startswith(f"node {NODE}")
+    assert len(lines) <= 23
+    assert max(len(line) for line in lines) <= 80
+    assert lines[3].startswith("  THROTTLED 60% OVER LIMIT team-b/"), lines

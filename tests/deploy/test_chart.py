@@ -181,8 +181,10 @@ def test_tls_values_serve_https_where_the_probes_and_prometheus_look() -> None:
     ).stdout  # fmt: skip
     for name in ("VGPU_METRICS_TLS_CERT", "VGPU_METRICS_TLS_KEY", "VGPU_METRICS_CLIENT_CA"):
         assert name in serve_help
+    # The probes' own listener speaks plain HTTP: the kubelet's probes carry no certificate.
+    assert env["VGPU_PROBE_ADDRESS"] == ":9411"
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert container[probe]["httpGet"]["scheme"] == "HTTPS", probe
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "probes"}, probe
     endpoint = by_kind(docs)[("ServiceMonitor", "vgpu-device-plugin")]["spec"]["endpoints"][0]
     assert endpoint["scheme"] == "https"
     assert endpoint["tlsConfig"]["serverName"] == "vgpu-device-plugin"

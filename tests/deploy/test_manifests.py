@@ -201,6 +201,7 @@ def test_the_container_command_is_accepted_by_the_cli(monkeypatch: pytest.Monkey
         "VGPU_DEVICE_PLUGIN_DIR": "device_plugin_dir",
         "VGPU_POD_RESOURCES_SOCKET": "pod_resources_socket",
         "VGPU_METRICS_ADDRESS": "metrics_address",
+        "VGPU_PROBE_ADDRESS": "probe_address",
         "VGPU_STATE_DIR": "state_dir",
         "VGPU_NODE_FEATURES_DIR": "node_features_dir",
         "NODE_NAME": "node_name",
@@ -339,10 +340,14 @@ def test_scheduling_and_resources() -> None:
 def test_probes_and_the_service_use_the_metrics_port() -> None:
     c = container()
     port = int(env_of(c)["VGPU_METRICS_ADDRESS"].rpartition(":")[2])
-    (container_port,) = c["ports"]
-    assert container_port == {"name": "metrics", "containerPort": port, "protocol": "TCP"}
+    probe_port = int(env_of(c)["VGPU_PROBE_ADDRESS"].rpartition(":")[2])
+    assert c["ports"] == [
+        {"name": "metrics", "containerPort": port, "protocol": "TCP"},
+        {"name": "probes", "containerPort": probe_port, "protocol": "TCP"},
+    ]
+    # The probes have a listener of their own, which no client of the metrics port crowds out.
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}, probe
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "probes"}, probe
 
     service = one(BASE / "service.yaml")
     assert service["spec"]["clusterIP"] == "None"  # headless: every daemon is scraped

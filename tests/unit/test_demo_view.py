@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 
-from deviceplugin.sim.demo_view import CLEAR_BELOW, CURSOR_UP, LiveView
+import pytest
+
+from deviceplugin.sim.demo_view import CLEAR_BELOW, CURSOR_UP, LiveView, _size
 
 
 class Terminal(io.StringIO):
@@ -41,3 +43,12 @@ def test_elsewhere_only_events_are_written_and_the_view_once_at_the_end() -> Non
     view.final()
     assert out.getvalue() == "process 42 of a/b/c has exited\nview 2\n"
     assert "\x1b" not in out.getvalue()
+
+
+def test_the_live_view_fits_the_terminal_it_is_redrawn_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A view taller than the terminal cannot be redrawn in place: on 80x24 it gets at most 22
+    lines (an event line above it and the cursor's below), and 79 columns, so no line wraps."""
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setenv("LINES", "24")
+    assert _size(LiveView(Terminal(), terminal=True)) == (79, 22)
+    assert _size(LiveView(io.StringIO(), terminal=False)) == (80, None)

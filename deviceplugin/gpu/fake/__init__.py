@@ -12,11 +12,15 @@ from __future__ import annotations
 
 from deviceplugin.gpu.fake.backend import FakeBackend
 from deviceplugin.gpu.fake.checks import (
+    MAX_GPUS,
     MAX_INDEX,
     MAX_MEMORY_BYTES,
+    MAX_MIG_DEVICES,
     MAX_NUMA_NODE,
     MAX_PID,
+    MAX_PROCESSES,
     MAX_STATE_BYTES,
+    MAX_TEXT_CHARS,
 )
 from deviceplugin.gpu.fake.parse import parse_state
 from deviceplugin.gpu.fake.sampler import proc_stat_state
@@ -24,11 +28,15 @@ from deviceplugin.gpu.fake.state import FakeGpu, FakeMigDevice, FakeProcess, Fak
 from deviceplugin.gpu.fake.statefile import read_state_file, write_state_file
 
 __all__ = [
+    "MAX_GPUS",
     "MAX_INDEX",
     "MAX_MEMORY_BYTES",
+    "MAX_MIG_DEVICES",
     "MAX_NUMA_NODE",
     "MAX_PID",
+    "MAX_PROCESSES",
     "MAX_STATE_BYTES",
+    "MAX_TEXT_CHARS",
     "FakeBackend",
     "FakeGpu",
     "FakeMigDevice",

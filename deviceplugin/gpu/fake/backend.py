@@ -25,7 +25,7 @@ from deviceplugin.gpu.fake.sampler import (
     proc_stat_state,
 )
 from deviceplugin.gpu.fake.state import FakeGpu
-from deviceplugin.gpu.fake.statefile import _decode_state, read_state_file
+from deviceplugin.gpu.fake.statefile import _decode_state, read_bounded, read_state_file
 from deviceplugin.model import GpuReading, NodeReading, ProcessSample, SampleReuse
 
 logger = logging.getLogger(__name__)
@@ -275,9 +275,12 @@ class FakeBackend:
             st = os.stat(self._path)
             if _signature(st) == self._signature:
                 return
-            with open(self._path, "rb") as f:
-                signature = _signature(os.fstat(f.fileno()))
-                content = f.read()
+            st, content = read_bounded(self._path)
+            signature = _signature(st)
+        except StateFileError as e:
+            self._signature = None
+            self._reject(str(e))
+            return
         except FileNotFoundError:
             self._signature = None
             self._reject("the file does not exist")

@@ -15,7 +15,15 @@ _MAX_VALUE_CHARS = 60
 
 # Ranges of the numbers in a state file: what a real node could report, with room to spare.
 # Beyond them a value is a mistake (and 2**63 overflows the kubelet API's integers).
-MAX_STATE_BYTES = 16 << 20
+MAX_STATE_BYTES = 1 << 20
+# What one poll may have to read, check and report, whatever the file holds: a real node has at
+# most a few dozen GPUs of at most 7 MIG devices each, and hundreds of GPU processes. Past these
+# a file is refused before any item is checked, so that a file rewritten at every poll costs a
+# poll milliseconds, not seconds.
+MAX_GPUS = 64
+MAX_MIG_DEVICES = 8  # per GPU
+MAX_PROCESSES = 4096  # in the whole file
+MAX_TEXT_CHARS = 256  # any string: names, UUIDs, reasons, keys
 MAX_INDEX = 1 << 16  # GPU indices and device minors
 MAX_NUMA_NODE = 1023  # Linux supports at most 1024 NUMA nodes
 MAX_MEMORY_BYTES = 1 << 50  # 1 PiB
@@ -91,3 +99,35 @@ def _in_range(path: str, values: Iterable[tuple[str, object, int]], problems: _P
             problems.add(f"{path}.{key}", f"out of range: at most {most}, got {_show(value)}")
             ok = False
     return ok
+
+
+def bounds_problem(data: object) -> str | None:
+    """What makes parsed state file data too big to check at every poll (see MAX_GPUS), or None.
+    Cheap: counts lists and measures strings, in one pass with no recursion."""
+    if not isinstance(data, Mapping):
+        return None  # the parser says what is wrong with its shape
+    gpus = data.get("gpus")
+    if isinstance(gpus, list) and len(gpus) > MAX_GPUS:
+        return f"gpus: {len(gpus)} GPUs, at most {MAX_GPUS}"
+    processes = 0
+    stack: list[object] = [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            if len(value) > MAX_TEXT_CHARS:
+                size = len(value)
+                return f"a string of {size} characters, at most {MAX_TEXT_CHARS}: {_show(value)}"
+        elif isinstance(value, Mapping):
+            devices = value.get("devices")
+            if isinstance(devices, list) and len(devices) > MAX_MIG_DEVICES:
+                return f"a GPU with {len(devices)} MIG devices, at most {MAX_MIG_DEVICES}"
+            listed = value.get("processes")
+            if isinstance(listed, list):
+                processes += len(listed)
+                if processes > MAX_PROCESSES:
+                    return f"more than {MAX_PROCESSES} processes in all"
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return None
