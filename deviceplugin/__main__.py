@@ -184,6 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
         "account; env VGPU_KUBECONFIG)",
     )
     serve.add_argument(
+        "--node-labels-dir",
+        metavar="DIR",
+        default=_env("VGPU_NODE_LABELS_DIR", ""),
+        help="keep the node feature file vgpu in this node feature discovery features.d "
+        "directory, where the config names no nodeLabels.path (default: none; "
+        "env VGPU_NODE_LABELS_DIR)",
+    )
+    serve.add_argument(
         "--fail-on-init-error",
         metavar="true|false",
         type=_one_of(("true", "false")),
@@ -316,6 +324,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             node_name=args.node_name,
             trust_host_processes=args.trust_host_processes,
             node_config=node_config,
+            node_labels_dir=Path(args.node_labels_dir).absolute() if args.node_labels_dir else None,
         )
     except ConfigError as e:
         for problem in e.problems:

@@ -52,6 +52,9 @@ from deviceplugin.usage.procs import pid_namespace_warning
 
 log = logging.getLogger(__name__)
 
+# The node feature file's name in the directory of --node-labels-dir.
+NODE_LABELS_FILE = "vgpu"
+
 # /healthz fails when no poll has succeeded for this many intervals (and this many idle intervals,
 # and at least this long), or when the plugin has not been registered with the kubelet for this
 # long.
@@ -84,6 +87,9 @@ class DaemonSettings:
     # Per-node configs: the config file is one of a directory's, chosen by a label of the node
     # (config_path is the one chosen at start; None with the `empty` choice).
     node_config: NodeConfig | None = None
+    # Node labels: the NFD features directory to keep the feature file `vgpu` in, where the
+    # config names no nodeLabels.path.
+    node_labels_dir: Path | None = None
 
 
 class Daemon:
@@ -254,10 +260,14 @@ class Daemon:
         )
 
     def _make_node_labels(self, cfg: Config) -> NodeLabelFile | None:
-        if not cfg.node_labels.path:
+        # The config's path, else the file `vgpu` in the directory the daemon was started with.
+        path = cfg.node_labels.path
+        if not path and self.settings.node_labels_dir is not None:
+            path = str(self.settings.node_labels_dir / NODE_LABELS_FILE)
+        if not path:
             return None
         return NodeLabelFile(
-            Path(cfg.node_labels.path),
+            Path(path),
             mig_strategy=cfg.mig.strategy.value,
             resource_name=cfg.resource_name,
         )

@@ -71,6 +71,7 @@ def test_serve_help_shows_every_default_and_its_environment_variable() -> None:
         "--fallback-strategies": "VGPU_FALLBACK_STRATEGIES",
         "--kubeconfig": "VGPU_KUBECONFIG",
         "--fail-on-init-error": "VGPU_FAIL_ON_INIT_ERROR",
+        "--node-labels-dir": "VGPU_NODE_LABELS_DIR",
         "--log-format": "VGPU_LOG_FORMAT",
         "--log-level": "VGPU_LOG_LEVEL",
     }
