@@ -607,3 +607,9 @@ def test_cluster_wide_rbac_of_two_namespaces_does_not_collide() -> None:
     one_ns = the(render(sets=sets, namespace="gpu-a"), "ClusterRole")["metadata"]["name"]
     other_ns = the(render(sets=sets, namespace="gpu-b"), "ClusterRole")["metadata"]["name"]
     assert one_ns != other_ns
+
+
+def test_device_id_strategy_uuid_is_accepted_and_index_refused_with_the_reason() -> None:
+    assert render(sets=("deviceIDStrategy=uuid",))
+    assert "deviceIDStrategy: index is not supported" in refused(sets=("deviceIDStrategy=index",))
+    assert "deviceIDStrategy" in refused(sets=("deviceIDStrategy=serial",))

@@ -86,6 +86,9 @@ name map default fallbackStrategies
 {{- if and $inlineMps .Values.mps.enabled (get $inline.mps "root") (ne (get $inline.mps "root") .Values.mps.root) -}}
 {{- fail (printf "config.mps.root is %s but mps.root (the host directory the chart mounts) is %s: make them the same" (get $inline.mps "root") .Values.mps.root) -}}
 {{- end -}}
+{{- if eq (.Values.deviceIDStrategy | default "uuid") "index" -}}
+{{- fail "deviceIDStrategy: index is not supported: vgpu names a container's GPUs by UUID in NVIDIA_VISIBLE_DEVICES, which every NVIDIA runtime takes (and a slice's device ID is <GPU UUID>::<n>); leave deviceIDStrategy at uuid" -}}
+{{- end -}}
 {{- if and $config.map $config.default -}}
 {{- if not (hasKey $config.map $config.default) -}}
 {{- fail (printf "config.default is %q, which config.map does not hold (it holds: %s)" $config.default (keys $config.map | sortAlpha | join ", ")) -}}
