@@ -613,3 +613,11 @@ def test_device_id_strategy_uuid_is_accepted_and_index_refused_with_the_reason()
     assert render(sets=("deviceIDStrategy=uuid",))
     assert "deviceIDStrategy: index is not supported" in refused(sets=("deviceIDStrategy=index",))
     assert "deviceIDStrategy" in refused(sets=("deviceIDStrategy=serial",))
+
+
+def test_the_network_policy_lets_per_node_configs_reach_the_api_server_only() -> None:
+    monitoring = CHART / "ci" / "monitoring-values.yaml"
+    assert the(render(monitoring), "NetworkPolicy")["spec"]["egress"] == []
+    policy = the(render(monitoring, sets=("config.name=gpu-configs",)), "NetworkPolicy")
+    (rule,) = policy["spec"]["egress"]
+    assert {p["port"] for p in rule["ports"]} == {443, 6443}
