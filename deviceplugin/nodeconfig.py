@@ -171,7 +171,7 @@ class NodeConfig:
                 if self._kubeconfig
                 else KubeConfig.from_env()
             )
-        except KubeConfigError as e:
+        except (KubeConfigError, KeyError) as e:  # KeyError: no KUBERNETES_SERVICE_HOST
             raise StartupError(
                 f"per-node configs read the node's labels from the Kubernetes API, but {e}: "
                 "mount the service account token (automountServiceAccountToken) or set "

@@ -333,3 +333,14 @@ async def test_serve_picks_the_labelled_config_and_says_why_it_cannot_start(
     _, stderr = await asyncio.wait_for(process.communicate(), 60)
     assert process.returncode == 2, stderr.decode()
     assert "sixteen names no config" in stderr.decode()
+
+
+async def test_outside_a_pod_without_a_kubeconfig_the_start_says_what_to_mount(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    directory = configmap(tmp_path / "cfg", 1, CONFIGS)
+    with pytest.raises(StartupError, match="automountServiceAccountToken"):
+        await NodeConfig(NodeConfigRules(directory), NODE).initial()
