@@ -514,7 +514,7 @@ def test_contradicting_config_values_are_refused_saying_what_to_do(
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
-        (("migStrategy=mixed",), "additional properties 'migStrategy' not allowed"),
+        (("migrationStrategy=mixed",), "additional properties 'migrationStrategy' not allowed"),
         (("logLevel=verbose",), "logLevel"),
         (("config.fallbackStrategies={first}",), "fallbackStrategies"),
         (("failOnInitError=maybe",), "failOnInitError"),
@@ -621,3 +621,28 @@ def test_the_network_policy_lets_per_node_configs_reach_the_api_server_only() ->
     policy = the(render(monitoring, sets=("config.name=gpu-configs",)), "NetworkPolicy")
     (rule,) = policy["spec"]["egress"]
     assert {p["port"] for p in rule["ports"]} == {443, 6443}
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (("migStrategy=mixed",), "set config.mig.strategy (vgpu's format) or config.flags"),
+        (("deviceListStrategy=volume-mounts",), "config.allocation.deviceListStrategy"),
+    ],
+)
+def test_nvidia_chart_values_that_are_config_settings_say_where_they_go(
+    sets: tuple[str, ...], message: str
+) -> None:
+    assert message in refused(sets=sets)
+
+
+def test_nvidia_driver_root_is_hostpaths_driver_root() -> None:
+    operator = render(sets=("nvidiaDriverRoot=/run/nvidia/driver",))
+    volumes, mounts = volumes_and_mounts(operator)
+    assert volumes["driver-root"]["hostPath"]["path"] == "/run/nvidia/driver"
+    assert mounts["driver-root"]["mountPath"] == "/driver-root"
+    # NVIDIA's default, the host's own root: the runtime provides the driver, as without it.
+    assert render(sets=("nvidiaDriverRoot=/",)) == render()
+    assert "differ: set one" in refused(
+        sets=("nvidiaDriverRoot=/run/nvidia/driver", "hostPaths.driverRoot=/opt/driver")
+    )

@@ -86,6 +86,15 @@ name map default fallbackStrategies
 {{- if and $inlineMps .Values.mps.enabled (get $inline.mps "root") (ne (get $inline.mps "root") .Values.mps.root) -}}
 {{- fail (printf "config.mps.root is %s but mps.root (the host directory the chart mounts) is %s: make them the same" (get $inline.mps "root") .Values.mps.root) -}}
 {{- end -}}
+{{- if hasKey .Values "migStrategy" -}}
+{{- fail "migStrategy is a setting of the config file in vgpu: set config.mig.strategy (vgpu's format) or config.flags.migStrategy (NVIDIA's), or put it into each config of config.map" -}}
+{{- end -}}
+{{- if hasKey .Values "deviceListStrategy" -}}
+{{- fail "deviceListStrategy is a setting of the config file in vgpu: set config.allocation.deviceListStrategy (vgpu's format) or config.flags.plugin.deviceListStrategy (NVIDIA's)" -}}
+{{- end -}}
+{{- if and .Values.nvidiaDriverRoot .Values.hostPaths.driverRoot (ne .Values.nvidiaDriverRoot "/") (ne .Values.nvidiaDriverRoot .Values.hostPaths.driverRoot) -}}
+{{- fail "nvidiaDriverRoot (NVIDIA's name) and hostPaths.driverRoot differ: set one" -}}
+{{- end -}}
 {{- if eq (.Values.deviceIDStrategy | default "uuid") "index" -}}
 {{- fail "deviceIDStrategy: index is not supported: vgpu names a container's GPUs by UUID in NVIDIA_VISIBLE_DEVICES, which every NVIDIA runtime takes (and a slice's device ID is <GPU UUID>::<n>); leave deviceIDStrategy at uuid" -}}
 {{- end -}}
@@ -94,4 +103,12 @@ name map default fallbackStrategies
 {{- fail (printf "config.default is %q, which config.map does not hold (it holds: %s)" $config.default (keys $config.map | sortAlpha | join ", ")) -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+
+
+{{/* The driver root on the host: hostPaths.driverRoot, or NVIDIA's nvidiaDriverRoot ("/", the
+host's own, is where the NVIDIA runtime finds it: nothing to mount). */}}
+{{- define "vgpu.driverRoot" -}}
+{{- $nvidia := .Values.nvidiaDriverRoot | default "" -}}
+{{- .Values.hostPaths.driverRoot | default (ternary "" $nvidia (eq $nvidia "/")) -}}
 {{- end -}}
