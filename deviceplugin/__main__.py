@@ -184,12 +184,19 @@ def build_parser() -> argparse.ArgumentParser:
         "account; env VGPU_KUBECONFIG)",
     )
     serve.add_argument(
-        "--node-labels-dir",
+        "--node-features-dir",
         metavar="DIR",
-        default=_env("VGPU_NODE_LABELS_DIR", ""),
-        help="keep the node feature file vgpu in this node feature discovery features.d "
-        "directory, where the config names no nodeLabels.path (default: none; "
-        "env VGPU_NODE_LABELS_DIR)",
+        default=_env("VGPU_NODE_FEATURES_DIR", ""),
+        help="node feature discovery's features.d directory, where the node feature file is "
+        "kept (default: none; env VGPU_NODE_FEATURES_DIR)",
+    )
+    serve.add_argument(
+        "--node-features-file",
+        metavar="NAME",
+        default=_env("VGPU_NODE_FEATURES_FILE", ""),
+        help="the node feature file's name in --node-features-dir, where the config names none: "
+        "the node labels of any config, NVIDIA's too (default: none; "
+        "env VGPU_NODE_FEATURES_FILE)",
     )
     serve.add_argument(
         "--fail-on-init-error",
@@ -324,7 +331,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             node_name=args.node_name,
             trust_host_processes=args.trust_host_processes,
             node_config=node_config,
-            node_labels_dir=Path(args.node_labels_dir).absolute() if args.node_labels_dir else None,
+            node_features_dir=Path(args.node_features_dir).absolute()
+            if args.node_features_dir
+            else None,
+            node_features_file=args.node_features_file,
         )
     except ConfigError as e:
         for problem in e.problems:

@@ -52,9 +52,6 @@ from deviceplugin.usage.procs import pid_namespace_warning
 
 log = logging.getLogger(__name__)
 
-# The node feature file's name in the directory of --node-labels-dir.
-NODE_LABELS_FILE = "vgpu"
-
 # /healthz fails when no poll has succeeded for this many intervals (and this many idle intervals,
 # and at least this long), or when the plugin has not been registered with the kubelet for this
 # long.
@@ -87,9 +84,10 @@ class DaemonSettings:
     # Per-node configs: the config file is one of a directory's, chosen by a label of the node
     # (config_path is the one chosen at start; None with the `empty` choice).
     node_config: NodeConfig | None = None
-    # Node labels: the NFD features directory to keep the feature file `vgpu` in, where the
-    # config names no nodeLabels.path.
-    node_labels_dir: Path | None = None
+    # Node labels where the config names no nodeLabels.path: the feature file of this name in
+    # NFD's features directory (both given at start, whatever the config's format).
+    node_features_dir: Path | None = None
+    node_features_file: str = ""
 
 
 class Daemon:
@@ -260,10 +258,14 @@ class Daemon:
         )
 
     def _make_node_labels(self, cfg: Config) -> NodeLabelFile | None:
-        # The config's path, else the file `vgpu` in the directory the daemon was started with.
+        # The config's path, else the file and directory the daemon was started with.
         path = cfg.node_labels.path
-        if not path and self.settings.node_labels_dir is not None:
-            path = str(self.settings.node_labels_dir / NODE_LABELS_FILE)
+        features_dir, features_file = (
+            self.settings.node_features_dir,
+            self.settings.node_features_file,
+        )
+        if not path and features_dir is not None and features_file:
+            path = str(features_dir / features_file)
         if not path:
             return None
         return NodeLabelFile(

@@ -71,7 +71,8 @@ def test_serve_help_shows_every_default_and_its_environment_variable() -> None:
         "--fallback-strategies": "VGPU_FALLBACK_STRATEGIES",
         "--kubeconfig": "VGPU_KUBECONFIG",
         "--fail-on-init-error": "VGPU_FAIL_ON_INIT_ERROR",
-        "--node-labels-dir": "VGPU_NODE_LABELS_DIR",
+        "--node-features-dir": "VGPU_NODE_FEATURES_DIR",
+        "--node-features-file": "VGPU_NODE_FEATURES_FILE",
         "--log-format": "VGPU_LOG_FORMAT",
         "--log-level": "VGPU_LOG_LEVEL",
     }

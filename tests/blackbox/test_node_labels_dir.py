@@ -1,6 +1,7 @@
-"""`serve --node-labels-dir DIR` (env VGPU_NODE_LABELS_DIR, which the chart and the kustomize
-install set): the feature file `vgpu` goes into DIR without any key in the config file, and stays
-across a reload of a config that has none either."""
+"""`serve --node-features-dir DIR --node-features-file vgpu` (env VGPU_NODE_FEATURES_DIR and
+VGPU_NODE_FEATURES_FILE, which the chart and the kustomize install set): the feature file goes
+into DIR without any key in the config file, and stays across a reload of a config that has none
+either."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ async def test_the_feature_file_goes_into_the_directory_and_survives_a_reload(
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "deviceplugin", "serve", *serve_args(node),
         "--config", str(config), "--metrics-address", "127.0.0.1:0",
-        "--node-labels-dir", str(features), "--trust-host-processes",
+        "--node-features-dir", str(features), "--node-features-file", "vgpu",
+        "--trust-host-processes",
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip

@@ -210,7 +210,7 @@ def test_the_default_render_is_the_kustomize_install() -> None:
         yaml.safe_load(kust[("ConfigMap", "vgpu-config")]["data"]["config.yaml"])
     )
     # kustomize's config names the feature file too; the chart's holds nothing of its own: both
-    # DaemonSets give the daemon the directory (VGPU_NODE_LABELS_DIR).
+    # DaemonSets give the daemon the directory (VGPU_NODE_FEATURES_DIR).
     assert kust_config == Config(node_labels=NodeLabelsConfig(path=NFD_FEATURE_FILE))
     assert config_of(render()) == Config()
 
@@ -368,7 +368,7 @@ def test_gpu_operator_values_move_the_host_paths_and_the_image() -> None:
     assert container["args"] == ["serve", "--log-format", "text", "--log-level", "debug"]
     # Node labels off: no feature directory from the host, none given to the daemon.
     assert "nfd-features" not in volumes
-    assert "VGPU_NODE_LABELS_DIR" not in env
+    assert "VGPU_NODE_FEATURES_DIR" not in env
     config = config_of(docs)
     assert config.node_labels.path == ""
     assert config.enforcement.memory.action.value == "monitor"
@@ -384,7 +384,8 @@ def test_node_labels_feature_directory_follows_its_value() -> None:
     volumes, mounts = volumes_and_mounts(docs)
     assert volumes["nfd-features"]["hostPath"]["path"] == "/opt/nfd/features.d"
     assert mounts["nfd-features"]["mountPath"] == "/opt/nfd/features.d"
-    assert env_of(docs)["VGPU_NODE_LABELS_DIR"] == "/opt/nfd/features.d"
+    assert env_of(docs)["VGPU_NODE_FEATURES_DIR"] == "/opt/nfd/features.d"
+    assert env_of(docs)["VGPU_NODE_FEATURES_FILE"] == "vgpu"
     # ... and nothing of the chart's in the config file.
     assert config_of(docs) == Config()
 
@@ -411,7 +412,7 @@ def test_an_nvidia_config_with_default_values_is_written_as_given() -> None:
     # What the chart adds goes through the environment.
     env = env_of(docs)
     assert env["VGPU_CONFIG"] == "/etc/vgpu/config.yaml"
-    assert env["VGPU_NODE_LABELS_DIR"] == "/etc/kubernetes/node-feature-discovery/features.d"
+    assert env["VGPU_NODE_FEATURES_DIR"] == "/etc/kubernetes/node-feature-discovery/features.d"
 
 
 def serve_help() -> str:
@@ -427,7 +428,7 @@ def test_every_setting_the_chart_passes_is_one_serve_reads() -> None:
     help_text = " ".join(serve_help().split())
     names = {name for name in env_of(docs) if name.startswith("VGPU_")}
     assert {"VGPU_CONFIG_DIR", "VGPU_DEFAULT_CONFIG", "VGPU_FAIL_ON_INIT_ERROR"} <= names
-    assert "VGPU_NODE_LABELS_DIR" in names
+    assert "VGPU_NODE_FEATURES_DIR" in names
     for name in sorted(names):
         assert f"env {name}" in help_text, f"the chart sets {name}, which serve does not read"
 
