@@ -57,7 +57,17 @@ def test_the_service_account_gets_its_node_and_nothing_more(tmp_path: Path) -> N
         pytest.skip("needs openssl and ip (iproute2)")
     binaries = bundle_bin()
     result = subprocess.run(
-        ["unshare", "--net", "--fork", "bash", str(SCRIPT), str(tmp_path), str(binaries)],
+        [
+            "unshare",
+            "--net",
+            "--pid",
+            "--fork",
+            "--kill-child",
+            "bash",
+            str(SCRIPT),
+            str(tmp_path),
+            str(binaries),
+        ],
         capture_output=True,
         text=True,
         timeout=240,

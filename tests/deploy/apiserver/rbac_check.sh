@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Run inside a new network namespace (unshare --net --fork; tests/deploy/test_apiserver_rbac.py
-# does): a real etcd and kube-apiserver on loopback, the chart's per-node-values objects applied,
-# then the daemon's per-node config reader (deviceplugin.nodeconfig) run with the ServiceAccount's
-# own token. Prints one `result ...` line per finding; the test reads them.
+# Run inside new network and PID namespaces, as tests/deploy/test_apiserver_rbac.py does
+# (unshare --net --pid --fork --kill-child: every process started here ends with it): a real
+# etcd and kube-apiserver on loopback, the chart's per-node-values objects applied, then the
+# daemon's per-node config reader (deviceplugin.nodeconfig) run with the ServiceAccount's own
+# token. Prints one `result ...` line per finding; the test reads them.
 #   rbac_check.sh WORK_DIR BIN_DIR      (BIN_DIR: kube-multi and tinyetcd from the k8s bundle)
 set -euo pipefail
 WORK=$1 BIN=$2
