@@ -1,7 +1,8 @@
-"""The chart's per-node config RBAC against a real kube-apiserver (Kubernetes v1.36.2 from
-../shared/k8s, with etcd, in a network namespace of its own with only loopback): the daemon's
-ServiceAccount may `get` nodes and nothing more, and with its own token the daemon's per-node
-config reader chooses, switches and refuses as the label says.
+"""The chart's per-node config RBAC against a real kube-apiserver (the Kubernetes v1.36.2 bundle
+that VGPU_E2E_K8S_BUNDLE names, as for tests/e2e: the tarball, its directory, or a directory with
+kube-multi and tinyetcd), with etcd, in network and PID namespaces of their own with only
+loopback: the daemon's ServiceAccount may `get` nodes and nothing more, and with its own token
+the daemon's per-node config reader chooses, switches and refuses as the label says.
 
 Needs root (unshare), openssl, the bundle, and helm and kubectl (tools/fetch_k8s_tools.py);
 skips, saying which is missing, otherwise. About 20 s."""
@@ -20,24 +21,36 @@ import pytest
 from tests.deploy.support import ROOT
 from tools import fetch_k8s_tools
 
-BUNDLE = ROOT.parent / "shared" / "k8s" / "k8s-v1.36.2-bundle.tgz"
+BUNDLE_ENV = "VGPU_E2E_K8S_BUNDLE"
 SCRIPT = ROOT / "tests" / "deploy" / "apiserver" / "rbac_check.sh"
+BINARIES = ("kube-multi", "tinyetcd")
 
 
 def bundle_bin() -> Path:
-    """The bundle's binaries, unpacked once into the cache after checking its sha256."""
-    if not BUNDLE.is_file():
-        pytest.skip(f"the Kubernetes bundle is not at {BUNDLE}")
-    expected = Path(f"{BUNDLE}.sha256").read_text().split()[0]
+    """The bundle's binaries: a directory that has them, or the tarball (named, or the one
+    `*bundle*.tgz` in the directory named), unpacked once into the cache after its sha256 is
+    checked against the `.sha256` beside it."""
+    spec = os.environ.get(BUNDLE_ENV, "")
+    if not spec:
+        pytest.skip(f"no Kubernetes bundle: set {BUNDLE_ENV} (.ci/run does where there is one)")
+    path = Path(spec)
+    if path.is_dir() and all((path / name).is_file() for name in BINARIES):
+        return path
+    tarballs = sorted(path.glob("*bundle*.tgz")) if path.is_dir() else [path]
+    assert len(tarballs) == 1, f"{BUNDLE_ENV}={spec}: not one *bundle*.tgz there"
+    (tarball,) = tarballs
+    assert tarball.is_file(), f"{BUNDLE_ENV}={spec}: no bundle there"
+    expected = Path(f"{tarball}.sha256").read_text().split()[0]
     cache = Path.home() / ".cache" / "vgpu" / f"k8s-bundle-{expected[:16]}"
-    if not (cache / "kube-multi").is_file():
-        actual = hashlib.sha256(BUNDLE.read_bytes()).hexdigest()
-        assert actual == expected, f"{BUNDLE} has sha256 {actual}, not {expected}"
+    if not all((cache / name).is_file() for name in BINARIES):
+        actual = hashlib.sha256(tarball.read_bytes()).hexdigest()
+        assert actual == expected, f"{tarball} has sha256 {actual}, not {expected}"
         staging = cache.with_name(cache.name + ".tmp")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        with tarfile.open(BUNDLE) as tar:
+        with tarfile.open(tarball) as tar:
             tar.extractall(staging, filter="data")
+        shutil.rmtree(cache, ignore_errors=True)
         staging.rename(cache)
     return cache
 
