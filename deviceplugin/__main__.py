@@ -21,11 +21,15 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from deviceplugin import __version__, logs
 from deviceplugin.config import Config
 from deviceplugin.errors import BackendError, ConfigError, StartupError
 from deviceplugin.kubelet.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
+
+if TYPE_CHECKING:
+    from deviceplugin.nodeconfig import NodeConfig
 
 log = logging.getLogger("deviceplugin")
 
@@ -166,6 +170,60 @@ def build_parser() -> argparse.ArgumentParser:
         help="this node's name, the node label of every metric (default: empty; env NODE_NAME)",
     )
     serve.add_argument(
+        "--config-dir",
+        metavar="DIR",
+        default=_env("VGPU_CONFIG_DIR", ""),
+        help="per-node configs: a directory of named config files (a ConfigMap volume), one "
+        "chosen by the node's label --config-label, read through the Kubernetes API (RBAC: get "
+        "on nodes); a change of the label switches configs live; instead of --config "
+        "(default: none; env VGPU_CONFIG_DIR)",
+    )
+    serve.add_argument(
+        "--config-label",
+        metavar="LABEL",
+        default=_env("VGPU_CONFIG_LABEL", "nvidia.com/device-plugin.config"),
+        help="the node label that names the node's config in --config-dir "
+        "(default: nvidia.com/device-plugin.config; env VGPU_CONFIG_LABEL)",
+    )
+    serve.add_argument(
+        "--default-config",
+        metavar="NAME",
+        default=_env("VGPU_DEFAULT_CONFIG", ""),
+        help="the config of --config-dir for a node without the label "
+        "(default: the fallback strategies choose; env VGPU_DEFAULT_CONFIG)",
+    )
+    serve.add_argument(
+        "--fallback-strategies",
+        metavar="LIST",
+        default=_env("VGPU_FALLBACK_STRATEGIES", "named,single"),
+        help="without the label or a default config: named (the config named default), single "
+        "(the only config), empty (the built-in defaults), tried in order "
+        "(default: named,single; env VGPU_FALLBACK_STRATEGIES)",
+    )
+    serve.add_argument(
+        "--kubeconfig",
+        metavar="PATH",
+        default=_env("VGPU_KUBECONFIG", ""),
+        help="for --config-dir outside a pod: a kubeconfig file (default: the pod's service "
+        "account; env VGPU_KUBECONFIG)",
+    )
+    serve.add_argument(
+        "--node-features-file",
+        metavar="NAME",
+        default=_env("VGPU_NODE_FEATURES_FILE", ""),
+        help="the node feature file's name in --node-features-dir, where the config names none: "
+        "the node labels of any config, NVIDIA's too (default: none; "
+        "env VGPU_NODE_FEATURES_FILE)",
+    )
+    serve.add_argument(
+        "--fail-on-init-error",
+        metavar="true|false",
+        type=_one_of(("true", "false")),
+        default=_env("VGPU_FAIL_ON_INIT_ERROR", "true"),
+        help="false: when the GPU backend cannot start (no GPU or driver on the node), log it "
+        "and wait until stopped instead of exiting (default: true; env VGPU_FAIL_ON_INIT_ERROR)",
+    )
+    serve.add_argument(
         "--trust-host-processes",
         action="store_true",
         default=_env("VGPU_TRUST_HOST_PROCESSES", "") in ("1", "true"),
@@ -268,12 +326,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logs.configure(args.log_format, getattr(logging, args.log_level.upper()))
     os.umask(0o077)  # every socket and file the daemon creates is owner-only
+    if args.node_features_file:
+        from deviceplugin.config.vgpu import feature_file_name_problem  # noqa: PLC0415
+
+        problem = feature_file_name_problem(args.node_features_file)
+        if problem:
+            log.error("config error source=--node-features-file problem=%s", problem)
+            return EXIT_USAGE
     try:
         # Paths are made absolute here, once: gRPC and the kubelet need absolute ones.
         backend = args.backend
         if backend.startswith("fake:") and backend != "fake:":
             backend = f"fake:{Path(backend.removeprefix('fake:')).absolute()}"
         config_path = Path(args.config).absolute() if args.config else None
+        node_config = _node_config(args)
+        if node_config is not None:
+            config_path = asyncio.run(node_config.initial())
         loaded = read_config(config_path) if config_path else None
         settings = DaemonSettings(
             config=loaded.config if loaded else Config(),
@@ -290,10 +358,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             else None,
             node_name=args.node_name,
             trust_host_processes=args.trust_host_processes,
+            node_config=node_config,
+            node_features_file=args.node_features_file,
         )
     except ConfigError as e:
         for problem in e.problems:
             log.error("config error source=%s problem=%s", e.source, problem)
+        return EXIT_USAGE
+    except StartupError as e:
+        log.error("cannot start: %s", e)
         return EXIT_USAGE
     from deviceplugin.usage.httpserver import parse_address  # noqa: PLC0415
 
@@ -324,7 +397,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
             ),
         )
     hangup = asyncio.Event()
-    return run_until_signalled(lambda stop: serve(settings, stop, hangup), on_hangup=hangup.set)
+    return run_until_signalled(
+        lambda stop: serve(settings, stop, hangup),
+        on_hangup=hangup.set,
+        wait_on_start_error=args.fail_on_init_error == "false",
+    )
+
+
+def _node_config(args: argparse.Namespace) -> NodeConfig | None:
+    """Per-node configs from --config-dir, or None. Raises ConfigError on bad flags."""
+    from deviceplugin.nodeconfig import NodeConfig, NodeConfigRules, parse_fallback  # noqa: PLC0415
+
+    if not args.config_dir:
+        return None
+    if args.config:
+        raise ConfigError(
+            [
+                "--config and --config-dir exclude each other: give one config file, or a "
+                "directory of named configs chosen per node"
+            ],
+            "--config-dir",
+        )
+    try:
+        fallback = parse_fallback(args.fallback_strategies)
+    except ValueError as e:
+        raise ConfigError([str(e)], "--fallback-strategies") from e
+    rules = NodeConfigRules(
+        Path(args.config_dir).absolute(), args.config_label, args.default_config, fallback
+    )
+    return NodeConfig(rules, args.node_name, kubeconfig=args.kubeconfig)
 
 
 def _tls_problem(args: argparse.Namespace) -> str:
@@ -345,10 +446,15 @@ def _client_names(text: str) -> frozenset[str]:
 
 
 def run_until_signalled(
-    main: Callable[[asyncio.Event], Awaitable[None]], on_hangup: Callable[[], None] | None = None
+    main: Callable[[asyncio.Event], Awaitable[None]],
+    on_hangup: Callable[[], None] | None = None,
+    *,
+    wait_on_start_error: bool = False,
 ) -> int:
     """Run `main(stop)` on a new event loop; SIGTERM, SIGINT and SIGQUIT set `stop`, and so does
-    SIGHUP unless `on_hangup` is given (`serve` reloads its config on SIGHUP)."""
+    SIGHUP unless `on_hangup` is given (`serve` reloads its config on SIGHUP). With
+    `wait_on_start_error` (NVIDIA's failOnInitError: false), a daemon that cannot start waits for
+    `stop` instead of exiting, so that a node without a GPU does not restart it forever."""
 
     async def runner() -> int:
         stop = asyncio.Event()
@@ -362,6 +468,10 @@ def run_until_signalled(
             await main(stop)
         except (BackendError, StartupError) as e:
             log.error("cannot start: %s", e)
+            if wait_on_start_error:
+                log.warning("--fail-on-init-error false: waiting until stopped instead of exiting")
+                await stop.wait()
+                return EXIT_OK
             return EXIT_USAGE
         except ExceptionGroup as group:
             for failure in group.exceptions:

@@ -35,6 +35,7 @@ from deviceplugin.kubelet.resources import ResourceEndpoint, ResourcePlugins
 from deviceplugin.kubelet.server import DevicePluginService
 from deviceplugin.kubelet.tracker import POD_RESOURCES_INTERVAL_S, AllocationTracker
 from deviceplugin.model import DaemonHealth, Inventory, NodeSnapshot
+from deviceplugin.nodeconfig import NodeConfig
 from deviceplugin.nodelabels import NodeLabelFile
 from deviceplugin.poller import Poller, idle_interval_s
 from deviceplugin.reload import (
@@ -86,6 +87,12 @@ class DaemonSettings:
     # Let a process outside every pod cgroup keep its claimed allocation: only for workloads
     # that are not in pods (the demo, tests); `serve` refuses it outside a fake backend.
     trust_host_processes: bool = False
+    # Per-node configs: the config file is one of a directory's, chosen by a label of the node
+    # (config_path is the one chosen at start; None with the `empty` choice).
+    node_config: NodeConfig | None = None
+    # Node labels where the config names no nodeLabels.file: the feature file of this name in
+    # node_features_dir (given at start, whatever the config's format).
+    node_features_file: str = ""
 
 
 class Daemon:
@@ -265,8 +272,10 @@ class Daemon:
         )
 
     def _make_node_labels(self, cfg: Config) -> NodeLabelFile | None:
-        """The feature file, only ever in the directory the daemon was started with."""
-        name = cfg.node_labels.file
+        """The feature file, only ever in the directory the daemon was started with: the
+        config's nodeLabels.file, else --node-features-file (an NVIDIA file has no place for
+        it)."""
+        name = cfg.node_labels.file or self.settings.node_features_file
         directory = self.settings.node_features_dir
         if not name:
             return None
@@ -429,16 +438,23 @@ class Daemon:
                 tasks.create_task(self.poller.run(stop), name="poll")
                 self._tasks, self._stop = tasks, stop
                 tasks.create_task(self.resources.run(stop), name="plugins")
-                if self.settings.config_path is not None:
+                node_config = self.settings.node_config
+                if self.settings.config_path is not None or node_config is not None:
                     reloader = ConfigReloader(
                         self,
                         self.settings.config_path,
                         self.reload_metrics,
                         self.settings.config_hash,
+                        watch_dir=node_config.rules.directory if node_config else None,
                     )
                     tasks.create_task(
                         reloader.run(stop, hangup or asyncio.Event()), name="config-reload"
                     )
+                    if node_config is not None:
+                        tasks.create_task(
+                            node_config.run(stop, reloader.switch, reloader.refuse),
+                            name="node-config",
+                        )
                 elif hangup is not None:
                     tasks.create_task(
                         report_hangups_without_a_config(stop, hangup), name="config-reload"

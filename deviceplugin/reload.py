@@ -173,20 +173,33 @@ class ConfigReloader:
     def __init__(
         self,
         daemon: Daemon,
-        path: Path,
+        path: Path | None,
         metrics: ReloadMetrics,
         running_hash: str,
         *,
         use_inotify: bool = True,
         poll_interval_s: float = CONFIG_POLL_INTERVAL_S,
+        watch_dir: Path | None = None,
     ) -> None:
+        # path None: the built-in defaults (a per-node config's `empty` choice), in watch_dir's
+        # set of named configs.
         self._daemon = daemon
         self._path = path
         self._metrics = metrics
         self.running_hash = running_hash
+        watched = watch_dir or (path.parent if path is not None else Path("."))
         self._watch = DirectoryWatch(
-            path.parent, fallback_interval_s=poll_interval_s, use_inotify=use_inotify
+            watched, fallback_interval_s=poll_interval_s, use_inotify=use_inotify
         )
+
+    async def switch(self, path: Path | None, trigger: str) -> str:
+        """Run the config at `path` (None: the built-in defaults) from now on, as a reload."""
+        self._path = path
+        return await self.reload(trigger)
+
+    def refuse(self, source: str, problems: list[str], trigger: str) -> str:
+        """Refuse a new config chosen elsewhere (per-node configs): logged, counted, kept."""
+        return self._refuse(source, problems, trigger)
 
     async def run(self, stop: asyncio.Event, hangup: asyncio.Event) -> None:
         self._watch.start()
@@ -222,7 +235,10 @@ class ConfigReloader:
         """Read the file; apply it if its content changed. Returns 'applied', 'refused' or
         'unchanged'."""
         try:
-            loaded = await asyncio.to_thread(read_config, self._path)
+            if self._path is None:
+                loaded = LoadedConfig(Config(), config_hash(b""))
+            else:
+                loaded = await asyncio.to_thread(read_config, self._path)
         except ConfigError as e:
             return self._refuse(e.source, e.problems, trigger)
         if loaded.hash == self.running_hash:
@@ -233,7 +249,7 @@ class ConfigReloader:
         # Valid on its own, but its device list must also fit in one kubelet message here.
         too_large = self._daemon.plan_problem(loaded.config)
         if too_large is not None:
-            return self._refuse(str(self._path), [too_large], trigger)
+            return self._refuse(str(self._path or "built-in defaults"), [too_large], trigger)
         changes = describe_changes(self._daemon.settings.config, loaded.config)
         await self._daemon.apply_config(loaded.config)
         log.info(

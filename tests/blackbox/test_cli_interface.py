@@ -68,6 +68,13 @@ def test_serve_help_shows_every_default_and_its_environment_variable() -> None:
         "--node-features-dir": "VGPU_NODE_FEATURES_DIR",
         "--node-name": "NODE_NAME",
         "--trust-host-processes": "VGPU_TRUST_HOST_PROCESSES",
+        "--config-dir": "VGPU_CONFIG_DIR",
+        "--config-label": "VGPU_CONFIG_LABEL",
+        "--default-config": "VGPU_DEFAULT_CONFIG",
+        "--fallback-strategies": "VGPU_FALLBACK_STRATEGIES",
+        "--kubeconfig": "VGPU_KUBECONFIG",
+        "--fail-on-init-error": "VGPU_FAIL_ON_INIT_ERROR",
+        "--node-features-file": "VGPU_NODE_FEATURES_FILE",
         "--log-format": "VGPU_LOG_FORMAT",
         "--log-level": "VGPU_LOG_LEVEL",
     }

@@ -168,3 +168,17 @@ def test_the_overlay_example_builds(tmp_path: Path) -> None:
     spec = docs["DaemonSet"]["spec"]["template"]["spec"]
     assert spec["containers"][0]["image"].startswith("registry.example.com/")
     assert docs["ServiceMonitor"]["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+def test_running_guide_deploys_in_an_order_that_works() -> None:
+    """Followed top to bottom: the image exists before anything pulls it, and the namespace
+    admits privileged pods before the chart's DaemonSet is created in it."""
+    text = (ROOT / "docs" / "running.md").read_text()
+    deploying = section(text, "Deploying")
+    push = deploying.index("podman push")
+    assert push < deploying.index("kubectl apply -k daemonset/")
+    assert push < deploying.index("helm install")
+    assert deploying.index("pod-security.kubernetes.io/enforce=privileged") < deploying.index(
+        "helm install"
+    )
+    assert "--create-namespace" not in deploying  # it would create the namespace unlabelled

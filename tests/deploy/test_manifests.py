@@ -186,6 +186,9 @@ def test_the_node_feature_file_is_on_a_host_directory_that_nfd_reads() -> None:
     mount = next(m for m in mounts.values() if m["mountPath"] == feature_dir)
     assert not mount.get("readOnly")
     assert volumes[mount["name"]]["hostPath"] == {"path": feature_dir, "type": "DirectoryOrCreate"}
+    # ... and the daemon is told where it is.
+    assert env_of(container())["VGPU_NODE_FEATURES_DIR"] == feature_dir
+    assert env_of(container())["VGPU_NODE_FEATURES_FILE"] == Path(NFD_FEATURE_FILE).name
 
 
 # --- the DaemonSet and the CLI ------------------------------------------------------------------
@@ -204,6 +207,7 @@ def test_the_container_command_is_accepted_by_the_cli(monkeypatch: pytest.Monkey
         "VGPU_PROBE_ADDRESS": "probe_address",
         "VGPU_STATE_DIR": "state_dir",
         "VGPU_NODE_FEATURES_DIR": "node_features_dir",
+        "VGPU_NODE_FEATURES_FILE": "node_features_file",
         "NODE_NAME": "node_name",
     }
     for name, value in env.items():

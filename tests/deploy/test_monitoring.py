@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import deviceplugin
+from deviceplugin.reload import ReloadMetrics, config_hash
 from deviceplugin.usage.metrics import DaemonMetrics
 from tests.deploy.support import (
     BASE,
@@ -84,6 +85,8 @@ def exposed() -> dict[str, set[str]]:
     """Sample name -> label names, from the exporter's text output for a sample snapshot."""
     snapshot = sample_snapshot()
     metrics = DaemonMetrics("node-a", lambda: snapshot, version=deviceplugin.__version__)
+    # The daemon adds the config reload series to the same registry.
+    ReloadMetrics(metrics.registry, "node-a", config_hash(b""))
     metrics.observe_allocate(0.001)
     metrics.observe_poll(0.002)
     payload, _ = metrics.render()
@@ -201,17 +204,25 @@ def test_alert_annotations_name_labels_the_alert_has(rule: dict[str, Any]) -> No
     else:
         known = exposed() | SCRAPE_SERIES
         series = [known[name] for name in metric_names(expr)] or [set()]
-        available = set.union(*series) | TARGET_LABELS
+        available = set.union(*series) | TARGET_LABELS | relabelled_target_labels()
     text = " ".join(rule["annotations"].values())
     missing = set(LABEL_REF.findall(text)) - available
     assert not missing, f"{rule['alert']} names labels its series lack: {sorted(missing)}"
 
 
+def relabelled_target_labels() -> set[str]:
+    """Labels the ServiceMonitor's relabelings give every target (`up` included)."""
+    (endpoint,) = one(MONITORING / "servicemonitor.yaml")["spec"]["endpoints"]
+    return {r["targetLabel"] for r in endpoint.get("relabelings", [])}
+
+
 def test_the_absent_alert_fires_when_no_daemon_is_scraped_at_all() -> None:
     (absent,) = [r for r in rules() if r["alert"] == "VgpuDaemonAbsent"]
     assert absent["expr"] == 'absent(up{job="vgpu-device-plugin"})'
-    # The job is the Service's name, which the ServiceMonitor's targets carry.
-    assert one(BASE / "service.yaml")["metadata"]["name"] == "vgpu-device-plugin"
+    # The ServiceMonitor names the job, whatever the Service is called (a Helm release may
+    # rename it).
+    (endpoint,) = one(MONITORING / "servicemonitor.yaml")["spec"]["endpoints"]
+    assert {"targetLabel": "job", "replacement": "vgpu-device-plugin"} in endpoint["relabelings"]
 
 
 # --- recording rules: vgpu joined with dcgm-exporter ---------------------------------------------
@@ -254,6 +265,11 @@ def test_service_monitor_scrapes_the_service() -> None:
     assert endpoint["path"] == "/metrics"
     # Container series carry the workload's namespace/pod/container: keep them as exposed.
     assert endpoint["honorLabels"] is True
+    # `up` of each target names the node of its pod, as every alert promises.
+    assert {
+        "sourceLabels": ["__meta_kubernetes_pod_node_name"],
+        "targetLabel": "node",
+    } in endpoint["relabelings"]
 
 
 def test_the_monitoring_component_ships_the_dashboard_for_grafana() -> None:
@@ -324,3 +340,39 @@ def test_every_query_parses_and_selects_by_name() -> None:
 def test_dashboard_shows_every_contract_series() -> None:
     used = set().union(*(metric_names(e) for e in dashboard_exprs()))
     assert CONTRACT - used == set()
+
+
+def panel_exprs(title_part: str) -> list[str]:
+    panels = [p for p in dashboard()["panels"] if title_part in p["title"]]
+    assert panels, f"no panel titled {title_part!r}"
+    return [t["expr"] for p in panels for t in p["targets"]]
+
+
+def test_gpus_healthy_counts_physical_gpus_and_mig_devices_apart() -> None:
+    """A GPU in MIG mode and each of its MIG devices are all vgpu_gpu_healthy series: counting
+    them all, 3 GPUs with one split in 3 read 6."""
+    exprs = panel_exprs("GPUs healthy")
+    gpu_exprs = [e for e in exprs if 'parent_gpu_uuid=""' in e]
+    mig_exprs = [e for e in exprs if 'parent_gpu_uuid!=""' in e]
+    assert len(gpu_exprs) == 2
+    assert len(mig_exprs) == 2
+    assert len(exprs) == 4
+
+
+def test_the_dashboard_shows_xids_attribution_config_reloads_and_mps() -> None:
+    used = set().union(*(metric_names(e) for e in dashboard_exprs()))
+    assert {
+        "vgpu_gpu_xid_errors_total",
+        "vgpu_gpu_misattributed_processes",
+        "vgpu_config_reloads_total",
+        "vgpu_config_info",
+        "vgpu_mps_daemon_up",
+        "vgpu_mps_daemon_restarts_total",
+    } <= used
+
+
+def test_no_panel_calls_nvml_gpu_utilisation_sm_utilisation() -> None:
+    for panel in dashboard()["panels"]:
+        exprs = [t["expr"] for t in panel.get("targets", [])]
+        if any("vgpu_gpu_utilization_ratio" in e for e in exprs):
+            assert "SM" not in panel["title"], panel["title"]

@@ -1,16 +1,35 @@
-{{/* The objects' name: the chart's, as in daemonset/base. */}}
+{{/* The chart's name: nameOverride, else the chart's. */}}
 {{- define "vgpu.name" -}}
-vgpu-device-plugin
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The objects' name: fullnameOverride; else the release's name when it holds the chart's
+name (helm install vgpu-device-plugin ...), else <release>-<name>. Two releases in one namespace
+get objects of their own. With fullnameOverride=vgpu-device-plugin the objects are named as the
+kustomize install names them. */}}
+{{- define "vgpu.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := include "vgpu.name" . -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Labels of every object. */}}
 {{- define "vgpu.labels" -}}
-app.kubernetes.io/name: {{ include "vgpu.name" . }}
+{{ include "vgpu.selectorLabels" . }}
 app.kubernetes.io/part-of: vgpu
 {{- end -}}
 
+{{/* What selects this release's daemon pods, and only them. */}}
 {{- define "vgpu.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "vgpu.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{- define "vgpu.image" -}}
@@ -21,18 +40,75 @@ app.kubernetes.io/name: {{ include "vgpu.name" . }}
 {{- end -}}
 {{- end -}}
 
-{{/* The config file: .Values.config with nodeLabels.file, mps.enabled and mps.root from their
-values. */}}
-{{- define "vgpu.config" -}}
-{{- $config := deepCopy (.Values.config | default dict) -}}
-{{- if .Values.nodeLabels.enabled -}}
-{{- $_ := set $config "nodeLabels" (dict "file" "vgpu") -}}
+{{/* The keys of `config` that are NVIDIA's chart knobs; every other key is an inline config. */}}
+{{- define "vgpu.configKnobs" -}}
+name map default fallbackStrategies
 {{- end -}}
-{{- if .Values.mps.enabled -}}
-{{- $mps := deepCopy (get $config "mps" | default dict) -}}
-{{- $_ := set $mps "enabled" true -}}
-{{- $_ := set $mps "root" .Values.mps.root -}}
-{{- $_ := set $config "mps" $mps -}}
+
+{{/* The inline config: `config` less the knobs. */}}
+{{- define "vgpu.inlineConfig" -}}
+{{- $inline := omit (.Values.config | default dict) "name" "map" "default" "fallbackStrategies" -}}
+{{- toYaml $inline -}}
 {{- end -}}
-{{- toYaml $config -}}
+
+{{/* "true" when the configs are named and chosen per node (config.map or config.name). */}}
+{{- define "vgpu.perNode" -}}
+{{- $config := .Values.config | default dict -}}
+{{- if or $config.name $config.map -}}true{{- end -}}
+{{- end -}}
+
+{{/* The ConfigMap the daemon reads: config.name, else the chart's own. */}}
+{{- define "vgpu.configMapName" -}}
+{{- $config := .Values.config | default dict -}}
+{{- $config.name | default (printf "%s-config" (include "vgpu.fullname" .)) -}}
+{{- end -}}
+
+{{/* Refuse values that contradict each other, with what to do. */}}
+{{- define "vgpu.validate" -}}
+{{- $config := .Values.config | default dict -}}
+{{- $inline := omit $config "name" "map" "default" "fallbackStrategies" -}}
+{{- if and $config.name $config.map -}}
+{{- fail "config.name (an existing ConfigMap) and config.map (named configs the chart creates) exclude each other: set one" -}}
+{{- end -}}
+{{- if and $inline (include "vgpu.perNode" .) -}}
+{{- fail (printf "config holds an inline config (%s) and config.name or config.map: put the inline config into config.map as a named config instead" (keys $inline | sortAlpha | join ", ")) -}}
+{{- end -}}
+{{- if and (or $config.default (ne (len ($config.fallbackStrategies | default list)) 0)) (not (include "vgpu.perNode" .)) -}}
+{{- if $config.default -}}
+{{- fail "config.default names one of several named configs: it needs config.map or config.name" -}}
+{{- end -}}
+{{- end -}}
+{{- $inlineMps := and (kindIs "map" $inline.mps) (get $inline.mps "enabled") -}}
+{{- $nvidiaMps := and (kindIs "map" $inline.sharing) (get $inline.sharing "mps") -}}
+{{- if and (or $inlineMps $nvidiaMps) (not .Values.mps.enabled) -}}
+{{- fail "the config turns MPS on: set mps.enabled=true too, for what the daemon needs for it (the MPS root from the host, CAP_SETUID and CAP_SETGID)" -}}
+{{- end -}}
+{{- if and $inlineMps .Values.mps.enabled (get $inline.mps "root") (ne (get $inline.mps "root") .Values.mps.root) -}}
+{{- fail (printf "config.mps.root is %s but mps.root (the host directory the chart mounts) is %s: make them the same" (get $inline.mps "root") .Values.mps.root) -}}
+{{- end -}}
+{{- if hasKey .Values "migStrategy" -}}
+{{- fail "migStrategy is a setting of the config file in vgpu: set config.mig.strategy (vgpu's format) or config.flags.migStrategy (NVIDIA's), or put it into each config of config.map" -}}
+{{- end -}}
+{{- if hasKey .Values "deviceListStrategy" -}}
+{{- fail "deviceListStrategy is a setting of the config file in vgpu: set config.allocation.deviceListStrategy (vgpu's format) or config.flags.plugin.deviceListStrategy (NVIDIA's)" -}}
+{{- end -}}
+{{- if and .Values.nvidiaDriverRoot .Values.hostPaths.driverRoot (ne .Values.nvidiaDriverRoot "/") (ne .Values.nvidiaDriverRoot .Values.hostPaths.driverRoot) -}}
+{{- fail "nvidiaDriverRoot (NVIDIA's name) and hostPaths.driverRoot differ: set one" -}}
+{{- end -}}
+{{- if eq (.Values.deviceIDStrategy | default "uuid") "index" -}}
+{{- fail "deviceIDStrategy: index is not supported: vgpu names a container's GPUs by UUID in NVIDIA_VISIBLE_DEVICES, which every NVIDIA runtime takes (and a slice's device ID is <GPU UUID>::<n>); leave deviceIDStrategy at uuid" -}}
+{{- end -}}
+{{- if and $config.map $config.default -}}
+{{- if not (hasKey $config.map $config.default) -}}
+{{- fail (printf "config.default is %q, which config.map does not hold (it holds: %s)" $config.default (keys $config.map | sortAlpha | join ", ")) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+
+{{/* The driver root on the host: hostPaths.driverRoot, or NVIDIA's nvidiaDriverRoot ("/", the
+host's own, is where the NVIDIA runtime finds it: nothing to mount). */}}
+{{- define "vgpu.driverRoot" -}}
+{{- $nvidia := .Values.nvidiaDriverRoot | default "" -}}
+{{- .Values.hostPaths.driverRoot | default (ternary "" $nvidia (eq $nvidia "/")) -}}
 {{- end -}}
