@@ -318,9 +318,15 @@ class Daemon:
             for t in (lc.unregistered_since_s, lc.unstable_since_s)
             if t > 0 and (not lc.registered or lc.unstable_since_s)
         ]
+        unregistered_since_s = min(since, default=0.0)
         return DaemonHealth(
             registered=all(lc.registered and not lc.unstable_since_s for lc in lifecycles),
-            unregistered_since_s=min(since, default=0.0),
+            unregistered_since_s=unregistered_since_s,
+            unregistered_since_wall_s=(
+                time.time() - (time.monotonic() - unregistered_since_s)
+                if unregistered_since_s > 0
+                else 0.0
+            ),
             registrations_total=sum(lc.stats.registrations for lc in lifecycles),
             registration_failures_total=sum(lc.stats.registration_failures for lc in lifecycles),
             last_poll_success_s=self.poller.last_success_wall_s,

@@ -379,6 +379,9 @@ class DaemonHealth:
     # slice is allocated and no GPU process runs (`polling_idle`).
     poll_interval_s: float = 0.0
     polling_idle: bool = False
+    # When the plugin was last unregistered, on the wall clock (for /status, which says how long
+    # ago that was); 0 while registered.
+    unregistered_since_wall_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

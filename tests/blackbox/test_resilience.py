@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -14,7 +18,14 @@ from deviceplugin.app import Daemon
 from deviceplugin.errors import StartupError
 from deviceplugin.gpu.fake import FakeBackend
 from deviceplugin.kubelet.proto import KUBELET_SOCKET, dp, dp_grpc
-from tests.blackbox.daemon_harness import TWO_GPUS, HangingBackend, Node, eventually, registered
+from tests.blackbox.daemon_harness import (
+    TWO_GPUS,
+    HangingBackend,
+    Node,
+    eventually,
+    registered,
+    running_daemon,
+)
 
 
 async def test_a_first_poll_that_never_answers_is_a_clear_start_up_error(node: Node) -> None:
@@ -112,3 +123,34 @@ async def test_registration_without_a_stream_is_tried_again(short_tmp: Path) -> 
         await asyncio.wait_for(task, 10)
         backend.close()
         await server.stop(None)
+
+
+def _status(daemon: Daemon) -> dict[str, Any]:
+    assert daemon.http is not None
+    url = f"http://127.0.0.1:{daemon.http.port}/status"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        document: dict[str, Any] = json.load(response)
+    return document
+
+
+async def test_status_says_how_long_the_plugin_has_been_unregistered(short_tmp: Path) -> None:
+    # No kubelet at all: the daemon keeps trying to register. /status says for how long, in
+    # seconds since, not as a reading of some clock that only the daemon has.
+    node = Node(short_tmp, TWO_GPUS)
+    started = time.time()
+    async with running_daemon(node) as daemon:
+        await eventually(lambda: daemon.poller.snapshot is not None, 10, "a first poll")
+        await asyncio.sleep(1.2)
+        await eventually(
+            lambda: (
+                daemon.poller.snapshot is not None
+                and daemon.poller.snapshot.taken_at_s > started + 1.0
+            ),
+            10,
+            "a poll a second in",
+        )
+        health = (await asyncio.to_thread(_status, daemon))["health"]
+    assert health["registered"] is False
+    since = health["unregistered_since_s"]
+    assert 0.5 <= since <= time.time() - started + 0.5, health
+    assert health["unregistered_since"] is not None
