@@ -68,6 +68,11 @@ class KubeletState:
         self._changed = asyncio.Event()
         self._admission = asyncio.Lock()
         self._running = False
+        # Whether pod-resources lists the pods: a started kubelet lists none until it has had
+        # them from the API server.
+        self._pods_synced = True
+        # The start-up cleanup, when it is to run at the first Register (see `start`).
+        self._cleanup_pending: Callable[[], None] | None = None
 
     @property
     def device_plugin_dir(self) -> Path:

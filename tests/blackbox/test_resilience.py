@@ -19,6 +19,7 @@ from deviceplugin.errors import StartupError
 from deviceplugin.gpu.fake import FakeBackend
 from deviceplugin.kubelet.proto import KUBELET_SOCKET, dp, dp_grpc
 from tests.blackbox.daemon_harness import (
+    RESOURCE,
     TWO_GPUS,
     HangingBackend,
     Node,
@@ -154,3 +155,21 @@ async def test_status_says_how_long_the_plugin_has_been_unregistered(short_tmp: 
     since = health["unregistered_since_s"]
     assert 0.5 <= since <= time.time() - started + 0.5, health
     assert health["unregistered_since"] is not None
+
+
+async def test_a_register_that_races_the_kubelets_start_up_cleanup_does_not_stall(
+    node: Node,
+) -> None:
+    # A restarting kubelet removes every plugin socket. A Register that reaches it just after
+    # that names a socket that is gone: the kubelet dials it for 10 s. The plugin must notice
+    # its socket went, serve again and register again at once, not wait out its own timeout.
+    async with running_daemon(node):
+        await registered(node, 8)
+        waits = []
+        for _ in range(3):
+            await node.sim.stop()
+            started = time.monotonic()
+            await node.sim.start(cleanup_races_registration=True)
+            await node.sim.wait_for(lambda: node.sim.is_registered(RESOURCE), timeout_s=20)
+            waits.append(time.monotonic() - started)
+    assert max(waits) < 1.0, [f"{w:.3f}s" for w in waits]
