@@ -127,6 +127,10 @@ class Daemon:
             settings.pod_resources_socket,
             lambda: self.resources.names,
             interval_s=pod_resources_interval_s,
+            # A reader of its own: the poll worker's is read on another thread.
+            checkpoint=CheckpointReader(
+                settings.device_plugin_dir / CHECKPOINT_FILE, lambda: self.resources.names
+            ).read,
         )
         # The node's MPS control daemon, when MPS is on: started after the first poll (its
         # defaults follow the slicing), supervised, and sent quit on every exit path.

@@ -264,6 +264,8 @@ class AllocationRecord:
     # Whether the kubelet's pod-resources API lists it (or it is too fresh to be listed yet).
     # Slices of an allocation the kubelet does not list count as unconfirmed, not allocated.
     listed: bool = True
+    # The extended resource it was made under ("" where unknown).
+    resource_name: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ an update.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import replace
 from typing import Generic, TypeVar
 
@@ -83,12 +83,29 @@ class AllocationBook:
             ]
         )
 
+    def recovered(self, records: Iterable[AllocationRecord]) -> int:
+        """Allocations known from elsewhere than pod-resources (the kubelet's checkpoint, while
+        pod-resources does not answer): each one not in the book is added. Returns how many."""
+        added = 0
+        for record in records:
+            if record.allocation_id not in self._records:
+                self._records[record.allocation_id] = record
+                added += 1
+        return added
+
     def sync(
-        self, live: Iterable[AllocationRecord], *, now_s: float, grace_s: float
+        self,
+        live: Iterable[AllocationRecord],
+        *,
+        now_s: float,
+        grace_s: float,
+        keep: Collection[str] = (),
     ) -> tuple[int, int]:
         """Bring the book in step with what the kubelet reports as live: add or name the live
         allocations; drop the others that the kubelet listed before (their pod is gone), and
-        those it never listed once they are `grace_s` old. Returns (added, dropped)."""
+        those it never listed once they are `grace_s` old. An allocation in `keep` is neither
+        dropped nor doubted, listed or not (a restarted kubelet lists no pod until it has had
+        them from the API server). Returns (added, dropped)."""
         live_ids = set()
         added = 0
         for record in live:
@@ -112,11 +129,13 @@ class AllocationBook:
             r.allocation_id
             for r in self._records.values()
             if r.allocation_id not in live_ids
+            and r.allocation_id not in keep
             and (r.allocation_id in self._confirmed or now_s - r.allocated_at_s >= grace_s)
         ]
         for allocation in stale:
             del self._records[allocation]
-        self._confirmed = live_ids
+        kept = {a for a in keep if a in self._records}
+        self._confirmed = live_ids | kept
         self._synced = True
         return added, len(stale)
 

@@ -66,6 +66,7 @@ class CheckpointEntry:
     allocation_id: str
     device_ids: tuple[str, ...]  # sorted, distinct
     gpu_uuids: frozenset[str]
+    resource_name: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +182,9 @@ def _entries(document: object, resource_names: Collection[str]) -> tuple[Checkpo
             except ValueError:
                 continue  # not one of our slice IDs: it still counts in the allocation ID
         entries.append(
-            CheckpointEntry(pod_uid, container, allocation_id(distinct), distinct, frozenset(gpus))
+            CheckpointEntry(
+                pod_uid, container, allocation_id(distinct), distinct, frozenset(gpus), resource
+            )
         )
     return tuple(entries)
 

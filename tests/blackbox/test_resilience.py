@@ -18,6 +18,7 @@ from deviceplugin.app import Daemon
 from deviceplugin.errors import StartupError
 from deviceplugin.gpu.fake import FakeBackend
 from deviceplugin.kubelet.proto import KUBELET_SOCKET, dp, dp_grpc
+from deviceplugin.model import allocation_id
 from tests.blackbox.daemon_harness import (
     RESOURCE,
     TWO_GPUS,
@@ -173,3 +174,40 @@ async def test_a_register_that_races_the_kubelets_start_up_cleanup_does_not_stal
             await node.sim.wait_for(lambda: node.sim.is_registered(RESOURCE), timeout_s=20)
             waits.append(time.monotonic() - started)
     assert max(waits) < 1.0, [f"{w:.3f}s" for w in waits]
+
+
+def _allocated_slices(daemon: Daemon) -> int:
+    return sum(g["slices"]["allocated"] for g in _status(daemon)["gpus"])
+
+
+async def test_a_restarted_kubelet_that_lists_no_pods_yet_takes_no_allocation_away(
+    node: Node,
+) -> None:
+    # Right after a restart the kubelet lists no pod until it has had them from the API server;
+    # its checkpoint still names them. That answer is not the pods leaving: what they hold stays
+    # known, counted and asked about, and goes only once the pod is really deleted.
+    async with running_daemon(node, pod_resources_interval_s=0.1) as daemon:
+        await registered(node, 8)
+        pod = await node.sim.admit_pod("train", [("main", 2)])
+        held = allocation_id(pod.containers[0].device_ids)
+        await eventually(lambda: _named(daemon, held) == "train", 10, "the pod named")
+        await node.sim.restart(pods_synced=False)
+        await registered(node, 8)
+        seen = daemon.tracker.refreshes
+        await eventually(lambda: daemon.tracker.refreshes >= seen + 4, 10, "refreshes")
+        assert daemon.book.get(held) is not None, "dropped on an answer that listed no pod"
+        await asyncio.sleep(0.2)  # a poll or two
+        assert await asyncio.to_thread(_allocated_slices, daemon) == 2
+        node.sim.sync_pods()
+        seen = daemon.tracker.refreshes
+        await eventually(lambda: daemon.tracker.refreshes >= seen + 2, 10, "refreshes")
+        assert _named(daemon, held) == "train"
+        await node.sim.delete_pod("default", "train")
+        await eventually(lambda: daemon.book.get(held) is None, 10, "the deleted pod's slices")
+        await asyncio.sleep(0.2)
+        assert await asyncio.to_thread(_allocated_slices, daemon) == 0
+
+
+def _named(daemon: Daemon, allocation: str) -> str | None:
+    record = daemon.book.get(allocation)
+    return None if record is None else record.pod
