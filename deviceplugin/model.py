@@ -264,8 +264,10 @@ class AllocationRecord:
     # Whether the kubelet's pod-resources API lists it (or it is too fresh to be listed yet).
     # Slices of an allocation the kubelet does not list count as unconfirmed, not allocated.
     listed: bool = True
-    # The extended resource it was made under ("" where unknown).
+    # The extended resource it was made under ("" where unknown), and whether this node no
+    # longer serves that name (a reload renamed it): held until the kubelet frees it.
     resource_name: str = ""
+    retired_resource: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,8 +80,10 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         clock: Callable[[], float] = time.time,
         on_allocate_duration: Callable[[float], None] = lambda seconds: None,
         on_allocated: Callable[[], None] = lambda: None,
+        resource_name: str = "",
     ) -> None:
         self._config = config
+        self._resource_name = resource_name
         self._inventory = inventory
         self._book = book
         self._generation = generation
@@ -195,7 +197,12 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         now = self._clock()
         for allocation in allocations:
             self._book.allocated(
-                AllocationRecord(allocation.allocation_id, allocation.slice_ids, now)
+                AllocationRecord(
+                    allocation.allocation_id,
+                    allocation.slice_ids,
+                    now,
+                    resource_name=self._resource_name,
+                )
             )
             log.info(
                 "allocated allocation_id=%s slices=%s gpus=%s",

@@ -79,6 +79,7 @@ class AllocationTracker:
         grace_s: float = 60.0,
         checkpoint: Callable[[], DeviceCheckpoint] = _no_checkpoint,
         resync_grace_s: float = RESYNC_GRACE_S,
+        adopt: Callable[[str, tuple[str, ...]], bool] = lambda resource, device_ids: False,
     ) -> None:
         self._book = book
         self._socket = socket
@@ -93,6 +94,8 @@ class AllocationTracker:
         self._grace_s = grace_s
         self._checkpoint = checkpoint
         self._resync_grace_s = resync_grace_s
+        # Whether allocations under a name not in `resource_name` are ours all the same.
+        self._adopt = adopt
         # The pod-resources socket that gave the last answer: another one is another kubelet.
         self._socket_identity: tuple[int, int, int] | None = None
         # Monotonic time since which the kubelet resyncs its pods; None when it does not.
@@ -125,7 +128,7 @@ class AllocationTracker:
                 resource_name=c.resource_name,
             )
             for c in containers
-            if c.resource_name in resources
+            if c.resource_name in resources or self._adopt(c.resource_name, c.device_ids)
         ]
         checkpoint = self._checkpoint()
         restarted = (
@@ -185,6 +188,18 @@ class AllocationTracker:
         """Pod-resources does not answer: know (and so enforce) what the kubelet's checkpoint
         names. Returns how many allocations were added to the book."""
         return self._recover(checkpoint_records(self._checkpoint(), time.time()))
+
+    async def prime(self) -> None:
+        """Ask once at start, before the plugins serve (`run` asks again at once): what is held,
+        from pod-resources, or from the checkpoint when pod-resources does not answer."""
+        try:
+            await self.refresh()
+        except grpc.aio.AioRpcError as e:
+            log.info(
+                "pod-resources API not answering at start; asking again shortly error=%s",
+                e.code().name,
+            )
+            self.recover_from_checkpoint()
 
     def _may_hold(self) -> bool:
         """Whether anything may be held: the book holds an allocation, the kubelet resyncs, or

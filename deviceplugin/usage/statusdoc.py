@@ -145,6 +145,10 @@ def _allocation(a: AllocationRecord) -> dict[str, Any]:
         "pod": a.pod,
         "container": a.container,
         "slice_ids": list(a.slice_ids),
+        # The resource it was made under; `retired`: a name this node no longer serves (renamed
+        # by a reload), held until the kubelet frees it.
+        "resource_name": a.resource_name or None,
+        "retired": a.retired_resource,
         "allocated_at": rfc3339(a.allocated_at_s) if a.allocated_at_s > 0 else None,
         "allocated_at_s": a.allocated_at_s,
     }
