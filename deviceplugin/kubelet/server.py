@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from deviceplugin.allocation import build_container_allocation
-from deviceplugin.config import Config
+from deviceplugin.config import Config, MigStrategy
 from deviceplugin.errors import AllocationError
 from deviceplugin.kubelet.proto import HEALTHY, UNHEALTHY, dp, dp_grpc
 from deviceplugin.logs import brief, brief_list
@@ -181,6 +181,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                         inventory,
                         self._config.allocation,
                         self._config.mps,
+                        several_resources=self._config.mig.strategy == MigStrategy.MIXED,
                     )
                 )
             except AllocationError as e:

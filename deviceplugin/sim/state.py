@@ -25,6 +25,7 @@ from deviceplugin.sim.records import (
     _Endpoint,
     _PodRecord,
 )
+from deviceplugin.sim.runoptions import RunOptions, merge_run_options
 
 
 def _describe(predicate: Callable[[], bool]) -> str:
@@ -146,6 +147,15 @@ class KubeletState:
         copy = dp.DevicePluginOptions()
         copy.CopyFrom(endpoint.options)
         return copy
+
+    def container_run_options(self, namespace: str, pod: str, container: str) -> RunOptions:
+        """The container's Allocate answers of every resource, merged as the kubelet merges
+        them before it creates the container (see `runoptions`)."""
+        record = self._pods.get((namespace, pod))
+        if record is None:
+            raise KeyError(f"pod {namespace}/{pod} not found")
+        grants = [c for c in record.grant.containers if c.name == container and c.device_ids]
+        return merge_run_options(grants)
 
     def pods(self) -> list[PodGrant]:
         return [record.grant for record in self._pods.values()]
