@@ -103,6 +103,8 @@ class AllocationTracker:
         self.ok = False
         self.refreshes = 0
         self.recovered = 0
+        # Whether `prime` had an answer: `run` then starts with a wait, not with a second ask.
+        self._primed = False
 
     def _identity(self) -> tuple[int, int, int] | None:
         try:
@@ -190,10 +192,11 @@ class AllocationTracker:
         return self._recover(checkpoint_records(self._checkpoint(), time.time()))
 
     async def prime(self) -> None:
-        """Ask once at start, before the plugins serve (`run` asks again at once): what is held,
-        from pod-resources, or from the checkpoint when pod-resources does not answer."""
+        """Ask once at start, before the plugins serve: what is held, from pod-resources, or from
+        the checkpoint when pod-resources does not answer (then `run` asks again at once)."""
         try:
             await self.refresh()
+            self.ok = self._primed = True
         except grpc.aio.AioRpcError as e:
             log.info(
                 "pod-resources API not answering at start; asking again shortly error=%s",
@@ -217,10 +220,14 @@ class AllocationTracker:
             await self._client.close()
 
     async def _run(self, stop: asyncio.Event, wake: asyncio.Event) -> None:
+        primed, self._primed = self._primed, False
         while not stop.is_set():
             wake.clear()
             try:
-                await self.refresh()
+                if primed:
+                    primed = False  # asked a moment ago
+                else:
+                    await self.refresh()
                 if not self.ok:
                     self.ok = True
                     if self.refreshes > 1:
