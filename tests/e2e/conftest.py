@@ -44,6 +44,8 @@ def node(cluster: Cluster) -> Iterator[Cluster]:
     finally:
         for daemon in cluster.daemons[before:]:
             daemon.kill()
+        if len(cluster.daemons) > before:
+            cluster.wait_no_extended_resources()
         kubelet = cluster.components.get("kubelet")
         if kubelet is not None and not kubelet.alive():
             cluster.start_kubelet()

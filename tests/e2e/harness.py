@@ -961,6 +961,18 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
                 f"{status.get('capacity', {}).get(resource)}"
             ) from None
 
+    def wait_no_extended_resources(
+        self, prefix: str = "nvidia.com/", timeout_s: float = 30
+    ) -> None:
+        """Until the Node offers none of the resources named `prefix...` (after a device plugin
+        stopped, the kubelet keeps its capacity a while with nothing allocatable)."""
+
+        def none_left() -> bool:
+            allocatable = self.node().get("status", {}).get("allocatable", {})
+            return all(int(v) == 0 for k, v in allocatable.items() if k.startswith(prefix))
+
+        wait_until(none_left, timeout_s=timeout_s, what=f"no {prefix}* allocatable")
+
     # -- pods ---------------------------------------------------------------------------------
 
     def create_pod(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
@@ -1108,6 +1120,24 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
         if not found:
             raise KeyError(f"the fake runtime logged no CreateContainer for {pod}/{name}")
         return found[-1].envs
+
+    def checkpoint_devices(
+        self, pod: str, container_name: str, resource: str = RESOURCE
+    ) -> list[str]:
+        """The device IDs the kubelet's own checkpoint says it gave the container (sorted)."""
+        uid = self.pod(pod)["metadata"]["uid"]
+        data = json.loads(self.paths.checkpoint.read_text())["Data"]
+        found: set[str] = set()
+        for entry in data.get("PodDeviceEntries") or []:
+            if (
+                entry["PodUID"] == uid
+                and entry["ContainerName"] == container_name
+                and entry["ResourceName"] == resource
+            ):
+                ids = entry["DeviceIDs"]
+                for group in ids.values() if isinstance(ids, dict) else [ids]:
+                    found.update(group)
+        return sorted(found)
 
     def fakecri_log(self) -> str:
         return (self.paths.log_dir / "fakecri.log").read_text(errors="replace")
