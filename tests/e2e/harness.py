@@ -80,6 +80,7 @@ from tests.e2e.netns import ApiClient, ApiError, http_get
 
 BUNDLE_ENV = "VGPU_E2E_K8S_BUNDLE"
 CACHE_ENV = "VGPU_E2E_CACHE"
+REPO = Path(__file__).resolve().parents[2]
 RESOURCE = "nvidia.com/vgpu"
 NODE = "e2e-node"
 NODE_IP = "10.200.0.1"
@@ -1183,7 +1184,13 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             *(["--config", str(config_path)] if config is not None else []),
             *args,
         ]  # fmt: skip
-        daemon_env = {**_base_env(), "PYTHONUNBUFFERED": "1", **(env or {})}
+        # The daemon of this checkout, whatever is installed.
+        daemon_env = {
+            **_base_env(),
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": str(REPO),
+            **(env or {}),
+        }
         proc = self.in_namespaces(argv, log=log, env=daemon_env)
         daemon = Daemon(self, proc, log, port, config_path)
         self.daemons.append(daemon)

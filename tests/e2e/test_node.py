@@ -15,11 +15,12 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from deviceplugin.gpu.fake import FakeProcess, FakeState
+from deviceplugin.gpu.fake import FakeMigDevice, FakeProcess, FakeState
 from tests.blackbox.daemon_harness import gpu
 from tests.e2e.harness import RESOURCE, Cluster, Daemon, container, pod_manifest, wait_until
 
@@ -367,3 +368,37 @@ def test_busy_pair_on_one_gpu_the_smaller_share_is_throttled(vgpu: Daemon) -> No
     assert statuses[0]["restartCount"] == 0
     with open(f"/proc/{small_pid}/stat") as stat:
         assert stat.read().rsplit(")", 1)[1].split()[0] != "T"  # not left stopped
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a container holding a full-GPU slice and a MIG slice is shown one resource's "
+    "devices only: the kubelet keeps one NVIDIA_VISIBLE_DEVICES",
+)
+def test_container_with_a_full_gpu_slice_and_a_mig_slice_sees_both_devices(node: Cluster) -> None:
+    """What the NVIDIA container toolkit would expose: NVIDIA_VISIBLE_DEVICES, or the
+    volume-mounts list under /var/run/nvidia-container-devices, read in the real container."""
+    if node.runtime != "containerd":
+        pytest.skip("needs real containers (containerd + runc)")
+    mig = FakeMigDevice(
+        uuid="MIG-00000000-0000-4000-8000-000000000001",
+        gpu_instance_id=1,
+        compute_instance_id=0,
+        profile="3g.40gb",
+        memory_total_bytes=40 * GiB,
+    )
+    a100 = dataclasses.replace(A100, mig_enabled=True, mig_block=True, mig_devices=(mig,))
+    node.start_daemon(
+        config="slicing: {replicas: 4}\nmig: {strategy: mixed}\n", gpus=FakeState(gpus=(a100, L4))
+    )
+    node.wait_allocatable("nvidia.com/mig-3g.40gb", 1)
+    node.wait_allocatable(RESOURCE, 4)
+    node.create_pod(pod_manifest("both", {RESOURCE: 1, "nvidia.com/mig-3g.40gb": 1}))
+    node.wait_running("both")
+    pid = node.container_init_pid("both", "main")
+    env = node.container_env("both", "main")
+    listed = set(env.get("NVIDIA_VISIBLE_DEVICES", "").split(","))
+    mounts = Path(f"/proc/{pid}/root/var/run/nvidia-container-devices")
+    if mounts.is_dir():
+        listed |= {p.name for p in mounts.iterdir()}
+    assert {L4.uuid, mig.uuid} <= listed, (env.get("NVIDIA_VISIBLE_DEVICES"), listed)
