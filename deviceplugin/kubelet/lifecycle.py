@@ -12,6 +12,10 @@
   (a restarting kubelet's start-up cleanup can remove it just as the call reaches the new
   kubelet, which then dials the missing socket for 10 s): serve again, register again. Each call
   also has a short timeout (1 s, doubling to 5 s after calls that timed out).
+- A stream that ends while the kubelet's socket still takes connections counts as a failure
+  (backoff, unhealthy until a stream is held 10 s), unless the next registration is accepted by
+  a new kubelet (another kubelet.sock): a kubelet killed outright can end its streams a moment
+  before its socket stops answering.
 - On stop: close the server and remove the socket.
 """
 
@@ -72,6 +76,16 @@ def _inode(path: Path) -> tuple[int, int] | None:
     return (st.st_dev, st.st_ino)
 
 
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """A socket file's inode and change time: a file created anew has another even where the
+    file system hands out the inode number just freed."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_ctime_ns)
+
+
 def _listening(path: Path) -> bool:
     """Whether something accepts connections on the Unix socket `path` (a kubelet that has
     exited leaves its socket file behind, refusing connections)."""
@@ -121,6 +135,8 @@ class PluginLifecycle:
         self._on_registered = on_registered
         self._generation = 0
         self._kubelet_inode: tuple[int, int] | None = None
+        # The kubelet socket's identity at the last accepted registration.
+        self._kubelet_identity: tuple[int, int, int] | None = None
         self._own_inode: tuple[int, int] | None = None
         self._stream_ended = asyncio.Event()
         self.stats = LifecycleStats()
@@ -257,6 +273,7 @@ class PluginLifecycle:
             self._generation += 1
             self._stream_ended.clear()
             kubelet_inode = _inode(self._kubelet_socket)
+            kubelet_identity = _identity(self._kubelet_socket)
             if kubelet_inode is None:
                 error: str | None = "kubelet.sock does not exist"
             else:
@@ -271,7 +288,17 @@ class PluginLifecycle:
                 if error is not None and error.startswith("DEADLINE_EXCEEDED"):
                     timeout_s = min(timeout_s * 2, REGISTER_TIMEOUT_S)
             if error is None:
+                if (
+                    self._stream_failures or self.unstable_since_s
+                ) and kubelet_identity != self._kubelet_identity:
+                    # The stream that ended was the old kubelet's: one killed outright can end
+                    # it while its socket still takes connections for a moment. A restart, not
+                    # a failing stream.
+                    log.info("registered with a new kubelet; the stream that ended was the old's")
+                    self._stream_failures = 0
+                    self.unstable_since_s = 0.0
                 self._kubelet_inode = kubelet_inode
+                self._kubelet_identity = kubelet_identity
                 self._own_inode = own
                 self.registered = True
                 self.stats.registrations += 1

@@ -211,3 +211,27 @@ async def test_a_restarted_kubelet_that_lists_no_pods_yet_takes_no_allocation_aw
 def _named(daemon: Daemon, allocation: str) -> str | None:
     record = daemon.book.get(allocation)
     return None if record is None else record.pod
+
+
+async def test_a_stream_that_ends_just_before_a_kubelet_restart_is_not_a_failure(
+    node: Node,
+) -> None:
+    # A kubelet killed outright: its ListAndWatch stream can end while its socket still takes
+    # connections for a moment, which looks like a broken stream. Once a new kubelet is there,
+    # that was a restart: registered and healthy at once, not after 10 s of probation.
+    async with running_daemon(node) as daemon:
+        await registered(node, 8)
+        await eventually(lambda: daemon.health().registered, 10, "registered")
+        waits = []
+        for _ in range(3):
+            await node.sim.break_stream(RESOURCE)
+            await eventually(lambda: daemon.lifecycle.unstable_since_s > 0, 10, "a failure")
+            await node.sim.restart()
+            started = time.monotonic()
+            await eventually(
+                lambda: daemon.health().registered and node.sim.is_registered(RESOURCE),
+                5,
+                "registered with the new kubelet and healthy",
+            )
+            waits.append(time.monotonic() - started)
+            assert waits[-1] < 1.0, [f"{w:.3f}s" for w in waits]
