@@ -127,10 +127,9 @@ class Daemon:
             settings.pod_resources_socket,
             lambda: self.resources.known_names,
             interval_s=pod_resources_interval_s,
-            # A reader of its own: the poll worker's is read on another thread.
-            checkpoint=CheckpointReader(
-                settings.device_plugin_dir / CHECKPOINT_FILE, lambda: self.resources.known_names
-            ).read,
+            # A reader of its own (the poll worker's is read on another thread), of every
+            # resource: the tracker keeps the entries that are this node's.
+            checkpoint=CheckpointReader(settings.device_plugin_dir / CHECKPOINT_FILE, None).read,
             adopt=self._adopt,
         )
         # The node's MPS control daemon, when MPS is on: started after the first poll (its

@@ -150,7 +150,9 @@ def _text(entry: Mapping[str, object], key: str, where: str) -> str:
     return value
 
 
-def _entries(document: object, resource_names: Collection[str]) -> tuple[CheckpointEntry, ...]:
+def _entries(
+    document: object, resource_names: Collection[str] | None
+) -> tuple[CheckpointEntry, ...]:
     if not isinstance(document, dict):
         raise CheckpointError("not a JSON object")
     data = document.get("Data")
@@ -172,7 +174,7 @@ def _entries(document: object, resource_names: Collection[str]) -> tuple[Checkpo
         device_ids = _device_ids(entry.get("DeviceIDs"), where)
         if not pod_uid:
             raise CheckpointError(f"{where}.PodUID is empty")
-        if resource not in resource_names or not device_ids:
+        if (resource_names is not None and resource not in resource_names) or not device_ids:
             continue
         distinct = tuple(sorted(set(device_ids)))
         gpus: set[str] = set()
@@ -190,11 +192,11 @@ def _entries(document: object, resource_names: Collection[str]) -> tuple[Checkpo
 
 
 def parse_checkpoint(
-    blob: bytes | bytearray, resource_name: str | Collection[str]
+    blob: bytes | bytearray, resource_name: str | Collection[str] | None
 ) -> DeviceCheckpoint:
     """The entries of `resource_name` (one name, or several: a node serving MIG profiles has a
-    resource per profile) in a checkpoint file's content. Never raises: a document that is not
-    the kubelet's gives an empty checkpoint with the reason."""
+    resource per profile; None: every resource) in a checkpoint file's content. Never raises: a
+    document that is not the kubelet's gives an empty checkpoint with the reason."""
     names = (resource_name,) if isinstance(resource_name, str) else resource_name
     try:
         document = json.loads(blob, object_pairs_hook=_used_keys)
@@ -211,7 +213,8 @@ def _used_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
 
 
 class CheckpointReader:
-    """Reads the checkpoint at `path` for `resource_name`, parsing it again only when its
+    """Reads the checkpoint at `path` for `resource_name` (None: every resource's entries),
+    parsing it again only when its
     identity (inode, size, modification and change times) differs from the last read; one stat
     per call otherwise. A file over `max_bytes` is refused unread. `parses` counts the files
     parsed. Never raises."""
@@ -219,13 +222,14 @@ class CheckpointReader:
     def __init__(
         self,
         path: Path,
-        resource_name: str | Callable[[], Collection[str]],
+        resource_name: str | Callable[[], Collection[str]] | None,
         *,
         max_bytes: int = MAX_CHECKPOINT_BYTES,
     ) -> None:
         self.path = path
-        # One resource name, or the names currently served (they change with the MIG layout).
-        self._resources: Callable[[], Collection[str]] = (
+        # One resource name, the names currently served (they change with the MIG layout), or
+        # every resource.
+        self._resources: Callable[[], Collection[str]] | None = (
             (lambda: frozenset((resource_name,)))
             if isinstance(resource_name, str)
             else resource_name
@@ -261,7 +265,7 @@ class CheckpointReader:
         if not stat.S_ISREG(st.st_mode):
             reason = f"{self.path} is not a regular file (mode {stat.filemode(st.st_mode)})"
             return self._keep(None, DeviceCheckpoint.unreadable(reason))
-        resources = frozenset(self._resources())
+        resources = None if self._resources is None else frozenset(self._resources())
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, resources)
         if key == self._key:
             return self._latest

@@ -132,7 +132,7 @@ class AllocationTracker:
             for c in containers
             if c.resource_name in resources or self._adopt(c.resource_name, c.device_ids)
         ]
-        checkpoint = self._checkpoint()
+        checkpoint = self._ours(self._checkpoint(), resources)
         restarted = (
             identity is not None
             and self._socket_identity is not None
@@ -186,10 +186,25 @@ class AllocationTracker:
             log.info("allocations recovered from the kubelet's checkpoint added=%d", added)
         return added
 
+    def _ours(
+        self, checkpoint: DeviceCheckpoint, resources: Collection[str] | None = None
+    ) -> DeviceCheckpoint:
+        """The checkpoint's entries of our resources: a served or retired name, or another name
+        whose devices are all slices of this node (a rename before a restart of this daemon)."""
+        names = self._resources() if resources is None else resources
+        entries = tuple(
+            e
+            for e in checkpoint.entries
+            if e.resource_name in names or self._adopt(e.resource_name, e.device_ids)
+        )
+        return (
+            checkpoint if len(entries) == len(checkpoint.entries) else DeviceCheckpoint.of(entries)
+        )
+
     def recover_from_checkpoint(self) -> int:
         """Pod-resources does not answer: know (and so enforce) what the kubelet's checkpoint
         names. Returns how many allocations were added to the book."""
-        return self._recover(checkpoint_records(self._checkpoint(), time.time()))
+        return self._recover(checkpoint_records(self._ours(self._checkpoint()), time.time()))
 
     async def prime(self) -> None:
         """Ask once at start, before the plugins serve: what is held, from pod-resources, or from
@@ -210,7 +225,7 @@ class AllocationTracker:
         return (
             bool(len(self._book))
             or self.resyncing_since is not None
-            or bool(self._checkpoint().entries)
+            or bool(self._ours(self._checkpoint()).entries)
         )
 
     async def run(self, stop: asyncio.Event, wake: asyncio.Event) -> None:

@@ -113,3 +113,23 @@ async def test_a_daemon_restarted_after_a_rename_still_holds_the_old_names_slice
         shown = await status_of(daemon, allocation)
         assert shown is not None
         assert shown["retired"] is True
+
+
+async def test_a_rename_and_a_restart_while_pod_resources_is_down_hand_out_nothing_twice(
+    node: Node,
+) -> None:
+    async with running_daemon(node):
+        await registered(node, 8)
+        grant = (await node.sim.admit_pod("held", [("main", 2)])).containers[0]
+    allocation = grant.envs["VGPU_ALLOCATION_ID"]
+    # Back with the new name only, and pod-resources does not answer: the kubelet's checkpoint
+    # still lists the pod's slices under the old name.
+    config = Config(enforcement=FAST, resource_name=RENAMED)
+    gone = node.root / "no-pod-resources.sock"
+    async with running_daemon(node, config, pod_resources_socket=gone) as daemon:
+        await registered(node, 8, resource=RENAMED)
+        assert node.sim.list_and_watch_updates(RENAMED) == 1
+        assert node.sim.unhealthy_ids(RENAMED) == set(grant.device_ids)
+        record = daemon.book.get(allocation)
+        assert record is not None
+        assert record.resource_name == RESOURCE
