@@ -173,7 +173,8 @@ async def test_a_register_that_races_the_kubelets_start_up_cleanup_does_not_stal
             await node.sim.start(cleanup_races_registration=True)
             await node.sim.wait_for(lambda: node.sim.is_registered(RESOURCE), timeout_s=20)
             waits.append(time.monotonic() - started)
-    assert max(waits) < 1.0, [f"{w:.3f}s" for w in waits]
+    # About 0.04 s; a Register left to its own timeout takes 5 s. (Room for a loaded machine.)
+    assert max(waits) < 2.5, [f"{w:.3f}s" for w in waits]
 
 
 def _allocated_slices(daemon: Daemon) -> int:
@@ -234,4 +235,5 @@ async def test_a_stream_that_ends_just_before_a_kubelet_restart_is_not_a_failure
                 "registered with the new kubelet and healthy",
             )
             waits.append(time.monotonic() - started)
-            assert waits[-1] < 1.0, [f"{w:.3f}s" for w in waits]
+            # Tens of milliseconds; 10 s of probation otherwise. (Room for a loaded machine.)
+            assert waits[-1] < 3.0, [f"{w:.3f}s" for w in waits]
