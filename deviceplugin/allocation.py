@@ -15,6 +15,13 @@ What the container gets:
 - `VGPU_MEMORY_LIMIT_MIB_<i>` and `VGPU_COMPUTE_SHARE_PERCENT_<i>` per visible ordinal i: k slices
   of a GPU give k times a slice's memory and `floor(k * 100 / replicas)` percent of its compute,
   computed in integers so that 3 of 3 slices is exactly 100.
+- Per device, under keys named after it (`<UUID>` upper-cased, every character outside A-Z and
+  0-9 turned into `_`): `VGPU_ALLOCATION_ID_<UUID>`, `VGPU_MEMORY_LIMIT_MIB_<UUID>`,
+  `VGPU_COMPUTE_SHARE_PERCENT_<UUID>` and (with hints) `VGPU_MEMORY_FRACTION_<UUID>`. A container
+  that holds slices of several resources (a full-GPU slice and a MIG slice) gets one Allocate
+  answer per resource, and the kubelet keeps one value per env key across them (the first, in
+  an order of its own): every key above that is not named after a device then holds one
+  resource's value, while these never collide.
 - With MPS, `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` in CUDA's per-device form (`0=20480M,1=10240M`, the
   same ordinals), and `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`. The latter is one value for every device
   of an MPS client, so it is the smallest per-GPU share: never more than any GPU's quota. MPS
@@ -37,6 +44,13 @@ default, `envvar`):
 
 With neither `envvar` nor `volume-mounts`, `NVIDIA_VISIBLE_DEVICES` is `void`: the NVIDIA runtime
 then injects nothing on its own, and the GPUs come only from CDI or the device specs.
+
+Where the node serves several resources (`several_resources`: the mixed MIG strategy), `envvar`
+alone cannot be right for a container that holds slices of more than one: the kubelet keeps one
+`NVIDIA_VISIBLE_DEVICES` of them. Mounts are merged by container path and CDI devices by name,
+so each resource's devices reach the runtime. There `envvar` also brings the `volume-mounts`
+mounts (`NVIDIA_VISIBLE_DEVICES` keeps the UUIDs): a toolkit that accepts the mounts gives the
+container every device; one that does not reads the env as before.
 
 Framework hints (unless `allocation.frameworkHints: false`), so that frameworks that reserve GPU
 memory up front fit their slices instead of being killed for it. A GPU's fraction is
@@ -210,13 +224,23 @@ def _gpu_info(inventory: Inventory, first: Slice) -> tuple[GpuInfo, int]:
     return plan.gpu, plan.replicas
 
 
+def device_env_suffix(uuid: str) -> str:
+    """The part of an env key that names a device: its UUID upper-cased, every character outside
+    A-Z and 0-9 turned into `_` (`MIG-4f1e...` -> `MIG_4F1E...`)."""
+    return "".join(c if c.isascii() and c.isalnum() else "_" for c in uuid.upper())
+
+
 def build_container_allocation(
     device_ids: Sequence[str],
     inventory: Inventory,
     cfg: AllocationConfig,
     mps: MpsConfig,
+    *,
+    several_resources: bool = False,
 ) -> ContainerAllocation:
-    """What one container gets for `device_ids`. Raises AllocationError naming every bad ID."""
+    """What one container gets for `device_ids`. Raises AllocationError naming every bad ID.
+    `several_resources`: the node serves more than one resource, so a container may hold slices
+    of several (see the module's docstring)."""
     slices = _validate(device_ids, inventory)
     slices.sort(key=lambda s: (s.gpu_index, s.id.gpu_uuid, s.id.n))  # SliceId's order, faster
 
@@ -244,6 +268,9 @@ def build_container_allocation(
     uuids = [g.uuid for g in gpus]
 
     strategies = set(cfg.device_list_strategy) or {DeviceListStrategy.ENVVAR}
+    # Env alone cannot name every device of a container holding several resources: the mounts
+    # can, through a toolkit that reads them.
+    mounts_too = several_resources and DeviceListStrategy.ENVVAR in strategies
     if DeviceListStrategy.ENVVAR in strategies:
         envs[ENV_VISIBLE_DEVICES] = ",".join(uuids)
     elif DeviceListStrategy.VOLUME_MOUNTS in strategies:
@@ -254,6 +281,11 @@ def build_container_allocation(
     for ordinal, (mib, percent) in enumerate(zip(memory_mib, share_percent, strict=True)):
         envs[f"{ENV_MEMORY_LIMIT_MIB_PREFIX}{ordinal}"] = str(mib)
         envs[f"{ENV_COMPUTE_SHARE_PERCENT_PREFIX}{ordinal}"] = str(percent)
+    suffixes = [device_env_suffix(uuid) for uuid in uuids]
+    for suffix, mib, percent in zip(suffixes, memory_mib, share_percent, strict=True):
+        envs[f"{ENV_ALLOCATION_ID}_{suffix}"] = alloc_id
+        envs[f"{ENV_MEMORY_LIMIT_MIB_PREFIX}{suffix}"] = str(mib)
+        envs[f"{ENV_COMPUTE_SHARE_PERCENT_PREFIX}{suffix}"] = str(percent)
     if mps.enabled:
         envs[ENV_MPS_PINNED_DEVICE_MEM_LIMIT] = ",".join(
             f"{ordinal}={mib}M" for ordinal, mib in enumerate(memory_mib)
@@ -262,10 +294,15 @@ def build_container_allocation(
         envs[ENV_MPS_PIPE_DIRECTORY] = mps_pipe_directory(mps.root)
     if cfg.framework_hints:
         totals = [g.memory_total_bytes for g in gpus]
-        envs.update(framework_hints(process_bytes, totals, cfg.context_reserve_bytes))
+        hints = framework_hints(process_bytes, totals, cfg.context_reserve_bytes)
+        for ordinal, suffix in enumerate(suffixes):
+            fraction = hints.get(f"{ENV_MEMORY_FRACTION_PREFIX}{ordinal}")
+            if fraction is not None:
+                hints[f"{ENV_MEMORY_FRACTION_PREFIX}{suffix}"] = fraction
+        envs.update(hints)
 
     mounts: list[MountSpec] = []
-    if DeviceListStrategy.VOLUME_MOUNTS in strategies:
+    if DeviceListStrategy.VOLUME_MOUNTS in strategies or mounts_too:
         mounts.extend(
             MountSpec(
                 container_path=f"{VOLUME_MOUNTS_ROOT}/{uuid}",
@@ -327,6 +364,7 @@ __all__ = [
     "ENV_XLA_MEM_FRACTION",
     "MpsDefaults",
     "build_container_allocation",
+    "device_env_suffix",
     "format_hundredths",
     "framework_hints",
     "memory_fraction_hundredths",

@@ -15,7 +15,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,7 +124,7 @@ class Daemon:
             health=self.health,
             checkpoint=CheckpointReader(
                 settings.device_plugin_dir / CHECKPOINT_FILE,
-                lambda: self.resources.names,
+                lambda: self.resources.known_names,
             ),
             enforce=self._enforce,
             on_poll_duration=self.metrics.observe_poll,
@@ -138,8 +138,12 @@ class Daemon:
         self.tracker = AllocationTracker(
             self.book,
             settings.pod_resources_socket,
-            lambda: self.resources.names,
+            lambda: self.resources.known_names,
             interval_s=pod_resources_interval_s,
+            # A reader of its own (the poll worker's is read on another thread), of every
+            # resource: the tracker keeps the entries that are this node's.
+            checkpoint=CheckpointReader(settings.device_plugin_dir / CHECKPOINT_FILE, None).read,
+            adopt=self._adopt,
         )
         # The node's MPS control daemon, when MPS is on: started after the first poll (its
         # defaults follow the slicing), supervised, and sent quit on every exit path.
@@ -228,6 +232,7 @@ class Daemon:
             # The kubelet lists an allocation in pod-resources right after Allocate: ask soon,
             # so that the container's series and any action on it carry its pod's name.
             on_allocated=self.poller.allocated,
+            resource_name=resource_name,
         )
         lifecycle = PluginLifecycle(
             service,
@@ -241,8 +246,22 @@ class Daemon:
         """Bring the plugin endpoints in line with the current inventory: every resource it
         names is served and registered, with its slices; a resource with no slice left (none
         even held by an allocation) is stopped. Called after every poll; whatever changes the
-        inventory (a MIG layout change, a new config) ends here."""
-        self.resources.reconcile(self.inventory.value)
+        inventory (a MIG layout change, a new config) ends here. Slices held under another
+        name (a renamed resource) are advertised Unhealthy until the kubelet frees them."""
+        inventory = self.inventory.value
+        self.resources.reconcile(inventory, self.book.held_elsewhere(inventory.by_id))
+        self.book.retired = self.resources.retired
+
+    def _adopt(self, resource_name: str, device_ids: Sequence[str]) -> bool:
+        """Whether allocations that pod-resources lists under `resource_name`, which this node
+        does not serve, are still this node's: every device is one of its slices (a daemon
+        restarted after a rename). Such a name counts as retired from then on."""
+        by_id = self.inventory.value.by_id
+        if not device_ids or not all(d in by_id for d in device_ids):
+            return False
+        self.resources.retire(resource_name)
+        self.book.retired = self.resources.retired
+        return True
 
     # --- optional components: the MPS control daemon and the node feature file ---------------
 
@@ -364,9 +383,15 @@ class Daemon:
             for t in (lc.unregistered_since_s, lc.unstable_since_s)
             if t > 0 and (not lc.registered or lc.unstable_since_s)
         ]
+        unregistered_since_s = min(since, default=0.0)
         return DaemonHealth(
             registered=all(lc.registered and not lc.unstable_since_s for lc in lifecycles),
-            unregistered_since_s=min(since, default=0.0),
+            unregistered_since_s=unregistered_since_s,
+            unregistered_since_wall_s=(
+                time.time() - (time.monotonic() - unregistered_since_s)
+                if unregistered_since_s > 0
+                else 0.0
+            ),
             registrations_total=sum(lc.stats.registrations for lc in lifecycles),
             registration_failures_total=sum(lc.stats.registration_failures for lc in lifecycles),
             last_poll_success_s=self.poller.last_success_wall_s,
@@ -434,6 +459,10 @@ class Daemon:
                     raise StartupError(
                         f"{e.strerror}; set --probe-address to a free host:port"
                     ) from e
+            # Who holds what, before the first device list goes out: a slice held under a name
+            # this node no longer serves must not be offered as free, not even once.
+            await self.tracker.prime()
+            self.reconcile_resources()
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self.poller.run(stop), name="poll")
                 self._tasks, self._stop = tasks, stop

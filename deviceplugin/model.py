@@ -264,6 +264,10 @@ class AllocationRecord:
     # Whether the kubelet's pod-resources API lists it (or it is too fresh to be listed yet).
     # Slices of an allocation the kubelet does not list count as unconfirmed, not allocated.
     listed: bool = True
+    # The extended resource it was made under ("" where unknown), and whether this node no
+    # longer serves that name (a reload renamed it): held until the kubelet frees it.
+    resource_name: str = ""
+    retired_resource: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -382,6 +386,9 @@ class DaemonHealth:
     # slice is allocated and no GPU process runs (`polling_idle`).
     poll_interval_s: float = 0.0
     polling_idle: bool = False
+    # When the plugin was last unregistered, on the wall clock (for /status, which says how long
+    # ago that was); 0 while registered.
+    unregistered_since_wall_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

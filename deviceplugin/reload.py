@@ -24,7 +24,11 @@ parses is applied by `apply_config`, the one entry point (`Daemon.apply_config` 
 - enforcement: a new enforcer with the new settings replaces the old, which first resumes every
   process it holds stopped; the poll interval and utilisation window follow.
 - resource name: the primary resource is served and registered under the new name at once; the
-  old name's endpoint and socket go at the next poll, when no slice is left under it.
+  old name's endpoint and socket go at the next poll, when no slice is left under it. The old
+  name is retired, not forgotten: allocations held under it stay in the book (pod-resources and
+  the checkpoint are still read for it) and enforced until the kubelet frees them, and their
+  slices are advertised Unhealthy under the new name meanwhile, so that the kubelet cannot hand
+  them out a second time.
 - health checks: they belong to the GPU backend, opened once; a change takes effect at the next
   restart, and the reload says so.
 """

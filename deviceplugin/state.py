@@ -8,11 +8,11 @@ an update.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import Generic, TypeVar
 
-from deviceplugin.model import AllocationRecord
+from deviceplugin.model import AllocationRecord, Slice
 
 T = TypeVar("T")
 
@@ -57,6 +57,9 @@ class AllocationBook:
         # Allocations the kubelet has listed at least once: gone as soon as it stops listing them.
         self._confirmed: set[str] = set()
         self._synced = False
+        # Resource names this node no longer serves (renamed by a reload): records made under
+        # one are marked `retired_resource` when read.
+        self.retired: frozenset[str] = frozenset()
 
     def allocated(self, record: AllocationRecord) -> None:
         """A fresh Allocate. Its ID may be an old one (the same slices again, for a new pod): the
@@ -73,22 +76,65 @@ class AllocationBook:
     def __iter__(self) -> Iterator[AllocationRecord]:
         """Every record, `listed` saying whether the kubelet listed it at the latest refresh
         (every record counts as listed until pod-resources has answered once)."""
+        retired = self.retired
+        records = (
+            self._records.values()
+            if not retired
+            else [
+                r
+                if (r.resource_name in retired) == r.retired_resource
+                else replace(r, retired_resource=not r.retired_resource)
+                for r in self._records.values()
+            ]
+        )
         if not self._synced:
-            return iter(list(self._records.values()))
+            return iter(list(records))
         confirmed = self._confirmed
         return iter(
             [
                 r if (r.allocation_id in confirmed) == r.listed else replace(r, listed=not r.listed)
-                for r in self._records.values()
+                for r in records
             ]
         )
 
+    def held_elsewhere(self, slices: Mapping[str, Slice]) -> dict[str, str]:
+        """The slices held under a resource name other than the one they are served under now
+        (`slices`: the inventory's, by ID), with the name they are held under: a rename must not
+        offer them again while they are held."""
+        held: dict[str, str] = {}
+        for record in self._records.values():
+            name = record.resource_name
+            if not name:
+                continue
+            for slice_id in record.slice_ids:
+                served = slices.get(slice_id)
+                if served is not None and served.resource_name != name:
+                    held[slice_id] = name
+        return held
+
+    def recovered(self, records: Iterable[AllocationRecord]) -> int:
+        """Allocations known from elsewhere than pod-resources (the kubelet's checkpoint, while
+        pod-resources does not answer): each one not in the book is added. Returns how many."""
+        added = 0
+        for record in records:
+            if record.allocation_id not in self._records:
+                self._records[record.allocation_id] = record
+                added += 1
+        return added
+
     def sync(
-        self, live: Iterable[AllocationRecord], *, now_s: float, grace_s: float
+        self,
+        live: Iterable[AllocationRecord],
+        *,
+        now_s: float,
+        grace_s: float,
+        keep: Collection[str] = (),
     ) -> tuple[int, int]:
         """Bring the book in step with what the kubelet reports as live: add or name the live
         allocations; drop the others that the kubelet listed before (their pod is gone), and
-        those it never listed once they are `grace_s` old. Returns (added, dropped)."""
+        those it never listed once they are `grace_s` old. An allocation in `keep` is neither
+        dropped nor doubted, listed or not (a restarted kubelet lists no pod until it has had
+        them from the API server). Returns (added, dropped)."""
         live_ids = set()
         added = 0
         for record in live:
@@ -112,11 +158,13 @@ class AllocationBook:
             r.allocation_id
             for r in self._records.values()
             if r.allocation_id not in live_ids
+            and r.allocation_id not in keep
             and (r.allocation_id in self._confirmed or now_s - r.allocated_at_s >= grace_s)
         ]
         for allocation in stale:
             del self._records[allocation]
-        self._confirmed = live_ids
+        kept = {a for a in keep if a in self._records}
+        self._confirmed = live_ids | kept
         self._synced = True
         return added, len(stale)
 

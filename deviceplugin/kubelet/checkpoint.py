@@ -24,12 +24,20 @@ writable by root only, so a process in a pod cannot forge it.
 `parse_checkpoint` is pure; `CheckpointReader` reads the file and parses it again only when it
 has changed. Neither raises: a missing, unreadable or malformed file gives an empty checkpoint
 whose `reason` says why, and the caller then has no evidence (today's attribution).
+
+The read is bounded: the file is opened without following a symbolic link and without blocking
+(a FIFO or a device planted at its path is refused, never read), it must be a regular file of at
+most `MAX_CHECKPOINT_BYTES`, and no more than that is ever read. Parsing keeps only what is used:
+`AllocResp` and `RegisteredDevices` are dropped as each object is decoded, so a large checkpoint
+costs about its own size in memory, once per change.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,9 +45,11 @@ from pathlib import Path
 from deviceplugin.model import SliceId, allocation_id
 
 CHECKPOINT_FILE = "kubelet_internal_checkpoint"
-# A checkpoint larger than this is refused rather than read into memory on every change; a
-# kubelet's is a few hundred bytes per container.
-MAX_CHECKPOINT_BYTES = 64 << 20
+# A checkpoint larger than this is refused unread; a kubelet's is a few hundred bytes to a few
+# kilobytes per container (110 pods of 10 containers each stay under 8 MiB).
+MAX_CHECKPOINT_BYTES = 16 << 20
+# Keys of the document that are never used here: dropped as soon as their object is decoded.
+_UNUSED_KEYS = frozenset({"AllocResp", "RegisteredDevices"})
 
 
 def normalize_pod_uid(uid: str) -> str:
@@ -56,6 +66,7 @@ class CheckpointEntry:
     allocation_id: str
     device_ids: tuple[str, ...]  # sorted, distinct
     gpu_uuids: frozenset[str]
+    resource_name: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +150,9 @@ def _text(entry: Mapping[str, object], key: str, where: str) -> str:
     return value
 
 
-def _entries(document: object, resource_names: Collection[str]) -> tuple[CheckpointEntry, ...]:
+def _entries(
+    document: object, resource_names: Collection[str] | None
+) -> tuple[CheckpointEntry, ...]:
     if not isinstance(document, dict):
         raise CheckpointError("not a JSON object")
     data = document.get("Data")
@@ -161,7 +174,7 @@ def _entries(document: object, resource_names: Collection[str]) -> tuple[Checkpo
         device_ids = _device_ids(entry.get("DeviceIDs"), where)
         if not pod_uid:
             raise CheckpointError(f"{where}.PodUID is empty")
-        if resource not in resource_names or not device_ids:
+        if (resource_names is not None and resource not in resource_names) or not device_ids:
             continue
         distinct = tuple(sorted(set(device_ids)))
         gpus: set[str] = set()
@@ -171,18 +184,22 @@ def _entries(document: object, resource_names: Collection[str]) -> tuple[Checkpo
             except ValueError:
                 continue  # not one of our slice IDs: it still counts in the allocation ID
         entries.append(
-            CheckpointEntry(pod_uid, container, allocation_id(distinct), distinct, frozenset(gpus))
+            CheckpointEntry(
+                pod_uid, container, allocation_id(distinct), distinct, frozenset(gpus), resource
+            )
         )
     return tuple(entries)
 
 
-def parse_checkpoint(blob: bytes, resource_name: str | Collection[str]) -> DeviceCheckpoint:
+def parse_checkpoint(
+    blob: bytes | bytearray, resource_name: str | Collection[str] | None
+) -> DeviceCheckpoint:
     """The entries of `resource_name` (one name, or several: a node serving MIG profiles has a
-    resource per profile) in a checkpoint file's content. Never raises: a document that is not
-    the kubelet's gives an empty checkpoint with the reason."""
+    resource per profile; None: every resource) in a checkpoint file's content. Never raises: a
+    document that is not the kubelet's gives an empty checkpoint with the reason."""
     names = (resource_name,) if isinstance(resource_name, str) else resource_name
     try:
-        document = json.loads(blob)
+        document = json.loads(blob, object_pairs_hook=_used_keys)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         return DeviceCheckpoint.unreadable(f"not JSON: {e}")
     try:
@@ -191,8 +208,13 @@ def parse_checkpoint(blob: bytes, resource_name: str | Collection[str]) -> Devic
         return DeviceCheckpoint.unreadable(f"malformed: {e}")
 
 
+def _used_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    return {k: v for k, v in pairs if k not in _UNUSED_KEYS}
+
+
 class CheckpointReader:
-    """Reads the checkpoint at `path` for `resource_name`, parsing it again only when its
+    """Reads the checkpoint at `path` for `resource_name` (None: every resource's entries),
+    parsing it again only when its
     identity (inode, size, modification and change times) differs from the last read; one stat
     per call otherwise. A file over `max_bytes` is refused unread. `parses` counts the files
     parsed. Never raises."""
@@ -200,13 +222,14 @@ class CheckpointReader:
     def __init__(
         self,
         path: Path,
-        resource_name: str | Callable[[], Collection[str]],
+        resource_name: str | Callable[[], Collection[str]] | None,
         *,
         max_bytes: int = MAX_CHECKPOINT_BYTES,
     ) -> None:
         self.path = path
-        # One resource name, or the names currently served (they change with the MIG layout).
-        self._resources: Callable[[], Collection[str]] = (
+        # One resource name, the names currently served (they change with the MIG layout), or
+        # every resource.
+        self._resources: Callable[[], Collection[str]] | None = (
             (lambda: frozenset((resource_name,)))
             if isinstance(resource_name, str)
             else resource_name
@@ -217,24 +240,45 @@ class CheckpointReader:
         self.parses = 0
 
     def read(self) -> DeviceCheckpoint:
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
-            st = os.stat(self.path)
+            fd = os.open(self.path, flags)
         except FileNotFoundError:
             return self._keep(None, DeviceCheckpoint.unreadable(f"no checkpoint at {self.path}"))
         except OSError as e:
+            reason = (
+                f"{self.path} is a symbolic link, not the kubelet's file"
+                if e.errno == errno.ELOOP
+                else f"cannot open {self.path}: {e.strerror or e}"
+            )
+            return self._keep(None, DeviceCheckpoint.unreadable(reason))
+        try:
+            return self._read_open(fd)
+        finally:
+            os.close(fd)
+
+    def _read_open(self, fd: int) -> DeviceCheckpoint:
+        try:
+            st = os.fstat(fd)
+        except OSError as e:
             return self._keep(None, DeviceCheckpoint.unreadable(f"cannot stat {self.path}: {e}"))
-        resources = frozenset(self._resources())
-        key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, resources)
+        if not stat.S_ISREG(st.st_mode):
+            reason = f"{self.path} is not a regular file (mode {stat.filemode(st.st_mode)})"
+            return self._keep(None, DeviceCheckpoint.unreadable(reason))
+        resources = None if self._resources is None else frozenset(self._resources())
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, resources)
         if key == self._key:
             return self._latest
+        too_large = f"{self.path} is more than {self._max_bytes} bytes"
         if st.st_size > self._max_bytes:
-            reason = f"{self.path} is {st.st_size} bytes, more than {self._max_bytes}"
-            return self._keep(key, DeviceCheckpoint.unreadable(reason))
+            return self._keep(key, DeviceCheckpoint.unreadable(f"{too_large} ({st.st_size})"))
         try:
-            blob = self.path.read_bytes()
+            blob = _read_at_most(fd, self._max_bytes + 1)
         except OSError as e:
             # Not remembered: a file that could not be read is tried again on the next call.
             return self._keep(None, DeviceCheckpoint.unreadable(f"cannot read {self.path}: {e}"))
+        if len(blob) > self._max_bytes:  # it grew after the stat
+            return self._keep(None, DeviceCheckpoint.unreadable(too_large))
         self.parses += 1
         return self._keep(key, parse_checkpoint(blob, resources))
 
@@ -244,3 +288,14 @@ class CheckpointReader:
         self._key = key
         self._latest = checkpoint
         return checkpoint
+
+
+def _read_at_most(fd: int, limit: int) -> bytearray:
+    """Up to `limit` bytes from `fd`, in one buffer of at most that size."""
+    buffer = bytearray()
+    while len(buffer) < limit:
+        chunk = os.read(fd, min(1 << 20, limit - len(buffer)))
+        if not chunk:
+            break
+        buffer += chunk
+    return buffer

@@ -8,6 +8,14 @@
   inotify is unavailable) wakes the life cycle, which then compares both sockets' inodes: it
   notices within milliseconds, which matters: pods admitted before re-registration are rejected
   for good, and costs nothing while nothing changes.
+- A Register call in flight is given up as soon as the plugin's socket is removed or replaced
+  (a restarting kubelet's start-up cleanup can remove it just as the call reaches the new
+  kubelet, which then dials the missing socket for 10 s): serve again, register again. Each call
+  also has a short timeout (1 s, doubling to 5 s after calls that timed out).
+- A stream that ends while the kubelet's socket still takes connections counts as a failure
+  (backoff, unhealthy until a stream is held 10 s), unless the next registration is accepted by
+  a new kubelet (another kubelet.sock): a kubelet killed outright can end its streams a moment
+  before its socket stops answering.
 - On stop: close the server and remove the socket.
 """
 
@@ -31,6 +39,10 @@ from deviceplugin.kubelet.server import DevicePluginService
 
 log = logging.getLogger(__name__)
 
+# A Register call waits this long at first, doubling after each call that timed out, up to
+# REGISTER_TIMEOUT_S: a kubelet answers in milliseconds when it can dial the plugin back, and one
+# that cannot (it dials a socket its start-up cleanup removed, for 10 s) must not hold us.
+REGISTER_TIMEOUT_FIRST_S = 1.0
 REGISTER_TIMEOUT_S = 5.0
 BACKOFF_FIRST_S = 0.01
 BACKOFF_MAX_S = 5.0
@@ -62,6 +74,16 @@ def _inode(path: Path) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return (st.st_dev, st.st_ino)
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """A socket file's inode and change time: a file created anew has another even where the
+    file system hands out the inode number just freed."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_ctime_ns)
 
 
 def _listening(path: Path) -> bool:
@@ -113,6 +135,8 @@ class PluginLifecycle:
         self._on_registered = on_registered
         self._generation = 0
         self._kubelet_inode: tuple[int, int] | None = None
+        # The kubelet socket's identity at the last accepted registration.
+        self._kubelet_identity: tuple[int, int, int] | None = None
         self._own_inode: tuple[int, int] | None = None
         self._stream_ended = asyncio.Event()
         self.stats = LifecycleStats()
@@ -242,15 +266,39 @@ class PluginLifecycle:
         started = time.monotonic()
         last_report = started
         failures = 0
+        timeout_s = REGISTER_TIMEOUT_FIRST_S
         while not stop.is_set():
             if _inode(self._socket) != own:
                 return _SOCKET_GONE
             self._generation += 1
             self._stream_ended.clear()
             kubelet_inode = _inode(self._kubelet_socket)
-            error = await self._register_once() if kubelet_inode else "kubelet.sock does not exist"
+            kubelet_identity = _identity(self._kubelet_socket)
+            if kubelet_inode is None:
+                error: str | None = "kubelet.sock does not exist"
+            else:
+                error = await self._register_watching(own, timeout_s)
+                if error == _SOCKET_GONE:
+                    log.info(
+                        "plugin socket removed while registering (kubelet start-up cleanup); "
+                        "serving again waited_ms=%.1f",
+                        (time.monotonic() - started) * 1000,
+                    )
+                    return _SOCKET_GONE
+                if error is not None and error.startswith("DEADLINE_EXCEEDED"):
+                    timeout_s = min(timeout_s * 2, REGISTER_TIMEOUT_S)
             if error is None:
+                if (
+                    self._stream_failures or self.unstable_since_s
+                ) and kubelet_identity != self._kubelet_identity:
+                    # The stream that ended was the old kubelet's: one killed outright can end
+                    # it while its socket still takes connections for a moment. A restart, not
+                    # a failing stream.
+                    log.info("registered with a new kubelet; the stream that ended was the old's")
+                    self._stream_failures = 0
+                    self.unstable_since_s = 0.0
                 self._kubelet_inode = kubelet_inode
+                self._kubelet_identity = kubelet_identity
                 self._own_inode = own
                 self.registered = True
                 self.stats.registrations += 1
@@ -281,7 +329,29 @@ class PluginLifecycle:
             delay = min(delay * 2, BACKOFF_MAX_S)
         return _STOPPED
 
-    async def _register_once(self) -> str | None:
+    async def _register_watching(self, own: tuple[int, int], timeout_s: float) -> str | None:
+        """One Register call, given up (returning _SOCKET_GONE) as soon as the plugin's socket is
+        no longer `own`; otherwise the call's error, or None when accepted."""
+        call = asyncio.ensure_future(self._register_once(timeout_s))
+        changed = self._dir_watch.changed
+        try:
+            while not call.done():
+                changed.clear()
+                if _inode(self._socket) != own:
+                    return _SOCKET_GONE
+                change_wait = asyncio.ensure_future(changed.wait())
+                try:
+                    await asyncio.wait({call, change_wait}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    change_wait.cancel()
+            return call.result()
+        finally:
+            if not call.done():
+                call.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await call
+
+    async def _register_once(self, timeout_s: float = REGISTER_TIMEOUT_S) -> str | None:
         request = dp.RegisterRequest(
             version=DEVICE_PLUGIN_VERSION,
             endpoint=self._endpoint,
@@ -290,9 +360,7 @@ class PluginLifecycle:
         )
         try:
             async with grpc.aio.insecure_channel(f"unix://{self._kubelet_socket}") as channel:
-                await dp_grpc.RegistrationStub(channel).Register(
-                    request, timeout=REGISTER_TIMEOUT_S
-                )
+                await dp_grpc.RegistrationStub(channel).Register(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
             return f"{e.code().name}: {e.details()}"
         return None

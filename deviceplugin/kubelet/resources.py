@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from deviceplugin.kubelet.lifecycle import PluginLifecycle
@@ -67,15 +67,40 @@ class ResourcePlugins:
         # the old one, which removes its socket on the way out.
         self._stopping: dict[str, asyncio.Task[None]] = {}
         self._changed = asyncio.Event()
-        # The inventory (this very object) and primary resource of the last `reconcile`: a poll
-        # that changed nothing hands the same inventory again, and then nothing is to be done.
-        self._reconciled: tuple[Inventory, str] | None = None
+        # Names this node served and no longer does (a reload renamed the primary resource), or
+        # that pod-resources lists for slices of ours: allocations under them are still ours.
+        self._retired: frozenset[str] = frozenset()
+        # The inventory (this very object), primary resource and slices held under another name
+        # of the last `reconcile`: a poll that changed nothing hands the same inventory again,
+        # and then nothing is to be done.
+        self._reconciled: tuple[Inventory, str, frozenset[tuple[str, str]]] | None = None
 
     def __iter__(self) -> Iterator[ResourceEndpoint]:
         return iter(self._all)
 
     def __len__(self) -> int:
         return len(self._endpoints)
+
+    @property
+    def retired(self) -> frozenset[str]:
+        """Names this node no longer serves whose allocations are still its own."""
+        return self._retired - self.names
+
+    @property
+    def known_names(self) -> frozenset[str]:
+        """The served names and the retired ones: allocations under any of them are ours."""
+        return self.names | self._retired
+
+    def retire(self, resource_name: str) -> None:
+        """Count allocations under `resource_name` (not served) as this node's: pod-resources
+        lists it for slices of ours (a daemon restarted after a rename)."""
+        if resource_name not in self.names and resource_name not in self.retired:
+            log.warning(
+                "allocations under a resource this node no longer serves; held until the kubelet "
+                "frees them resource=%s",
+                resource_name,
+            )
+            self._retired = self._retired | {resource_name}
 
     def get(self, resource_name: str) -> ResourceEndpoint | None:
         return self._endpoints.get(resource_name)
@@ -99,15 +124,26 @@ class ResourcePlugins:
             self._endpoints[resource_name] = endpoint
             log.info("resource added resource=%s", resource_name)
             self._changed.set()
+        # Allocations made under the old name stay this node's until the kubelet frees them.
+        self._retired = (self._retired | {self.primary}) - {resource_name}
         self.primary = resource_name
         self.names = frozenset(self._endpoints)
         self._all = tuple(self._endpoints.values())
 
-    def reconcile(self, inventory: Inventory) -> None:
+    def reconcile(self, inventory: Inventory, held_elsewhere: Mapping[str, str] = {}) -> None:
         """Make the endpoints match `inventory`: each resource it names (and the primary one) has
-        an endpoint advertising its slices; endpoints of resources it no longer names stop."""
+        an endpoint advertising its slices; endpoints of resources it no longer names stop. A
+        slice in `held_elsewhere` (slice ID -> the other resource name an allocation holds it
+        under: a renamed resource) is advertised Unhealthy, so the kubelet does not hand it out
+        a second time under its new name while it is held."""
+        held = frozenset(held_elsewhere.items())
         last = self._reconciled
-        if last is not None and last[0] is inventory and last[1] == self.primary:
+        if (
+            last is not None
+            and last[0] is inventory
+            and last[1] == self.primary
+            and last[2] == held
+        ):
             return
         desired = {self.primary, *inventory.resource_names}
         for name in sorted(desired):
@@ -117,7 +153,18 @@ class ResourcePlugins:
                 self._endpoints[name] = endpoint
                 log.info("resource added resource=%s", name)
                 self._changed.set()
-            endpoint.inventory.set(inventory.for_resource(name))
+            part = inventory.for_resource(name)
+            if held_elsewhere and any(s.device_id in held_elsewhere for s in part.slices):
+                part = Inventory.of(
+                    part.plans,
+                    (
+                        dataclasses.replace(s, healthy=False)
+                        if s.device_id in held_elsewhere
+                        else s
+                        for s in part.slices
+                    ),
+                )
+            endpoint.inventory.set(part)
         for name in [n for n in self._endpoints if n not in desired]:
             endpoint = self._endpoints.pop(name)
             endpoint.stop.set()
@@ -127,7 +174,7 @@ class ResourcePlugins:
             self._changed.set()
         self.names = frozenset(self._endpoints)
         self._all = tuple(self._endpoints.values())
-        self._reconciled = (inventory, self.primary)
+        self._reconciled = (inventory, self.primary, held)
 
     async def _run_endpoint(self, endpoint: ResourceEndpoint) -> None:
         previous = self._stopping.get(endpoint.resource_name)

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from deviceplugin.allocation import build_container_allocation
-from deviceplugin.config import Config
+from deviceplugin.config import Config, MigStrategy
 from deviceplugin.errors import AllocationError
 from deviceplugin.kubelet.proto import HEALTHY, UNHEALTHY, dp, dp_grpc
 from deviceplugin.logs import brief, brief_list
@@ -80,8 +80,10 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         clock: Callable[[], float] = time.time,
         on_allocate_duration: Callable[[float], None] = lambda seconds: None,
         on_allocated: Callable[[], None] = lambda: None,
+        resource_name: str = "",
     ) -> None:
         self._config = config
+        self._resource_name = resource_name
         self._inventory = inventory
         self._book = book
         self._generation = generation
@@ -179,6 +181,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                         inventory,
                         self._config.allocation,
                         self._config.mps,
+                        several_resources=self._config.mig.strategy == MigStrategy.MIXED,
                     )
                 )
             except AllocationError as e:
@@ -195,7 +198,12 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         now = self._clock()
         for allocation in allocations:
             self._book.allocated(
-                AllocationRecord(allocation.allocation_id, allocation.slice_ids, now)
+                AllocationRecord(
+                    allocation.allocation_id,
+                    allocation.slice_ids,
+                    now,
+                    resource_name=self._resource_name,
+                )
             )
             log.info(
                 "allocated allocation_id=%s slices=%s gpus=%s",

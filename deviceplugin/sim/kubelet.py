@@ -81,13 +81,26 @@ def _owner_only(path: Path) -> None:
 class KubeletSimulator(Registration, Admission):
     """A kubelet for one node: registration, device lists, admission and pod-resources."""
 
-    async def start(self) -> None:
-        """Read the checkpoint, clean the plugin directory, serve Registration and pod-resources."""
+    async def start(
+        self, *, pods_synced: bool = True, cleanup_races_registration: bool = False
+    ) -> None:
+        """Read the checkpoint, clean the plugin directory, serve Registration and pod-resources.
+
+        `pods_synced=False`: like a kubelet that has not yet had its pods from the API server,
+        pod-resources lists no pod (its checkpoint still names them) until `sync_pods()`.
+        `cleanup_races_registration=True`: the start-up cleanup of the plugin directory runs
+        when the first Register arrives, before the kubelet dials the plugin back: the worst
+        interleaving of a restart, in which a plugin's Register reaches the new kubelet just
+        after its cleanup removed the socket that Register names."""
         if self._running:
             raise RuntimeError("kubelet simulator already running")
         self._dir.mkdir(mode=0o750, parents=True, exist_ok=True)
         self._read_checkpoint()
-        self._cleanup_plugin_directory()
+        self._pods_synced = pods_synced
+        if cleanup_races_registration:
+            self._cleanup_pending = self._cleanup_plugin_directory
+        else:
+            self._cleanup_plugin_directory()
         # Running from before the first socket exists: a plugin may register at once.
         self._running = True
         try:
@@ -119,6 +132,7 @@ class KubeletSimulator(Registration, Admission):
         if not self._running:
             return
         self._running = False
+        self._cleanup_pending = None
         await self._stop_servers()
         for endpoint in list(self._endpoints.values()):
             await self._close_endpoint(endpoint)
@@ -126,11 +140,22 @@ class KubeletSimulator(Registration, Admission):
         logger.info("kubelet stopped dir=%s", self._dir)
         self._notify()
 
-    async def restart(self) -> None:
-        """Stop, then start again: sockets are cleaned and recreated, the checkpoint is reloaded."""
+    async def restart(
+        self, *, pods_synced: bool = True, cleanup_races_registration: bool = False
+    ) -> None:
+        """Stop, then start again: sockets are cleaned and recreated, the checkpoint is reloaded.
+        The keywords are `start`'s."""
         logger.info("kubelet restarting dir=%s", self._dir)
         await self.stop()
-        await self.start()
+        await self.start(
+            pods_synced=pods_synced, cleanup_races_registration=cleanup_races_registration
+        )
+
+    def sync_pods(self) -> None:
+        """The kubelet has its pods from the API server: pod-resources lists them again."""
+        self._pods_synced = True
+        logger.info("pods synced from the API server pods=%d", len(self._pods))
+        self._notify()
 
     async def _serve(self, server: Any, socket_path: Path) -> None:
         self._servers.append(server)
@@ -152,7 +177,8 @@ class KubeletSimulator(Registration, Admission):
         checkpoint = self.checkpoint_path
         for entry in os.scandir(self._dir):
             path = Path(entry.path)
-            if path == checkpoint:
+            # (Its own socket exists here only when the cleanup runs late, racing a Register.)
+            if path in (checkpoint, self._socket):
                 continue
             try:
                 if path.is_dir():

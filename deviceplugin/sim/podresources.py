@@ -23,9 +23,10 @@ class _PodResourcesServicer(podres_grpc.PodResourcesListerServicer):
     async def List(  # noqa: N802
         self, request: podres.ListPodResourcesRequest, context: Any
     ) -> podres.ListPodResourcesResponse:
-        return podres.ListPodResourcesResponse(
-            pod_resources=[self._pod(record) for record in self._kubelet._pods.values()]
-        )
+        # The kubelet lists the pods its pod manager knows: none, after a restart, until it has
+        # had them from the API server (its device checkpoint still names them).
+        pods = self._kubelet._pods.values() if self._kubelet._pods_synced else ()
+        return podres.ListPodResourcesResponse(pod_resources=[self._pod(record) for record in pods])
 
     async def GetAllocatableResources(  # noqa: N802
         self, request: podres.AllocatableResourcesRequest, context: Any
@@ -44,7 +45,7 @@ class _PodResourcesServicer(podres_grpc.PodResourcesListerServicer):
         self, request: podres.GetPodResourcesRequest, context: Any
     ) -> podres.GetPodResourcesResponse:
         record = self._kubelet._pods.get((request.pod_namespace, request.pod_name))
-        if record is None:
+        if record is None or not self._kubelet._pods_synced:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
                 f"pod {request.pod_name} in namespace {request.pod_namespace} not found",

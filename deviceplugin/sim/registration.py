@@ -77,6 +77,10 @@ class Registration(DeviceLists):
         elif not is_extended_resource_name(resource):
             error = f'the ResourceName "{resource}" is invalid'
         endpoint: _Endpoint | None = None
+        cleanup, self._cleanup_pending = self._cleanup_pending, None
+        if cleanup is not None:
+            logger.info("start-up cleanup of the plugin directory, racing a registration")
+            cleanup()
         if not error:
             endpoint, error = await self._connect(resource, endpoint_name)
         if endpoint is None:

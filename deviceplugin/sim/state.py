@@ -25,6 +25,7 @@ from deviceplugin.sim.records import (
     _Endpoint,
     _PodRecord,
 )
+from deviceplugin.sim.runoptions import RunOptions, merge_run_options
 
 
 def _describe(predicate: Callable[[], bool]) -> str:
@@ -68,6 +69,11 @@ class KubeletState:
         self._changed = asyncio.Event()
         self._admission = asyncio.Lock()
         self._running = False
+        # Whether pod-resources lists the pods: a started kubelet lists none until it has had
+        # them from the API server.
+        self._pods_synced = True
+        # The start-up cleanup, when it is to run at the first Register (see `start`).
+        self._cleanup_pending: Callable[[], None] | None = None
 
     @property
     def device_plugin_dir(self) -> Path:
@@ -141,6 +147,15 @@ class KubeletState:
         copy = dp.DevicePluginOptions()
         copy.CopyFrom(endpoint.options)
         return copy
+
+    def container_run_options(self, namespace: str, pod: str, container: str) -> RunOptions:
+        """The container's Allocate answers of every resource, merged as the kubelet merges
+        them before it creates the container (see `runoptions`)."""
+        record = self._pods.get((namespace, pod))
+        if record is None:
+            raise KeyError(f"pod {namespace}/{pod} not found")
+        grants = [c for c in record.grant.containers if c.name == container and c.device_ids]
+        return merge_run_options(grants)
 
     def pods(self) -> list[PodGrant]:
         return [record.grant for record in self._pods.values()]

@@ -40,10 +40,15 @@ def _process(p: ProcessSample) -> dict[str, Any]:
     }
 
 
-def _health(h: DaemonHealth) -> dict[str, Any]:
+def _health(h: DaemonHealth, taken_at_s: float) -> dict[str, Any]:
+    unregistered = h.unregistered_since_wall_s > 0 and not h.registered
     return {
         "registered": h.registered,
-        "unregistered_since_s": h.unregistered_since_s,
+        # Seconds since the plugin was last registered, when the snapshot was taken; 0 while it is.
+        "unregistered_since_s": (
+            round(max(0.0, taken_at_s - h.unregistered_since_wall_s), 3) if unregistered else 0.0
+        ),
+        "unregistered_since": rfc3339(h.unregistered_since_wall_s) if unregistered else None,
         "registrations_total": h.registrations_total,
         "registration_failures_total": h.registration_failures_total,
         "last_poll_success": rfc3339(h.last_poll_success_s) if h.last_poll_success_s > 0 else None,
@@ -140,6 +145,10 @@ def _allocation(a: AllocationRecord) -> dict[str, Any]:
         "pod": a.pod,
         "container": a.container,
         "slice_ids": list(a.slice_ids),
+        # The resource it was made under; `retired`: a name this node no longer serves (renamed
+        # by a reload), held until the kubelet frees it.
+        "resource_name": a.resource_name or None,
+        "retired": a.retired_resource,
         "allocated_at": rfc3339(a.allocated_at_s) if a.allocated_at_s > 0 else None,
         "allocated_at_s": a.allocated_at_s,
     }
@@ -166,7 +175,7 @@ def snapshot_to_json(snapshot: NodeSnapshot) -> dict[str, Any]:
         "taken_at": rfc3339(snapshot.taken_at_s),
         "taken_at_s": snapshot.taken_at_s,
         "stale": snapshot.stale,
-        "health": _health(snapshot.health),
+        "health": _health(snapshot.health, snapshot.taken_at_s),
         "gpus": [_gpu(g) for g in snapshot.gpus],
         "containers": [_container(c, mig_devices) for c in snapshot.containers],
         "allocations": [_allocation(a) for a in snapshot.allocations],

@@ -7,6 +7,8 @@ import contextlib
 import functools
 import json
 import logging
+import random
+import re
 import signal
 import socket
 import stat
@@ -36,6 +38,8 @@ from deviceplugin.sim.kubelet import (
     choose_devices,
     is_extended_resource_name,
 )
+from deviceplugin.sim.records import ContainerGrant
+from deviceplugin.sim.runoptions import merge_run_options, toolkit_devices
 
 RESOURCE = "nvidia.com/vgpu"
 ENDPOINT = "fake.sock"
@@ -716,3 +720,85 @@ async def test_admission_needs_a_running_kubelet(short_tmp: Path) -> None:
     sim = KubeletSimulator(short_tmp / "dp")
     with pytest.raises(RuntimeError):
         await sim.admit_pod("p", [("c", 1)])
+
+
+# --- a container holding several resources, through the kubelet's merge ----------------------
+
+
+def _env_suffix(uuid: str) -> str:
+    return re.sub(r"[^A-Z0-9]", "_", uuid.upper())
+
+
+async def test_a_container_with_a_full_gpu_slice_and_a_mig_slice_gets_every_device_and_limit(
+    short_tmp: Path,
+) -> None:
+    # The kubelet keeps one value per env key across a container's resources: what differs per
+    # resource must be under keys of its own, and the device list must reach the container
+    # runtime in a form the kubelet merges (the mounts), not only in one env value.
+    from tests.blackbox.daemon_harness import Node as DaemonNode
+    from tests.blackbox.daemon_harness import gpu, registered, running_daemon
+    from tests.blackbox.test_mig import LAYOUT, MIG_1G, mig_gpu, mixed
+
+    node = DaemonNode(short_tmp, [gpu(0, name="NVIDIA L4", memory_gib=24), mig_gpu(1, *LAYOUT)])
+    await node.sim.start()
+    try:
+        async with running_daemon(node, mixed()):
+            await registered(node, 4)
+            await registered(node, 2, MIG_1G)
+            pod = await node.sim.admit_pod("p", [("c", {RESOURCE: 1, MIG_1G: 1})])
+            by_resource = {g.resource_name: g for g in pod.containers}
+            full = by_resource[RESOURCE].device_ids[0].rsplit("::", 1)[0]
+            mig = by_resource[MIG_1G].device_ids[0].rsplit("::", 1)[0]
+            for _ in range(8):  # the kubelet's order of resources is Go's map order: any
+                options = node.sim.container_run_options("default", "p", "c")
+                assert sorted(toolkit_devices(options, accept_volume_mounts=True)) == sorted(
+                    [full, mig]
+                )
+                envs = options.envs
+                expected = {
+                    full: ("6144", "25", by_resource[RESOURCE].envs["VGPU_ALLOCATION_ID"]),
+                    mig: ("10240", "100", by_resource[MIG_1G].envs["VGPU_ALLOCATION_ID"]),
+                }
+                for uuid, (mib, percent, allocation) in expected.items():
+                    suffix = _env_suffix(uuid)
+                    assert envs[f"VGPU_MEMORY_LIMIT_MIB_{suffix}"] == mib
+                    assert envs[f"VGPU_COMPUTE_SHARE_PERCENT_{suffix}"] == percent
+                    assert envs[f"VGPU_ALLOCATION_ID_{suffix}"] == allocation
+                per_device = [c for c in options.conflicts if _env_suffix(full) in c or
+                              _env_suffix(mig) in c]  # fmt: skip
+                assert per_device == []
+    finally:
+        await node.sim.stop()
+
+
+def test_the_merge_keeps_one_value_per_env_key_and_every_distinct_mount_and_cdi_device() -> None:
+    def grant(resource: str, device: str, share: str) -> ContainerGrant:
+        return ContainerGrant(
+            "c",
+            resource,
+            (f"{device}::0",),
+            {"NVIDIA_VISIBLE_DEVICES": device, "SHARE": share, "SAME": "x"},
+            ((f"/var/run/nvidia-container-devices/{device}", "/dev/null", True),),
+            (),
+            {},
+            (f"nvidia.com/gpu={device}",),
+            (),
+        )
+
+    grants = [grant("a.com/x", "GPU-A", "25"), grant("b.com/y", "MIG-B", "100")]
+    seen_first = set()
+    for seed in range(16):
+        options = merge_run_options(grants, random.Random(seed))
+        first = options.envs["NVIDIA_VISIBLE_DEVICES"]
+        seen_first.add(first)
+        assert options.envs["SHARE"] == ("25" if first == "GPU-A" else "100")
+        assert sorted(options.conflicts) == ["env NVIDIA_VISIBLE_DEVICES", "env SHARE"]
+        assert options.envs["SAME"] == "x"
+        assert sorted(options.cdi_devices) == ["nvidia.com/gpu=GPU-A", "nvidia.com/gpu=MIG-B"]
+        assert sorted(toolkit_devices(options, accept_volume_mounts=True)) == ["GPU-A", "MIG-B"]
+        assert toolkit_devices(options, accept_volume_mounts=False) == [first]
+        assert (
+            toolkit_devices(options, accept_volume_mounts=False, accept_envvar_unprivileged=False)
+            == []
+        )
+    assert seen_first == {"GPU-A", "MIG-B"}  # either resource may come first

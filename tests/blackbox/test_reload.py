@@ -23,6 +23,7 @@ from deviceplugin.check import check_config
 from deviceplugin.gpu.fake import FakeBackend
 from deviceplugin.kubelet.lifecycle import PluginLifecycle
 from deviceplugin.reload import config_hash, read_config
+from deviceplugin.sim.kubelet import AdmissionError
 from tests.blackbox.daemon_harness import (
     RESOURCE,
     Node,
@@ -214,6 +215,49 @@ async def test_a_renamed_resource_registers_again_under_its_new_name(node: Node)
         assert daemon.lifecycle.stats.registrations == registrations + 1
         pod = await node.sim.admit_pod("p", [("c", 1)], resource_name="example.com/gpu-share")
         assert pod.containers[0].envs["VGPU_ALLOCATION_ID"]
+
+
+async def test_a_rename_keeps_held_slices_known_and_offers_them_under_no_name(
+    node: Node,
+) -> None:
+    renamed = "example.com/gpu-share"
+    path = configmap(node.root / "cfg", 1, FAST)
+    async with daemon_with_config(node, path) as (daemon, _):
+        await registered(node, 8)
+        held = (await node.sim.admit_pod("held", [("c", 2)])).containers[0]
+        allocation = held.envs["VGPU_ALLOCATION_ID"]
+        await eventually(
+            lambda: (r := daemon.book.get(allocation)) is not None and r.pod == "held",
+            what="the pod named",
+        )
+        configmap(node.root / "cfg", 2, FAST + f"resourceName: {renamed}\n")
+        await registered(node, 8, resource=renamed)
+        # The held slices are listed under the new name, but not as free.
+        await node.sim.wait_for(
+            lambda: node.sim.unhealthy_ids(renamed) == set(held.device_ids),
+            what="the held slices unhealthy under the new name",
+        )
+        assert node.sim.allocatable(renamed) == 6
+        with pytest.raises(AdmissionError, match="Available: 6"):
+            await node.sim.admit_pod("greedy", [("c", 7)], resource_name=renamed)
+        others = (await node.sim.admit_pod("others", [("c", 6)], resource_name=renamed)).containers
+        assert not set(others[0].device_ids) & set(held.device_ids)
+        # Still known, with the name it was made under, after pod-resources was asked again.
+        seen = daemon.tracker.refreshes
+        await eventually(lambda: daemon.tracker.refreshes >= seen + 2, what="refreshes")
+        record = daemon.book.get(allocation)
+        assert record is not None
+        assert record.resource_name == RESOURCE
+        [listed] = [r for r in daemon.book if r.allocation_id == allocation]
+        assert listed.retired_resource
+        # Freed by the kubelet: offered again, under the new name.
+        await node.sim.delete_pod("default", "held")
+        await node.sim.wait_for(
+            lambda: node.sim.healthy_ids(renamed) >= set(held.device_ids),
+            timeout_s=10,
+            what="the freed slices healthy under the new name",
+        )
+        assert daemon.book.get(allocation) is None
 
 
 async def test_sighup_with_unchanged_content_applies_nothing(node: Node) -> None:

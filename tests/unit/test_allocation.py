@@ -12,6 +12,7 @@ import pytest
 from deviceplugin.allocation import (
     MpsDefaults,
     build_container_allocation,
+    device_env_suffix,
     format_hundredths,
     framework_hints,
     memory_fraction_hundredths,
@@ -108,6 +109,11 @@ def test_one_slice_on_one_gpu() -> None:
         "VGPU_MEMORY_FRACTION_0": "0.24",
         "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.24",
         "TF_FORCE_GPU_ALLOW_GROWTH": "true",
+        # The same per device, under keys no other resource's answer can hold.
+        "VGPU_ALLOCATION_ID_GPU_BBBBBBBB_0000_0000_0000_000000000000": expected_allocation_id(ids),
+        "VGPU_MEMORY_LIMIT_MIB_GPU_BBBBBBBB_0000_0000_0000_000000000000": str(20 * 1024),
+        "VGPU_COMPUTE_SHARE_PERCENT_GPU_BBBBBBBB_0000_0000_0000_000000000000": "25",
+        "VGPU_MEMORY_FRACTION_GPU_BBBBBBBB_0000_0000_0000_000000000000": "0.24",
     }
     assert a.mounts == ()
     assert a.devices == ()
@@ -479,3 +485,37 @@ def test_refusal_of_slice_whose_gpu_is_not_planned() -> None:
     broken = Inventory.of((), INV.slices)
     with pytest.raises(AllocationError, match="does not slice"):
         alloc([f"{U1}::0"], inventory=broken)
+
+
+def test_device_env_keys_are_named_after_the_device() -> None:
+    assert device_env_suffix("MIG-4f1e2a3b-0000-4000-8000-00000000000a") == (
+        "MIG_4F1E2A3B_0000_4000_8000_00000000000A"
+    )
+    assert device_env_suffix("MIG-GPU-aa/1/0") == "MIG_GPU_AA_1_0"
+
+
+def test_with_several_resources_envvar_also_lists_the_devices_as_mounts() -> None:
+    ids = [f"{U1}::0", f"{U0}::1"]
+    plain = alloc(ids)
+    several = build_container_allocation(
+        ids,
+        INV,
+        AllocationConfig(device_list_strategy=(DeviceListStrategy.ENVVAR,)),
+        MpsConfig(),
+        several_resources=True,
+    )
+    assert several.envs == plain.envs  # NVIDIA_VISIBLE_DEVICES keeps the UUIDs
+    assert plain.mounts == ()
+    assert {(m.container_path, m.host_path, m.read_only) for m in several.mounts} == {
+        (f"/var/run/nvidia-container-devices/{U0}", "/dev/null", True),
+        (f"/var/run/nvidia-container-devices/{U1}", "/dev/null", True),
+    }
+    # Without envvar the strategies are as configured.
+    cdi = build_container_allocation(
+        ids,
+        INV,
+        AllocationConfig(device_list_strategy=(DeviceListStrategy.CDI_CRI,)),
+        MpsConfig(),
+        several_resources=True,
+    )
+    assert cdi.mounts == ()

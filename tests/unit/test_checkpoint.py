@@ -233,9 +233,9 @@ def test_reader_malformed_file_is_kept_until_it_changes(tmp_path: Path) -> None:
 
 def test_reader_unreadable_file_is_retried(tmp_path: Path) -> None:
     path = tmp_path / CHECKPOINT_FILE
-    path.mkdir()  # reading it fails
+    path.mkdir()  # not the kubelet's file: refused
     reader = CheckpointReader(path, RESOURCE)
-    assert "cannot read" in reader.read().reason
+    assert "not a regular file" in reader.read().reason
     path.rmdir()
     write(path, document(entry(POD_A, "worker", A_IDS)))
     assert reader.read().readable

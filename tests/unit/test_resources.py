@@ -165,3 +165,25 @@ async def test_a_poll_that_changed_nothing_costs_no_reconcile_but_a_new_primary_
     finally:
         stop.set()
         await asyncio.wait_for(runner, 5)
+
+
+async def test_a_slice_held_under_a_retired_name_is_offered_unhealthy_until_freed() -> None:
+    resources = plugins([])
+    resources.set_primary("example.com/renamed")
+    renamed = inventory("example.com/renamed", "example.com/renamed")
+    resources.reconcile(renamed, {"MIG-1::0": PRIMARY})
+    # The old name is served no more, and what is held under it is still this node's.
+    assert resources.names == {"example.com/renamed"}
+    assert resources.retired == {PRIMARY}
+    assert resources.known_names == {PRIMARY, "example.com/renamed"}
+    endpoint = resources.get("example.com/renamed")
+    assert endpoint is not None
+    health = {s.device_id: s.healthy for s in endpoint.inventory.value.slices}
+    assert health == {"MIG-0::0": True, "MIG-1::0": False}
+    # The same inventory once the kubelet freed it: offered again.
+    resources.reconcile(renamed, {})
+    assert all(s.healthy for s in endpoint.inventory.value.slices)
+    # Renamed back: the old name is served again, not retired.
+    resources.set_primary(PRIMARY)
+    resources.reconcile(inventory(PRIMARY))
+    assert resources.retired == {"example.com/renamed"}
