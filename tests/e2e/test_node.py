@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -113,7 +114,7 @@ def test_pods_with_one_two_three_slices_run_with_their_env(vgpu: Daemon) -> None
         env = node.container_env(f"slices-{n}", "main")
         want = expected_env(devices)
         assert {k: env.get(k) for k in want} == want
-        hints = [k for k in env if k.startswith("VGPU_MEMORY_FRACTION_")]
+        hints = [k for k in env if re.fullmatch(r"VGPU_MEMORY_FRACTION_\d+", k)]
         assert len(hints) == want["NVIDIA_VISIBLE_DEVICES"].count(",") + 1
         assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
     wait_allocated(vgpu, 6)
