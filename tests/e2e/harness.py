@@ -490,7 +490,12 @@ IN_NODE_POD_RESOURCES = "/var/lib/kubelet/pod-resources/kubelet.sock"
 class Cluster:
     """One node; see the module docstring. Use `Cluster.start(...)` as a context manager."""
 
-    def __init__(self, bundle: Bundle, runtime: Runtime = "auto") -> None:
+    def __init__(
+        self,
+        bundle: Bundle,
+        runtime: Runtime = "auto",
+        kubelet_config: Mapping[str, Any] | None = None,
+    ) -> None:
         if runtime == "auto":
             runtime = "containerd" if containerd_available() else "fakecri"
         if runtime == "containerd" and not containerd_available():
@@ -499,6 +504,7 @@ class Cluster:
             )
         self.runtime: Literal["containerd", "fakecri"] = runtime
         self.bundle = bundle
+        self.kubelet_overrides = dict(kubelet_config or {})
         self.id = uuid.uuid4().hex[:8]
         self.paths = Paths(Path(tempfile.mkdtemp(prefix="vge2e-", dir="/tmp")))
         self.cgroup_root = f"/vgpu-e2e-{self.id}"
@@ -514,8 +520,15 @@ class Cluster:
 
     @classmethod
     @contextlib.contextmanager
-    def start(cls, bundle: Bundle, runtime: Runtime = "auto") -> Iterator[Cluster]:
-        cluster = cls(bundle, runtime)
+    def start(
+        cls,
+        bundle: Bundle,
+        runtime: Runtime = "auto",
+        kubelet_config: Mapping[str, Any] | None = None,
+    ) -> Iterator[Cluster]:
+        """Bring the cluster up (`kubelet_config`: KubeletConfiguration fields to override),
+        yield it, close it whatever happens."""
+        cluster = cls(bundle, runtime, kubelet_config)
         try:
             cluster._bring_up()
             yield cluster
@@ -829,6 +842,7 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             "fileCheckFrequency": "60s",
             "registerNode": True,
         }
+        config.update(self.kubelet_overrides)
         (self.paths.root / "kubelet.json").write_text(json.dumps(config))
 
     # -- the kubelet --------------------------------------------------------------------------
