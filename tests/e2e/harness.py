@@ -407,6 +407,11 @@ def wait_until(
         time.sleep(interval_s)
 
 
+# Prefixed to every command the cluster starts: SIGKILL when the test process dies, however it
+# dies (its finalizers cannot run then). Kept across the execs that follow.
+DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "KILL", "--"]
+
+
 def _netns_inode(pid: int) -> int | None:
     try:
         return os.stat(f"/proc/{pid}/ns/net").st_ino
@@ -552,7 +557,8 @@ class Cluster:
             (root / sub).mkdir(parents=True, exist_ok=True)
         make_certificates(self.paths.pki)
         self.timings["certificates"] = time.monotonic() - t0
-        self._make_cgroup_root()
+        if self.runtime == "containerd":  # the fake runtime makes no cgroups
+            self._make_cgroup_root()
         self._start_anchor()
         pki = self.paths.pki
         self._api = ApiClient(
@@ -632,7 +638,18 @@ class Cluster:
             lines.append(f"mount --bind {f} /proc/sys/{key}")
         lines += [f"echo $$ > {root}/anchor.pid", "exec sleep infinity"]
         self.anchor = subprocess.Popen(
-            ["unshare", "--net", "--mount", "--fork", "--", "/bin/sh", "-c", "\n".join(lines)],
+            [
+                *DIE_WITH_PARENT,
+                "unshare",
+                "--net",
+                "--mount",
+                "--fork",
+                "--kill-child=KILL",
+                "--",
+                "/bin/sh",
+                "-c",
+                "\n".join(lines),
+            ],
             cwd=self.paths.empty,
             stdout=subprocess.DEVNULL,
             stderr=(root / "log" / "anchor.log").open("wb"),
@@ -663,7 +680,7 @@ class Cluster:
         """Start `argv` inside the node's network and mount namespaces (same PID namespace as
         the host: it sees every pod's processes), from an empty working directory."""
         workdir = cwd or self.paths.empty
-        full = ["nsenter", f"--target={self.anchor_pid}", "--net", "--mount",
+        full = [*DIE_WITH_PARENT, "nsenter", f"--target={self.anchor_pid}", "--net", "--mount",
                 f"--wd={workdir}", "--", *argv]  # fmt: skip
         out = log.open("ab") if log is not None else subprocess.DEVNULL
         try:
@@ -681,7 +698,7 @@ class Cluster:
 
     def run_in_namespaces(self, argv: Sequence[str], timeout_s: float = 60) -> str:
         """Run `argv` inside the node's namespaces; its output; ClusterError when it fails."""
-        full = ["nsenter", f"--target={self.anchor_pid}", "--net", "--mount",
+        full = [*DIE_WITH_PARENT, "nsenter", f"--target={self.anchor_pid}", "--net", "--mount",
                 f"--wd={self.paths.empty}", "--", *argv]  # fmt: skip
         result = subprocess.run(
             full, check=False, capture_output=True, text=True, timeout=timeout_s, env=_base_env()

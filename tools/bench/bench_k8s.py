@@ -1,6 +1,6 @@
 """Device-plugin benchmark on a real kubelet v1.36.2: vgpu against the minimal Python plugin.
 
-    VGPU_E2E_K8S_BUNDLE=../shared/k8s .venv/bin/python tools/bench/bench_k8s.py \
+    VGPU_E2E_K8S_BUNDLE=../shared/k8s .venv/bin/python -m tools.bench.bench_k8s \
         [--rounds 15] [--starts 5] [--runtime fakecri|containerd] [--sizes 8,256]
 
 The node is tests/e2e/harness.py's (its own network namespace, loopback only; root needed),
@@ -113,7 +113,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _until(check: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
-    wait_until(lambda: check() or None, timeout_s=timeout_s, interval_s=0.005, what=what)
+    # pod-resources allows 100 requests a second (burst 10), shared with vgpu's own: 50 here.
+    wait_until(lambda: check() or None, timeout_s=timeout_s, interval_s=0.02, what=what)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
