@@ -1,6 +1,6 @@
 """Device-plugin benchmark on a real kubelet v1.36.2: vgpu against the minimal Python plugin.
 
-    VGPU_E2E_K8S_BUNDLE=../shared/k8s .venv/bin/python -m tools.bench.bench_k8s \
+    VGPU_E2E_K8S_BUNDLE=/path/to/k8s-bundle .venv/bin/python -m tools.bench.bench_k8s \
         [--rounds 15] [--starts 5] [--runtime fakecri|containerd] [--sizes 8,256]
 
 The node is tests/e2e/harness.py's (its own network namespace, loopback only; root needed),
