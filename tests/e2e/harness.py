@@ -24,7 +24,7 @@ sockets and checkpoint, the pods' real cgroups and processes, a fake GPU state f
 
 Stable API (tests and benchmarks build on it)::
 
-    with Cluster.start(bundle, runtime="auto") as c:       # or the module fixture `cluster`
+    with Cluster.start(bundle, runtime="auto", kubelet_config=None) as c:  # or `cluster`
         c.runtime                      # "containerd" or "fakecri"
         c.api.get/post/patch/delete    # the API server (admin), JSON; ApiError on HTTP >= 300
         c.kubectl("get", "nodes")      # the project's kubectl, when fetched (else skip)
@@ -36,7 +36,10 @@ Stable API (tests and benchmarks build on it)::
         c.container_env("p", "main")   # what the container has: /proc/<pid>/environ
                                        # (containerd) or the fake runtime's CreateContainer line
         c.container_pids("p", "main")  # host PIDs in the container's cgroup (containerd)
-        c.fakecri_log()                # the fake runtime's log text
+        c.container_init_pid("p", "main")   # its first process's host PID (containerd)
+        c.checkpoint_devices("p", "main", RES)  # what the kubelet's checkpoint gave it
+        c.fakecri_log(); c.create_container_requests()   # the fake runtime's log, parsed
+        c.wait_no_extended_resources() # after a plugin stopped: nothing nvidia.com/* offered
         c.stop_kubelet(signal.SIGKILL); c.start_kubelet(); c.restart_kubelet()
         c.paths.checkpoint, c.paths.device_plugin_dir, c.paths.pod_resources_socket,
         c.paths.plugins_registry, c.paths.plugins_dir, c.paths.cdi_dir  # host paths
