@@ -150,15 +150,43 @@ def _pidfd_supported() -> bool:
     return True
 
 
-class PsutilControl:
-    """Real signals, through pidfds checked against psutil identities (or psutil alone)."""
+def cgroup_now(pid: int, proc_root: str = "/proc") -> bytes | None:
+    """Where process `pid` is now: its cgroup file's content, read afresh; None when gone."""
+    try:
+        with open(f"{proc_root}/{pid}/cgroup", "rb") as f:
+            return f.read()
+    except OSError:
+        return None
 
-    def __init__(self, *, use_pidfd: bool | None = None) -> None:
+
+# Signals that act against a process; SIGCONT only undoes one and is never held back.
+_HARMFUL = frozenset((signal.SIGKILL, signal.SIGSTOP))
+
+
+class PsutilControl:
+    """Real signals, through pidfds checked against psutil identities (or psutil alone).
+
+    With each identity it keeps where the process was when it was acquired (`where`, by default
+    its cgroup file's content): right before a SIGKILL or SIGSTOP that is read again, and a
+    process that has moved since is not signalled; it is let go (GONE) and not acquired again
+    while it stays where it moved to."""
+
+    def __init__(
+        self,
+        *,
+        use_pidfd: bool | None = None,
+        where: Callable[[int], object] = cgroup_now,
+    ) -> None:
         self._lock = threading.Lock()
         self._held: dict[int, psutil.Process] = {}
         self._ticks: dict[int, int] = {}
+        self._where: dict[int, object] = {}
         self._pidfds: dict[int, int] = {}
         self._use_pidfd = _pidfd_supported() if use_pidfd is None else use_pidfd
+        self._where_now = where
+        # PID -> (start ticks, where it moved to) of processes let go for moving.
+        self._moved: dict[int, tuple[int, object]] = {}
+        self.moves_refused = 0
 
     @property
     def dry_run(self) -> bool:
@@ -176,20 +204,42 @@ class PsutilControl:
                 ticks = start_ticks(pid)
                 if ticks is None or not process.is_running():
                     continue
+                where = self._where_now(pid)
+                moved = self._moved.get(pid)
+                if moved is not None:
+                    if moved == (ticks, where):
+                        continue  # still where it moved to since it was attributed
+                    del self._moved[pid]
                 self._held[pid] = process
                 self._ticks[pid] = ticks
+                self._where[pid] = where
 
     def retain(self, pids: Collection[int]) -> None:
         keep = set(pids)
         with self._lock:
             for pid in [pid for pid in self._held if pid not in keep]:
                 self._forget(pid)
+            for pid in [pid for pid in self._moved if pid not in keep]:
+                del self._moved[pid]
 
     def send(self, pid: int, sig: signal.Signals) -> SignalResult:
         with self._lock:
             process = self._held.get(pid)
             if process is None:
                 return SignalResult.GONE
+            if sig in _HARMFUL:
+                where = self._where_now(pid)
+                if where != self._where.get(pid):
+                    self._moved[pid] = (self._ticks[pid], where)
+                    self._forget(pid)
+                    self.moves_refused += 1
+                    log.warning(
+                        "not signalled: the process moved to another cgroup since it was "
+                        "attributed pid=%d signal=%s",
+                        pid,
+                        sig.name,
+                    )
+                    return SignalResult.GONE
             try:
                 fd = self._pidfd(pid, process) if self._use_pidfd else None
                 if fd is None:
@@ -274,6 +324,7 @@ class PsutilControl:
     def _forget(self, pid: int) -> None:
         self._held.pop(pid, None)
         self._ticks.pop(pid, None)
+        self._where.pop(pid, None)
         fd = self._pidfds.pop(pid, None)
         if fd is not None:
             os.close(fd)
