@@ -314,6 +314,8 @@ class Poller:
             self._resolver.pod_uid_of,
             trust_host_processes=self._trust_host_processes,
             cgroup_of=self._resolver.cgroup_of,
+            container_of=self._resolver.container_of,
+            containers_known=self._resolver.containers_known,
             version=self._resolver.generation,
         )
 

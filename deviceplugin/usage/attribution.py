@@ -12,7 +12,10 @@ device checkpoint), `attribute` decides per process which allocation, if any, it
 whether its claim is refused ("misattributed"). Without a readable checkpoint every claim stands.
 Otherwise:
 1. A claim (the process's own `VGPU_ALLOCATION_ID`, or its nearest ancestor's) that the
-   checkpoint records for the process's own pod stands.
+   checkpoint records for the process's own pod stands; where the kubelet's container names
+   are known (its container log links, `usage.containerlogs`), only from the very container the
+   checkpoint records it for: a claim from another container of the pod (a sidecar that copied
+   the ID), or from a container the kubelet does not know, is refused.
 2. A claim from a process in no pod cgroup (a host process) is refused, whatever it names;
    `trust_host_processes` lets it stand, for workloads that run outside pod cgroups (the kubelet
    simulator, the demo, tests): `serve` refuses that setting outside a fake backend.
@@ -261,6 +264,10 @@ def _no_cgroup(pid: int) -> str | None:
     return None
 
 
+def _no_container(pid: int) -> tuple[str, str] | None:
+    return None
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class AttributionEvidence:
     """What `attribute` checks claimed allocation IDs against: the kubelet's device checkpoint,
@@ -271,6 +278,11 @@ class AttributionEvidence:
     pod_uid_of: Callable[[int], str | None]
     trust_host_processes: bool = False
     cgroup_of: Callable[[int], str | None] = _no_cgroup
+    # (pod UID, container name) of the container a PID runs in, as the kubelet named it, and
+    # whether those names could be read at all: when they could, a claim stands only from the
+    # very container the checkpoint gives the allocation (not from another of its pod's).
+    container_of: Callable[[int], tuple[str, str] | None] = _no_container
+    containers_known: bool = False
     # Changes whenever `pod_uid_of` or `cgroup_of` may answer differently for a PID (the
     # resolver's generation); None when unknown. With it, a build whose inputs all stayed the
     # same hands out the previous build's attribution rather than deciding it again.
@@ -278,11 +290,16 @@ class AttributionEvidence:
 
 
 def attribute(
-    claim: str | None, pod_uid: str | None, gpu_uuid: str, evidence: AttributionEvidence
+    claim: str | None,
+    pod_uid: str | None,
+    gpu_uuid: str,
+    evidence: AttributionEvidence,
+    container: tuple[str, str] | None = None,
 ) -> tuple[str | None, bool]:
     """The allocation a process on `gpu_uuid` belongs to by its own claim (None: not by its
     claim), and whether its claim is refused. `claim` is the valid allocation ID found in its
-    environment, if any; `pod_uid` its pod (normalised), if any. Rules 1 to 3 of this module's
+    environment, if any; `pod_uid` its pod (normalised), if any; `container` its container's
+    (pod UID, name) where the kubelet's names are known. Rules 1 to 3 of this module's
     docstring; rule 4 (container cgroups) needs the other processes and is applied in
     `SnapshotBuilder.build`."""
     checkpoint = evidence.checkpoint
@@ -292,7 +309,12 @@ def attribute(
         return claim, False
     owners = checkpoint.owners.get(claim) if claim is not None else None
     if owners is not None and pod_uid is not None and pod_uid in owners:
-        return claim, False
+        if not evidence.containers_known:
+            return claim, False
+        if container is not None and container[0] == pod_uid:
+            assert claim is not None
+            if container in checkpoint.pod_of(claim):
+                return claim, False
     return None, claim is not None
 
 
@@ -512,7 +534,9 @@ class SnapshotBuilder:
             tuple(allocations),
             tuple(_confirmed(r, wall_s) for r in allocations),
             dict(pid_allocation),
-            None if checked is None else (checked.trust_host_processes, checked.version),
+            None
+            if checked is None
+            else (checked.trust_host_processes, checked.containers_known, checked.version),
         )
         memo = self._memo
         if (
@@ -616,7 +640,8 @@ def _charge(
             found = claim_of(pid)
             if checked is not None:
                 pod_uid = checked.pod_uid_of(pid)
-                found, refused = attribute(found, pod_uid, uuid, checked)
+                container = checked.container_of(pid) if checked.containers_known else None
+                found, refused = attribute(found, pod_uid, uuid, checked, container)
                 if refused:
                     misattributed[uuid].append(process)
                 if pod_uid is not None:

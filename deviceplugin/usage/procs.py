@@ -8,13 +8,14 @@ environment still belongs to the container that started it). Nothing else from a
 environment is kept, returned or logged: it may hold secrets.
 
 That variable is only a claim: any process can set it, and the ID is predictable. So the daemon
-also reads the pod a process runs in from `/proc/<pid>/cgroup` (`pod_uid_in_cgroup`), which the
-process cannot choose, and `usage.attribute` checks the claim against the kubelet's device
-checkpoint (`deviceplugin.kubelet.checkpoint`): a claim stands when the checkpoint records that
-allocation for the process's own pod; a process in a pod that holds exactly one allocation on
-its GPU belongs to that one whatever its environment says; a claim of another pod's allocation is
-refused (misattributed), from a host process too; a host process keeps a claim the checkpoint
-does not record; and without a readable checkpoint every claim stands, as before.
+also reads where the process runs, which it cannot choose: `/proc/<pid>/cgroup` gives the pod
+container it is in, only when that cgroup is where the kubelet puts a pod's containers
+(`usage.cgroups`: its pod UID, container runtime ID and container cgroup), and the kubelet's
+container log links (`usage.containerlogs`) name that container. `usage.attribution` checks the
+claim against the kubelet's device checkpoint with them (docs/design.md §12): a claim stands
+only from the container the checkpoint gives that allocation (from its pod, where the kubelet's
+container names cannot be read); a claim from a host process or from another pod or container
+is refused; without a readable checkpoint every claim stands.
 
 Everything is read under an injected `proc_root`, so tests use a fake tree in a temporary directory.
 
@@ -30,12 +31,18 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
-import re
 import resource
 import select
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from deviceplugin.usage.cgroups import KubeletTree, PodContainer, find_namespace_root
+from deviceplugin.usage.containerlogs import (
+    DEFAULT_CONTAINER_LOG_DIR,
+    ContainerLogIndex,
+    ContainerNames,
+)
 
 ENV_NAME = "VGPU_ALLOCATION_ID"
 _ENV_PREFIX = ENV_NAME.encode() + b"="
@@ -46,14 +53,6 @@ _READ_CHUNK = 65536
 # state) is index 0 there, so field 4 (ppid) is index 1 and field 22 (start time) is index 19.
 _PPID_FIELD = 1
 _START_TIME_FIELD = 19
-# A pod's cgroup, one path segment: `pod<uid>` (cgroupfs driver) or `<prefix>-pod<uid>.slice`
-# (systemd driver, the UID's dashes written as underscores). A UID is a UUID, or 32 hex digits
-# for a static pod.
-_POD_SEGMENT = re.compile(
-    rb"(?:[a-z0-9_.-]*-)?pod"
-    rb"([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}|[0-9a-f]{32})"
-    rb"(\.slice)?"
-)
 
 
 class _GoneError(Exception):
@@ -77,6 +76,7 @@ class _Entry:
     settled: bool = True
     pod_uid: str | None = None
     cgroup: str | None = None
+    container_id: str | None = None
 
 
 def _read_all(path: str) -> tuple[bytes, os.stat_result]:
@@ -114,59 +114,22 @@ def _allocation_id_in(environ: bytes) -> tuple[bool, str | None]:
     return True, value.decode("ascii")
 
 
-def _pod_uid_in_path(path: bytes) -> str | None:
-    """The UID of the innermost pod cgroup on a cgroup path, counting only segments at or below
-    one that names `kubepods` (so a host unit that happens to be called `pod<uuid>` is no pod).
-
-    A path that starts with `..` is relative to the root of the daemon's own cgroup namespace
-    (on cgroup v2 a pod's containers get one of their own), and that root is the daemon's
-    container, inside a pod: the `kubepods` segments above it are cut off. With the cgroupfs
-    driver another pod then reads `/../../../besteffort/pod<uid>/<container>`."""
-    found: str | None = None
-    segments = path.split(b"/")
-    below_kubepods = len(segments) > 1 and segments[1] == b".."
-    for segment in segments:
-        if b"kubepods" in segment:
-            below_kubepods = True
-        if not below_kubepods:
-            continue
-        match = _POD_SEGMENT.fullmatch(segment)
-        if match is not None:
-            found = match.group(1).decode("ascii").replace("_", "-")
-    return found
+_DEFAULT_TREE = KubeletTree()
 
 
-def pod_uid_in_cgroup(content: bytes) -> str | None:
+def pod_uid_in_cgroup(content: bytes, tree: KubeletTree = _DEFAULT_TREE) -> str | None:
     """The pod UID (lowercase, with dashes) in the content of `/proc/<pid>/cgroup`; None when the
-    process is in no pod's cgroup. See `pod_cgroup`."""
-    found = pod_cgroup(content)
-    return None if found is None else found[0]
+    process is in no pod container's cgroup (see `usage.cgroups`)."""
+    found = tree.container_of(content)
+    return None if found is None else found.pod_uid
 
 
-def pod_cgroup(content: bytes) -> tuple[str, str] | None:
-    """The pod UID (lowercase, with dashes) in the content of `/proc/<pid>/cgroup`, and the
-    cgroup path it was read from (the container's cgroup: processes with the same path share
-    their container); None when the process is in no pod's cgroup.
-
-    cgroup v2 gives one line `0::<path>`, v1 one line `<id>:<controllers>:<path>` per hierarchy
-    (hybrid hosts both); the unified line wins when it names a pod, else the first v1 line that
-    does. Paths may start with `/..` segments where the daemon runs in a cgroup namespace of its
-    own: only the pod segment matters. Where pods nest (a kubelet inside a pod's container), the
-    innermost pod is the one its kubelet knows."""
-    first: tuple[str, str] | None = None
-    for line in content.split(b"\n"):
-        parts = line.split(b":", 2)
-        if len(parts) != 3:
-            continue
-        uid = _pod_uid_in_path(parts[2])
-        if uid is None:
-            continue
-        found = (uid, parts[2].decode("utf-8", "backslashreplace"))
-        if parts[0] == b"0" and not parts[1]:
-            return found
-        if first is None:
-            first = found
-    return first
+def pod_cgroup(content: bytes, tree: KubeletTree = _DEFAULT_TREE) -> tuple[str, str] | None:
+    """The pod UID in the content of `/proc/<pid>/cgroup`, and the cgroup of its container (the
+    kubelet's, from the hierarchy's root: processes with the same one share their container);
+    None when the process is in no pod container's cgroup (see `usage.cgroups`)."""
+    found = tree.container_of(content)
+    return None if found is None else (found.pod_uid, found.cgroup)
 
 
 # Use at most this share of the process's file descriptor limit for pidfds.
@@ -230,6 +193,13 @@ class _PidfdWatch:
             self.drop(pid)
 
 
+class _Default:
+    """The default of an argument whose None means "none"."""
+
+
+_DEFAULT = _Default()
+
+
 class AllocationResolver:
     """Maps GPU process PIDs to the allocation IDs found in their (or an ancestor's) environment,
     and knows the pod each of them runs in.
@@ -239,14 +209,31 @@ class AllocationResolver:
     those resolved afresh. An allocation ID found here is a claim, not a proof: `pod_uid_of` gives
     what `usage.attribute` checks it against."""
 
-    def __init__(self, proc_root: Path = Path("/proc"), *, max_ancestors: int = 16) -> None:
+    def __init__(
+        self,
+        proc_root: Path = Path("/proc"),
+        *,
+        max_ancestors: int = 16,
+        tree: KubeletTree | None = None,
+        container_logs: ContainerLogIndex | _Default | None = _DEFAULT,
+    ) -> None:
         if max_ancestors < 0:
             raise ValueError(f"max_ancestors must be >= 0, got {max_ancestors}")
         self._root = str(proc_root)
         self._max_ancestors = max_ancestors
         self._cache: dict[int, _Entry] = {}
+        real = os.path.realpath(proc_root) == "/proc"
         # Only the real /proc names real processes to hold.
-        self._pidfds = _PidfdWatch() if os.path.realpath(proc_root) == "/proc" else None
+        self._pidfds = _PidfdWatch() if real else None
+        # The kubelet's layout; on the real /proc, paths relative to this process's cgroup
+        # namespace are resolved when its root can be found, and refused otherwise.
+        if tree is None:
+            tree = KubeletTree(namespace_root=find_namespace_root(proc_root) if real else "")
+        self.tree = tree
+        if isinstance(container_logs, _Default):
+            container_logs = ContainerLogIndex(DEFAULT_CONTAINER_LOG_DIR) if real else None
+        self._container_logs = container_logs
+        self._containers: ContainerNames | None = None
         self.hits = 0
         self.misses = 0
         # Bumped by every `resolve` that changed an answer of `pod_uid_of` or `cgroup_of` (or of
@@ -277,6 +264,11 @@ class AllocationResolver:
     def resolve(self, pids: Iterable[int]) -> dict[int, str | None]:
         """The allocation ID of each PID, or None: not found, or not readable now (a vanished or
         unreadable process is not cached, so that the next call tries again)."""
+        if self._container_logs is not None:
+            containers = self._container_logs.read()
+            if containers is not self._containers:
+                self._containers = containers
+                self.generation += 1
         previous = self._cache
         fresh: dict[int, _Entry] = {}
         found: dict[int, str | None] = {}
@@ -366,6 +358,31 @@ class AllocationResolver:
         entry = self._cache.get(pid)
         return None if entry is None else entry.cgroup
 
+    def container_of(self, pid: int) -> tuple[str, str] | None:
+        """(pod UID, container name) of the container `pid` runs in, as the kubelet's container
+        log links name it, for a PID the latest `resolve` call resolved; None when its container
+        is not one the kubelet made, and for one that call could not read or was not given.
+        Meaningful only while `containers_known`."""
+        entry = self._cache.get(pid)
+        if entry is None or entry.container_id is None or self._containers is None:
+            return None
+        return self._containers.get(entry.container_id)
+
+    @property
+    def containers_known(self) -> bool:
+        """Whether the kubelet's container log links could be read at the latest `resolve`."""
+        return self._containers is not None
+
+    def container_now(self, pid: int) -> str | None:
+        """The cgroup of the pod container `pid` is in now, read afresh (not cached): for a
+        check right before a signal. None when it is in no pod container, or is gone."""
+        try:
+            content, _ = _read_all(f"{self._root}/{pid}/cgroup")
+        except OSError:
+            return None
+        found = self.tree.container_of(content)
+        return None if found is None else found.cgroup
+
     def _lookup(
         self, pid: int, cached: _Entry | None, memo: dict[int, str | None]
     ) -> tuple[_Entry, bool]:
@@ -387,10 +404,19 @@ class AllocationResolver:
         allocation, own_environ_empty = self._search(pid, ppid, memo)
         settled = same_process or not own_environ_empty  # a second look is final
         pod = self._pod_cgroup(pid, stat_path)
-        pod_uid, cgroup = (None, None) if pod is None else pod
-        return _Entry(start_time, allocation, identity, settled, pod_uid, cgroup), False
+        if pod is None:
+            return _Entry(start_time, allocation, identity, settled), False
+        return _Entry(
+            start_time,
+            allocation,
+            identity,
+            settled,
+            pod.pod_uid,
+            pod.cgroup,
+            pod.container_id,
+        ), False
 
-    def _pod_cgroup(self, pid: int, stat_path: str) -> tuple[str, str] | None:
+    def _pod_cgroup(self, pid: int, stat_path: str) -> PodContainer | None:
         """The pod UID in the process's cgroup file; None where the file does not exist (a fake
         tree, or a kernel without cgroups). Raises _GoneError."""
         try:
@@ -401,7 +427,7 @@ class AllocationResolver:
             return None
         except OSError as e:
             raise _GoneError from e
-        return pod_cgroup(content)
+        return self.tree.container_of(content)
 
     def _stat(self, path: str) -> tuple[int, int, tuple[int, int] | None]:
         """(ppid, start time, procfs identity) from a stat file. Raises _GoneError."""

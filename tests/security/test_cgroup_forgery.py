@@ -1,0 +1,140 @@
+"""A forged cgroup path never passes as a pod's: a process is a pod's only when its cgroup is
+where the kubelet puts that pod's containers, from the root of the hierarchy; a path relative to
+the daemon's cgroup namespace is resolved from that namespace's real root, or refused.
+
+Fake /proc trees for each forgery, then real processes in real cgroups (v2 and v1) under a
+subtree the test owns, and a real cgroup namespace."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deviceplugin.model import ProcessSample
+from deviceplugin.usage.cgroups import CgroupLayout, KubeletTree
+from deviceplugin.usage.procs import AllocationResolver
+from tests.blackbox.daemon_harness import GiB
+from tests.security.cgroup_support import cid, subtree
+from tests.security.test_attribution_attacks import (
+    OTHER_POD_UID,
+    POD_UID,
+    VICTIM,
+    FakeProc,
+    attributed,
+    cgroupfs,
+    kills,
+    v1,
+    v2,
+)
+
+CTR = cid("forger")
+FORGED = {
+    # `kubepods` below a user's delegated subtree (cgroup v2 lets a user make these).
+    "kubepods under a user's service": v2(
+        f"/user.slice/user-1000.slice/user@1000.service/kubepods/besteffort/pod{POD_UID}/{CTR}"
+    ),
+    "kubepods in a host unit's name": v2(f"/system.slice/kubepods-x.service/pod{POD_UID}/{CTR}"),
+    "the victim's pod inside another pod's container": v2(
+        f"/kubepods/besteffort/pod{OTHER_POD_UID}/{CTR}/pod{POD_UID}/{CTR}"
+    ),
+    "relative to an unknown cgroup namespace root": v2(
+        f"/../../../user.slice/user-1000.slice/pod{POD_UID}/{CTR}"
+    ),
+    "v1 kubepods under a user's slice": v1(
+        f"/user.slice/user-1000.slice/kubepods/besteffort/pod{POD_UID}/{CTR}"
+    ),
+}
+
+
+@pytest.mark.parametrize("forged", FORGED.values(), ids=FORGED.keys())
+def test_a_forged_pod_cgroup_claiming_a_pods_id_gets_nothing_killed(
+    tmp_path: Path, forged: str
+) -> None:
+    proc = FakeProc(tmp_path)
+    proc.add(101, v2(cgroupfs(POD_UID, "main")), VICTIM.allocation_id)  # 19 of its 20 GiB
+    proc.add(900, forged, VICTIM.allocation_id)  # 5 GiB more would put it over
+    snapshot = attributed(
+        proc, [ProcessSample(101, 19 * GiB, 10.0), ProcessSample(900, 5 * GiB, 10.0)]
+    )
+    (usage,) = snapshot.containers
+    assert [p.pid for p in usage.processes] == [101]
+    assert [p.pid for p in snapshot.gpus[0].misattributed] == [900]
+    assert kills(snapshot) == []
+
+
+@pytest.mark.parametrize("version", [2, 1], ids=["cgroup-v2", "cgroup-v1"])
+def test_real_cgroups_only_the_kubelets_place_is_a_pods(version: int) -> None:
+    with subtree(version) as tree:
+        root = tree.name
+        real = tree.spawn(f"{root}/kubepods/besteffort/pod{POD_UID}/{cid('main')}")
+        forged = tree.spawn(
+            f"{root}/user@1000.service/kubepods/besteffort/pod{POD_UID}/{cid('main')}"
+        )
+        nested = tree.spawn(
+            f"{root}/kubepods/besteffort/pod{OTHER_POD_UID}/{cid('x')}/pod{POD_UID}/{CTR}"
+        )
+        layout = KubeletTree(CgroupLayout(CgroupLayout().driver, root))
+        resolver = AllocationResolver(Path("/proc"), tree=layout, container_logs=None)
+        resolver.resolve({real, forged, nested})
+        assert resolver.pod_uid_of(real) == POD_UID
+        assert resolver.pod_uid_of(forged) is None
+        assert resolver.pod_uid_of(nested) == OTHER_POD_UID
+        # The same places seen with the kubelet's root at "/": none is where it puts pods.
+        default = AllocationResolver(Path("/proc"), container_logs=None)
+        default.resolve({real, forged, nested})
+        assert [default.pod_uid_of(p) for p in (real, forged, nested)] == [None, None, None]
+
+
+_IN_NAMESPACE = """
+import json, sys
+from pathlib import Path
+from deviceplugin.usage.cgroups import CgroupLayout, KubeletTree, find_namespace_root
+from deviceplugin.usage.cgroups import CgroupLayout, KubeletTree
+from deviceplugin.usage.procs import AllocationResolver
+root, pids = sys.argv[1], [int(p) for p in sys.argv[2:]]
+ns_root = find_namespace_root()
+tree = KubeletTree(CgroupLayout("cgroupfs", root), namespace_root=ns_root)
+resolver = AllocationResolver(Path("/proc"), tree=tree, container_logs=None)
+resolver.resolve(set(pids))
+own = [l for l in Path("/proc/self/cgroup").read_text().splitlines() if l.startswith("0::")][0]
+print(json.dumps({"ns_root": ns_root, "own": own, "pods": [resolver.pod_uid_of(p) for p in pids]}))
+"""
+
+
+@pytest.mark.parametrize("mounted", [True, False], ids=["host-hierarchy-mounted", "not-mounted"])
+def test_real_cgroup_namespace_paths_are_resolved_from_its_root_or_refused(
+    tmp_path: Path, mounted: bool
+) -> None:
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1)")
+    with subtree(2) as tree:
+        root = tree.name
+        real = tree.spawn(f"{root}/kubepods/besteffort/pod{POD_UID}/{cid('main')}")
+        # Seen from the daemon's namespace as /../other/pod<uid>/<id>: today's parser took it.
+        forged = tree.spawn(f"{root}/other/pod{POD_UID}/{cid('main')}")
+        tree.dir(f"{root}/daemon")
+        procs = tree.hierarchy / root.lstrip("/") / "daemon" / "cgroup.procs"
+        program = tmp_path / "in_namespace.py"
+        program.write_text(_IN_NAMESPACE)
+        python = f"{sys.executable} {program} {root} {real} {forged}"
+        if not mounted:
+            python = f"umount {tree.hierarchy} && {python}"
+        unshare = "unshare --cgroup" + ("" if mounted else " --mount --propagation private")
+        script = f'echo $$ > "{procs}" && exec {unshare} sh -c "{python}"'
+        done = subprocess.run(
+            ["sh", "-c", script], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert done.returncode == 0, done.stderr
+        seen = json.loads(done.stdout)
+        assert seen["own"] == "0::/"  # in a cgroup namespace of its own
+        if mounted:
+            assert seen["ns_root"] == f"{root}/daemon"
+            assert seen["pods"] == [POD_UID, None]
+        else:
+            assert seen["ns_root"] is None
+            assert seen["pods"] == [None, None]
