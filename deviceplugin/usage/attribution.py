@@ -599,6 +599,17 @@ def _charge(
                     held_healthy.add(slice_id)
                 else:
                     held_unconfirmed.add(slice_id)
+        for share in record.shares:
+            # Stated per device (a DRA claim): no slices of the inventory to count.
+            if share.gpu_uuid not in gpu_by_uuid:
+                continue
+            key = (record.allocation_id, share.gpu_uuid)
+            acc = accumulators.get(key)
+            if acc is None:
+                acc = accumulators[key] = _Accumulator(record)
+            acc.slices += share.slices
+            acc.memory_limit_bytes += share.memory_limit_bytes
+            acc.compute_share_ratio += share.compute_share_ratio
     slices_allocated = dict.fromkeys(gpu_by_uuid, 0)
     for slice_id in held_healthy:
         slices_allocated[by_id[slice_id].id.gpu_uuid] += 1
