@@ -319,6 +319,10 @@ class Poller:
             version=self._resolver.generation,
         )
 
+    def container_now(self, pid: int) -> str | None:
+        """The pod container cgroup `pid` is in now, read afresh (for a check before a signal)."""
+        return self._resolver.container_now(pid)
+
     @property
     def interval_s(self) -> float:
         """How long the loop waits for the next poll now."""

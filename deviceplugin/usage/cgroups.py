@@ -144,7 +144,7 @@ class KubeletTree:
             unified = parts[0] == b"0" and not parts[1]
             path = parts[2].decode("utf-8", "replace")
             if path == "/.." or path.startswith("/../"):
-                resolved = self._resolve(path) if unified else None
+                resolved = self.resolve(path) if unified else None
                 if resolved is None:
                     continue
                 path = resolved
@@ -169,7 +169,7 @@ class KubeletTree:
             return PodContainer(uid.replace("_", "-"), groups["id"], groups["cgroup"])
         return None
 
-    def _resolve(self, path: str) -> str | None:
+    def resolve(self, path: str) -> str | None:
         """A path relative to the daemon's cgroup namespace root, from the hierarchy's root;
         None when that root is unknown or the path climbs above the hierarchy's root."""
         if self.namespace_root is None:
@@ -184,6 +184,36 @@ class KubeletTree:
         if any(p in ("", ".", "..") for p in parts):
             return None
         return "/" + "/".join(base + parts)
+
+
+def detect_layout(own_cgroup: bytes, namespace_root: str | None) -> CgroupLayout | None:
+    """The kubelet's driver and root, read from where it put this daemon's own container (the
+    content of /proc/self/cgroup), and checked: the layout made of them must place that very
+    container. None when the daemon runs in no pod container (the demo, tests): `auto` then
+    accepts either driver at "/"."""
+    for line in own_cgroup.decode("utf-8", "replace").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        path: str | None = parts[2]
+        if path is not None and path.startswith("/.."):
+            path = KubeletTree(namespace_root=namespace_root).resolve(path)
+        if path is None:
+            continue
+        for driver, marker in ((SYSTEMD, _SYSTEMD_MARKER), (CGROUPFS, _CGROUPFS_MARKER)):
+            m = marker.search(path)
+            if m is None:
+                continue
+            layout = CgroupLayout(driver, m["root"] or "/")
+            if KubeletTree(layout).match(path) is not None:
+                return layout
+    return None
+
+
+_CGROUPFS_MARKER = re.compile(r"(?P<root>(?:/[^/]+)*?)/kubepods(?:/[^/]+)?/pod[0-9a-f_-]+/[^/]+$")
+_SYSTEMD_MARKER = re.compile(
+    r"(?P<root>(?:/[^/]+\.slice)*?)/(?:[a-z0-9]+-)?kubepods\.slice(?:/[^/]+)+\.scope$"
+)
 
 
 def _unified_path(cgroup_file: Path) -> str | None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import logging
 import os
 import resource
 import select
@@ -37,12 +38,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from deviceplugin.usage.cgroups import KubeletTree, PodContainer, find_namespace_root
+from deviceplugin.usage.cgroups import (
+    KubeletTree,
+    PodContainer,
+    detect_layout,
+    find_namespace_root,
+)
 from deviceplugin.usage.containerlogs import (
     DEFAULT_CONTAINER_LOG_DIR,
     ContainerLogIndex,
     ContainerNames,
 )
+
+log = logging.getLogger(__name__)
 
 ENV_NAME = "VGPU_ALLOCATION_ID"
 _ENV_PREFIX = ENV_NAME.encode() + b"="
@@ -193,6 +201,38 @@ class _PidfdWatch:
             self.drop(pid)
 
 
+def _kubelet_tree(proc_root: Path) -> KubeletTree:
+    """The kubelet's layout as read once from this daemon's own container, and its cgroup
+    namespace's root; logged, with what it means for attribution."""
+    namespace_root = find_namespace_root(proc_root)
+    try:
+        own, _ = _read_all(f"{proc_root}/self/cgroup")
+    except OSError:
+        own = b""
+    layout = detect_layout(own, namespace_root)
+    tree = KubeletTree(layout, namespace_root)
+    if layout is None:
+        log.info(
+            "this daemon runs in no pod container: pod containers are recognised in either "
+            "cgroup driver's layout at the root driver=%s root=%s",
+            tree.layout.driver,
+            tree.layout.root,
+        )
+    else:
+        log.info(
+            "kubelet cgroup layout read from this daemon's own container driver=%s root=%s",
+            layout.driver,
+            layout.root,
+        )
+    if namespace_root is None:
+        log.warning(
+            "this daemon runs in a cgroup namespace of its own whose root cannot be found (mount "
+            "the host's cgroup2 hierarchy into its container): processes whose cgroup it reads "
+            "relative to that namespace count as in no pod, and their claims are refused"
+        )
+    return tree
+
+
 class _Default:
     """The default of an argument whose None means "none"."""
 
@@ -228,7 +268,7 @@ class AllocationResolver:
         # The kubelet's layout; on the real /proc, paths relative to this process's cgroup
         # namespace are resolved when its root can be found, and refused otherwise.
         if tree is None:
-            tree = KubeletTree(namespace_root=find_namespace_root(proc_root) if real else "")
+            tree = _kubelet_tree(proc_root) if real else KubeletTree()
         self.tree = tree
         if isinstance(container_logs, _Default):
             container_logs = ContainerLogIndex(DEFAULT_CONTAINER_LOG_DIR) if real else None

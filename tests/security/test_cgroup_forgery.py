@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from deviceplugin.model import ProcessSample
-from deviceplugin.usage.cgroups import CgroupLayout, KubeletTree
+from deviceplugin.usage.cgroups import CgroupLayout, KubeletTree, detect_layout
 from deviceplugin.usage.procs import AllocationResolver
 from tests.blackbox.daemon_harness import GiB
 from tests.security.cgroup_support import cid, subtree
@@ -94,7 +94,7 @@ _IN_NAMESPACE = """
 import json, sys
 from pathlib import Path
 from deviceplugin.usage.cgroups import CgroupLayout, KubeletTree, find_namespace_root
-from deviceplugin.usage.cgroups import CgroupLayout, KubeletTree
+from deviceplugin.usage.cgroups import CgroupLayout, KubeletTree, detect_layout
 from deviceplugin.usage.procs import AllocationResolver
 root, pids = sys.argv[1], [int(p) for p in sys.argv[2:]]
 ns_root = find_namespace_root()
@@ -138,3 +138,40 @@ def test_real_cgroup_namespace_paths_are_resolved_from_its_root_or_refused(
         else:
             assert seen["ns_root"] is None
             assert seen["pods"] == [None, None]
+
+
+LAYOUTS = {
+    "cgroupfs": (f"0::/kubepods/burstable/pod{POD_UID}/{CTR}\n", ("cgroupfs", "/")),
+    "cgroupfs under a root": (
+        f"0::/k8s/kubepods/pod{POD_UID}/{CTR}\n",
+        ("cgroupfs", "/k8s"),
+    ),
+    "systemd": (
+        "0::/kubepods.slice/kubepods-burstable.slice/"
+        f"kubepods-burstable-pod{POD_UID.replace('-', '_')}.slice/cri-containerd-{CTR}.scope\n",
+        ("systemd", "/"),
+    ),
+    "systemd under kind's kubelet.slice": (
+        "0::/kubelet.slice/kubelet-kubepods.slice/"
+        f"kubelet-kubepods-pod{POD_UID.replace('-', '_')}.slice/cri-containerd-{CTR}.scope\n",
+        ("systemd", "/kubelet.slice"),
+    ),
+    "not in a pod": ("0::/user.slice/session-1.scope\n", None),
+}
+
+
+@pytest.mark.parametrize(("own", "expected"), LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_the_kubelets_layout_is_read_from_the_daemons_own_container(
+    own: str, expected: tuple[str, str] | None
+) -> None:
+    layout = detect_layout(own.encode(), "")
+    assert (None if layout is None else (layout.driver, layout.root)) == expected
+
+
+def test_with_the_layout_read_a_path_of_the_other_driver_is_no_pods() -> None:
+    systemd_own = LAYOUTS["systemd"][0].encode()
+    layout = detect_layout(systemd_own, "")
+    assert layout is not None
+    tree = KubeletTree(layout)
+    assert tree.container_of(systemd_own) is not None
+    assert tree.container_of(f"0::/kubepods/burstable/pod{POD_UID}/{CTR}\n".encode()) is None

@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 
 from deviceplugin.enforcer.actuator import PsutilControl, SignalResult, run_state
-from tests.security.cgroup_support import subtree
+from deviceplugin.usage.cgroups import CgroupLayout, KubeletTree
+from deviceplugin.usage.procs import AllocationResolver
+from tests.security.cgroup_support import cid, subtree
+from tests.security.test_attribution_attacks import POD_UID
 
 
 def state(pid: int) -> str | None:
@@ -59,5 +62,32 @@ def test_a_process_that_stayed_is_signalled(tmp_path: Path) -> None:
             assert state(pid) == "T"
             assert control.send(pid, signal.SIGCONT) is SignalResult.SENT
             assert state(pid) == "S"
+        finally:
+            control.close()
+
+
+def test_judged_by_its_pod_container_a_move_inside_it_is_no_move() -> None:
+    """As the daemon wires it: where a process is means its pod container's cgroup, so one that
+    moved into a cgroup of its own container's is still held to its limits, and one that left
+    the container is not signalled."""
+    with subtree(2) as tree:
+        container = f"{tree.name}/kubepods/besteffort/pod{POD_UID}/{cid('main')}"
+        inside = tree.spawn(container)
+        leaving = tree.spawn(container)
+        resolver = AllocationResolver(
+            Path("/proc"),
+            tree=KubeletTree(CgroupLayout("cgroupfs", tree.name)),
+            container_logs=None,
+        )
+        control = PsutilControl(where=resolver.container_now)
+        try:
+            control.watch([inside, leaving])
+            tree.move(inside, f"{container}/worker")
+            tree.move(leaving, f"{tree.name}/elsewhere")
+            assert control.send(inside, signal.SIGSTOP) is SignalResult.SENT
+            assert state(inside) == "T"
+            assert control.send(inside, signal.SIGCONT) is SignalResult.SENT
+            assert control.send(leaving, signal.SIGSTOP) is SignalResult.GONE
+            assert state(leaving) == "S"
         finally:
             control.close()
