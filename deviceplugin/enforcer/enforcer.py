@@ -21,10 +21,9 @@ daemon's allocations, which are resumed. `close()` resumes everything; it is als
 atexit. A process whose resume was denied stays in the record (at `close()` and at `recover()`),
 so that the next start tries again.
 
-The record's file format is `enforcer.record`; the log lines and counts of each action
-`enforcer.actions`; the published snapshot's enforcement fields `enforcer.annotate`. Over 400
-lines: the enforcer that writes, recovers and clears the record keeps one promise (nothing stays
-stopped), read together.
+The record's file format is `enforcer.record`, what this run keeps of it (recovery, writes, the
+scan after a lost record) `enforcer.stopped`; the log lines and counts of each action
+`enforcer.actions`; the published snapshot's enforcement fields `enforcer.annotate`.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 
 from deviceplugin.config import EnforcementConfig
@@ -45,8 +44,6 @@ from deviceplugin.enforcer.control import (
     ProcessControl,
     PsutilControl,
     SignalResult,
-    boot_id,
-    run_state,
 )
 from deviceplugin.enforcer.decisions import (
     ControllerTuning,
@@ -64,7 +61,7 @@ from deviceplugin.enforcer.record import (
     read_stopped_record,
     write_stopped_record,
 )
-from deviceplugin.enforcer.record import move_aside as _move_aside
+from deviceplugin.enforcer.stopped import STRAY_SCAN_S, StoppedBook
 from deviceplugin.errors import DevicePluginError
 from deviceplugin.model import EnforcementCount, NodeSnapshot
 
@@ -81,8 +78,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# How long after a start with a lost record the snapshots are scanned for stopped processes.
-STRAY_SCAN_S = 120.0
 _CLOSE_LOCK_TIMEOUT_S = 5.0
 
 
@@ -108,19 +103,16 @@ class Enforcer:
         self._control: ProcessControl = control if control is not None else PsutilControl()
         self._clock = clock
         self._wall_clock = wall_clock
-        self._record_path = Path(state_dir) / STOPPED_RECORD_NAME
+        self._book = StoppedBook(
+            Path(state_dir) / STOPPED_RECORD_NAME,
+            self._control,
+            clock=clock,
+            wall_clock=wall_clock,
+        )
         self._cycler = DutyCycler(self._control, config.compute.period_s, clock=clock)
         self._lock = threading.RLock()
         self._closed = False
         self._recovered = False
-        # After a lost record: until then (monotonic), stopped GPU processes of allocations are
-        # resumed as they appear in snapshots (pod-resources may name them only after a while).
-        self._scan_until: float | None = None
-        self._scanned: set[int] = set()
-        self._recorded: dict[int, float] = {}
-        # Processes an earlier run left stopped whose resume was denied: kept in every record.
-        self._carried: dict[int, float] = {}
-        self._record_problem: str | None = None
         self._signals_denied = 0
         self._actions = ActionLog()
         self._annotator = Annotator()
@@ -135,12 +127,12 @@ class Enforcer:
             config.compute.period_s,
             config.compute.work_conserving,
             self._control.dry_run,
-            self._record_path,
+            self._book.path,
         )
 
     @property
     def record_path(self) -> Path:
-        return self._record_path
+        return self._book.path
 
     @property
     def cycler(self) -> DutyCycler:
@@ -150,119 +142,17 @@ class Enforcer:
     def signals_denied(self) -> int:
         """How many signals were denied (kills, stops, resumes), in all."""
         with self._lock:
-            return self._signals_denied + self._cycler.signals_denied
+            return self._signals_denied + self._book.signals_denied + self._cycler.signals_denied
 
     # -- start ------------------------------------------------------------------------------
 
     def recover(self) -> int:
-        """Resume every process an earlier run recorded as possibly stopped whose creation time
-        still matches; then clear the record, but for the processes whose resume was denied (the
-        next start tries them again). Returns how many were resumed.
-
-        This undoes what an earlier run did, so it acts for real even in a dry run."""
+        """Resume every process an earlier run recorded as possibly stopped whose identity still
+        matches; then clear the record, but for the processes whose resume was denied (the next
+        start tries them again). Returns how many were resumed. Acts for real even in a dry run."""
         with self._lock:
             self._recovered = True
-            entries = self._read_record()
-            control = PsutilControl() if self._control.dry_run else self._control
-            # What this run itself recorded is not an earlier run's (carried entries are).
-            own = {pid: c for pid, c in self._recorded.items() if pid not in self._carried}
-            resumed = 0
-            denied: dict[int, float] = {}
-            for pid, created in entries:
-                if pid in own:
-                    continue
-                result = control.resume_recorded(pid, created)
-                if result is SignalResult.SENT:
-                    resumed += 1
-                    log.warning(
-                        "resumed a process an earlier run left stopped pid=%d create_time=%.2f "
-                        "dry_run=False",  # the resume is real, even in a dry run
-                        pid,
-                        created,
-                    )
-                elif result is SignalResult.DENIED:
-                    denied[pid] = created
-                    self._signals_denied += 1
-                    log.warning(
-                        "cannot resume a process an earlier run left stopped: permission denied; "
-                        "kept in the record for the next start pid=%d create_time=%.2f",
-                        pid,
-                        created,
-                    )
-                else:
-                    log.info("recorded process not resumed: gone or its pid reused pid=%d", pid)
-            if entries:
-                keep = dict(denied)
-                if not self._control.dry_run:
-                    self._carried = denied
-                    keep.update(own)
-                try:
-                    write_stopped_record(self._record_path, keep.items())
-                except OSError as e:
-                    log.error(
-                        "cannot clear the stopped-process record path=%s error=%s",
-                        self._record_path,
-                        e.strerror or e,
-                    )
-                else:
-                    if not self._control.dry_run:
-                        self._recorded = keep
-            return resumed
-
-    def _read_record(self) -> list[tuple[int, float]]:
-        """The entries of an earlier run's record that belong to this boot. A bad entry is
-        skipped and logged; an unreadable file is moved aside. Either way, the first fresh
-        snapshot is scanned for stopped processes of this daemon's allocations."""
-        record = load_stopped_record(self._record_path)
-        if record.unreadable is not None:
-            aside = _move_aside(self._record_path, self._wall_clock())
-            log.error(
-                "stopped-process record unreadable; moved aside, and stopped GPU processes of "
-                "this node's allocations will be resumed as polls find them error=%s moved_to=%s",
-                record.unreadable,
-                aside,
-            )
-            self._scan_until = self._clock() + STRAY_SCAN_S
-        for problem in record.skipped[:10]:
-            log.warning("stopped-process record: entry skipped problem=%s", problem)
-        if record.skipped:
-            log.warning(
-                "stopped-process record: entries skipped count=%d; stopped GPU processes of this "
-                "node's allocations will be resumed as polls find them",
-                len(record.skipped),
-            )
-            self._scan_until = self._clock() + STRAY_SCAN_S
-        if record.entries and record.boot_id != boot_id():
-            log.info(
-                "stopped-process record is from another boot; its processes are gone count=%d",
-                len(record.entries),
-            )
-            return []
-        return list(record.entries)
-
-    def _resume_strays(self, attributed: set[int]) -> None:
-        """Resume the stopped (state T) processes among this snapshot's attributed ones that no
-        duty cycle of this run holds: after a lost record, they may be ones an earlier run
-        stopped. Each PID is looked at once. Acts for real, even in a dry run, as `recover`
-        does."""
-        ours = self._cycler_pids()
-        control = PsutilControl() if self._control.dry_run else self._control
-        try:
-            for pid in sorted(attributed - ours - self._scanned):
-                self._scanned.add(pid)
-                if run_state(pid) != "T":
-                    continue
-                control.watch([pid])
-                result = control.send(pid, signal.SIGCONT)
-                log.warning(
-                    "resumed a stopped GPU process of an allocation after a lost record "
-                    "pid=%d result=%s",
-                    pid,
-                    result.value,
-                )
-        finally:
-            if control is not self._control:
-                control.close()
+            return self._book.recover()
 
     # -- every poll -------------------------------------------------------------------------
 
@@ -284,7 +174,7 @@ class Enforcer:
                 log.exception("enforcement failed; resuming every throttled process")
                 self._cycler.release_all()
                 with contextlib.suppress(OSError):
-                    self._write_record(self._recorded_for(self._cycler_pids()))
+                    self._book.write(self._book.recorded_for(self._cycler_pids()))
                 raise
 
     def _on_snapshot(self, snapshot: NodeSnapshot) -> NodeSnapshot:
@@ -301,25 +191,20 @@ class Enforcer:
             attributed = {p.pid for c in snapshot.containers for p in c.processes}
             self._control.retain(attributed | self._cycler_pids())
             self._control.watch(attributed)
-            if self._scan_until is not None:
-                if now <= self._scan_until:
-                    self._resume_strays(attributed)
-                else:
-                    self._scan_until = None
-                    self._scanned = set()
+            self._book.scan(attributed, self._cycler_pids(), now)
 
         # The record must name every process before it is first stopped.
         planned = set(self._cycler_pids())
         for d in decisions:
             if isinstance(d, SetDuty):
                 planned |= d.pids
-        if not self._write_record(self._recorded_for(planned)):
+        if not self._book.write(self._book.recorded_for(planned)):
             decisions = self._without_new_throttles(decisions)
 
         for d in decisions:
             self._apply(d)
 
-        self._write_record(self._recorded_for(self._cycler_pids()))
+        self._book.write(self._book.recorded_for(self._cycler_pids()))
         self._forget_gone(snapshot)
         return self._annotator.annotate(
             snapshot,
@@ -334,48 +219,11 @@ class Enforcer:
         was denied."""
         return self._cycler.pids() | self._cycler.unresumed()
 
-    def _recorded_for(self, pids: Iterable[int]) -> dict[int, float]:
-        """The record naming `pids` (those whose identity is known) and the carried entries."""
-        result = dict(self._carried)
-        for pid in pids:
-            created = self._recorded.get(pid)
-            if created is None:
-                created = self._control.create_time(pid)
-            if created is not None:
-                result[pid] = created
-        return result
-
-    def _write_record(self, entries: Mapping[int, float], *, force: bool = False) -> bool:
-        """Write the record if it changed; False (logged once per problem) when it cannot be."""
-        if not force and dict(entries) == self._recorded:
-            return True
-        if self._control.dry_run:
-            self._recorded = dict(entries)  # nothing is really stopped: nothing to record
-            return True
-        try:
-            write_stopped_record(self._record_path, entries.items())
-        except OSError as e:
-            problem = f"{e.strerror or e}"
-            if problem != self._record_problem:
-                log.error(
-                    "cannot write the stopped-process record; no new throttling until it can "
-                    "be written path=%s error=%s",
-                    self._record_path,
-                    problem,
-                )
-            self._record_problem = problem
-            return False
-        if self._record_problem is not None:
-            log.info("stopped-process record writable again path=%s", self._record_path)
-            self._record_problem = None
-        self._recorded = dict(entries)
-        return True
-
     def _without_new_throttles(self, decisions: list[Decision]) -> list[Decision]:
         """Drop the duty cycles that would stop processes the record does not name."""
         kept: list[Decision] = []
         for d in decisions:
-            if isinstance(d, SetDuty) and not d.pids <= self._recorded.keys():
+            if isinstance(d, SetDuty) and not d.pids <= self._book.recorded.keys():
                 self.policy.reset((d.allocation_id, d.gpu_uuid))
                 if (d.allocation_id, d.gpu_uuid) in self._cycler.group_keys():
                     kept.append(Release(d.allocation_id, d.gpu_uuid, "record not writable"))
@@ -430,9 +278,9 @@ class Enforcer:
                 return
             self._closed = True
             self._cycler.stop()
-            left = self._recorded_for(self._cycler.unresumed())
+            left = self._book.recorded_for(self._cycler.unresumed())
             with contextlib.suppress(OSError):
-                self._write_record(left, force=True)
+                self._book.write(left, force=True)
             self._control.close()
         finally:
             if acquired:
