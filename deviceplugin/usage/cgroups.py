@@ -25,10 +25,13 @@ Pure but for `find_namespace_root`, which reads /proc and the mounted hierarchy 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger("deviceplugin.usage.procs")
 
 _UID = r"(?P<uid>[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|[0-9a-f]{32})"
 
@@ -237,7 +240,7 @@ def find_namespace_root(proc_root: Path = Path("/proc"), *, max_dirs: int = 100_
     init_path = _unified_path(proc_root / "1" / "cgroup")
     own_path = _unified_path(proc_root / "self" / "cgroup")
     if init_path is None or own_path is None:
-        return None
+        return ""  # no unified hierarchy: nothing to resolve (v1 paths never are)
     if not (init_path == "/.." or init_path.startswith("/../")):
         return ""
     depth = 0
@@ -288,3 +291,35 @@ def find_namespace_root(proc_root: Path = Path("/proc"), *, max_dirs: int = 100_
         except OSError:
             continue
     return None
+
+
+def kubelet_tree_of(proc_root: Path) -> KubeletTree:
+    """The kubelet's layout as read once from this daemon's own container, and its cgroup
+    namespace's root; logged, with what it means for attribution."""
+    namespace_root = find_namespace_root(proc_root)
+    try:
+        own = (proc_root / "self" / "cgroup").read_bytes()
+    except OSError:
+        own = b""
+    layout = detect_layout(own, namespace_root)
+    tree = KubeletTree(layout, namespace_root)
+    if layout is None:
+        log.info(
+            "this daemon runs in no pod container: pod containers are recognised in either "
+            "cgroup driver's layout at the root driver=%s root=%s",
+            tree.layout.driver,
+            tree.layout.root,
+        )
+    else:
+        log.info(
+            "kubelet cgroup layout read from this daemon's own container driver=%s root=%s",
+            layout.driver,
+            layout.root,
+        )
+    if namespace_root is None:
+        log.warning(
+            "this daemon runs in a cgroup namespace of its own whose root cannot be found (mount "
+            "the host's cgroup2 hierarchy into its container): processes whose cgroup it reads "
+            "relative to that namespace count as in no pod, and their claims are refused"
+        )
+    return tree

@@ -17,7 +17,8 @@ only from the container the checkpoint gives that allocation (from its pod, wher
 container names cannot be read); a claim from a host process or from another pod or container
 is refused; without a readable checkpoint every claim stands.
 
-Everything is read under an injected `proc_root`, so tests use a fake tree in a temporary directory.
+The /proc readers, pidfds and the host-PID check are `usage.procfs`. Everything is read under an
+injected `proc_root`, so tests use a fake tree in a temporary directory.
 
 On the real /proc, every resolved process is also held by a pidfd (Linux 5.3+): a pidfd refers to
 one process, never to a later one that reuses its PID, and turns readable when that process exits.
@@ -29,34 +30,34 @@ each one's /proc entry would cost a system call per process and poll. Where a pi
 from __future__ import annotations
 
 import dataclasses
-import errno
-import logging
 import os
-import resource
-import select
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from deviceplugin.usage.cgroups import (
-    KubeletTree,
-    PodContainer,
-    detect_layout,
-    find_namespace_root,
-)
+from deviceplugin.usage.cgroups import KubeletTree, PodContainer, kubelet_tree_of
 from deviceplugin.usage.containerlogs import (
     DEFAULT_CONTAINER_LOG_DIR,
     ContainerLogIndex,
     ContainerNames,
 )
+from deviceplugin.usage.procfs import (
+    ENV_NAME,
+    PidfdWatch,
+    allocation_id_in,
+    pid_namespace_warning,
+    read_all,
+)
 
-log = logging.getLogger(__name__)
+__all__ = [
+    "ENV_NAME",
+    "AllocationResolver",
+    "pid_namespace_warning",
+    "pod_cgroup",
+    "pod_uid_in_cgroup",
+]
 
-ENV_NAME = "VGPU_ALLOCATION_ID"
-_ENV_PREFIX = ENV_NAME.encode() + b"="
-_ALLOCATION_ID_LENGTH = 16
-_HEX_DIGITS = frozenset(b"0123456789abcdef")
-_READ_CHUNK = 65536
+
 # Fields of /proc/<pid>/stat counted after the ")" that closes the command name: field 3 (the run
 # state) is index 0 there, so field 4 (ppid) is index 1 and field 22 (start time) is index 19.
 _PPID_FIELD = 1
@@ -87,41 +88,6 @@ class _Entry:
     container_id: str | None = None
 
 
-def _read_all(path: str) -> tuple[bytes, os.stat_result]:
-    """The whole content of a file and its fstat. Raises OSError."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        data = os.read(fd, _READ_CHUNK)
-        if len(data) < _READ_CHUNK:
-            # A short read is the whole file, for procfs and regular files alike.
-            return data, st
-        chunks = [data]
-        while chunk := os.read(fd, _READ_CHUNK):
-            chunks.append(chunk)
-    finally:
-        os.close(fd)
-    return b"".join(chunks), st
-
-
-def _allocation_id_in(environ: bytes) -> tuple[bool, str | None]:
-    """Find VGPU_ALLOCATION_ID in a NUL-separated environment block: (present, valid value).
-
-    A value that is not 16 lowercase hex digits was not set by Allocate: present, but None."""
-    if environ.startswith(_ENV_PREFIX):
-        start = len(_ENV_PREFIX)
-    else:
-        at = environ.find(b"\0" + _ENV_PREFIX)
-        if at < 0:
-            return False, None
-        start = at + 1 + len(_ENV_PREFIX)
-    end = environ.find(b"\0", start)
-    value = environ[start:] if end < 0 else environ[start:end]
-    if len(value) != _ALLOCATION_ID_LENGTH or not _HEX_DIGITS.issuperset(value):
-        return True, None
-    return True, value.decode("ascii")
-
-
 _DEFAULT_TREE = KubeletTree()
 
 
@@ -138,99 +104,6 @@ def pod_cgroup(content: bytes, tree: KubeletTree = _DEFAULT_TREE) -> tuple[str, 
     None when the process is in no pod container's cgroup (see `usage.cgroups`)."""
     found = tree.container_of(content)
     return None if found is None else (found.pod_uid, found.cgroup)
-
-
-# Use at most this share of the process's file descriptor limit for pidfds.
-_PIDFD_SHARE_OF_FD_LIMIT = 2
-
-
-def _pidfd_budget() -> int:
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return 65536
-    return max(0, soft // _PIDFD_SHARE_OF_FD_LIMIT - 64)
-
-
-class _PidfdWatch:
-    """Pidfds of resolved processes, and one poll object over them all."""
-
-    def __init__(self) -> None:
-        self._fds: dict[int, int] = {}  # pid -> pidfd
-        self._pids: dict[int, int] = {}  # pidfd -> pid
-        self._poll = select.poll()
-        self._budget = _pidfd_budget()
-        self.available = self._budget > 0
-
-    def __len__(self) -> int:
-        return len(self._fds)
-
-    def __contains__(self, pid: int) -> bool:
-        return pid in self._fds
-
-    def hold(self, pid: int) -> int | None:
-        """A pidfd for `pid`, held until `drop`; None where none can be had."""
-        if not self.available or len(self._fds) >= self._budget:
-            return None
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError as e:
-            if e.errno in (errno.ENOSYS, errno.EPERM):
-                self.available = False  # this kernel or sandbox gives none: stop asking
-            return None
-        os.set_inheritable(fd, False)
-        self._fds[pid] = fd
-        self._pids[fd] = pid
-        self._poll.register(fd, select.POLLIN)
-        return fd
-
-    def exited(self) -> set[int]:
-        """The held PIDs whose process has exited since it was held (one poll(2) call)."""
-        if not self._fds:
-            return set()
-        return {self._pids[fd] for fd, _ in self._poll.poll(0)}
-
-    def drop(self, pid: int) -> None:
-        fd = self._fds.pop(pid, None)
-        if fd is not None:
-            del self._pids[fd]
-            self._poll.unregister(fd)
-            os.close(fd)
-
-    def close(self) -> None:
-        for pid in list(self._fds):
-            self.drop(pid)
-
-
-def _kubelet_tree(proc_root: Path) -> KubeletTree:
-    """The kubelet's layout as read once from this daemon's own container, and its cgroup
-    namespace's root; logged, with what it means for attribution."""
-    namespace_root = find_namespace_root(proc_root)
-    try:
-        own, _ = _read_all(f"{proc_root}/self/cgroup")
-    except OSError:
-        own = b""
-    layout = detect_layout(own, namespace_root)
-    tree = KubeletTree(layout, namespace_root)
-    if layout is None:
-        log.info(
-            "this daemon runs in no pod container: pod containers are recognised in either "
-            "cgroup driver's layout at the root driver=%s root=%s",
-            tree.layout.driver,
-            tree.layout.root,
-        )
-    else:
-        log.info(
-            "kubelet cgroup layout read from this daemon's own container driver=%s root=%s",
-            layout.driver,
-            layout.root,
-        )
-    if namespace_root is None:
-        log.warning(
-            "this daemon runs in a cgroup namespace of its own whose root cannot be found (mount "
-            "the host's cgroup2 hierarchy into its container): processes whose cgroup it reads "
-            "relative to that namespace count as in no pod, and their claims are refused"
-        )
-    return tree
 
 
 class _Default:
@@ -264,11 +137,11 @@ class AllocationResolver:
         self._cache: dict[int, _Entry] = {}
         real = os.path.realpath(proc_root) == "/proc"
         # Only the real /proc names real processes to hold.
-        self._pidfds = _PidfdWatch() if real else None
+        self._pidfds = PidfdWatch() if real else None
         # The kubelet's layout; on the real /proc, paths relative to this process's cgroup
         # namespace are resolved when its root can be found, and refused otherwise.
         if tree is None:
-            tree = _kubelet_tree(proc_root) if real else KubeletTree()
+            tree = kubelet_tree_of(proc_root) if real else KubeletTree()
         self.tree = tree
         if isinstance(container_logs, _Default):
             container_logs = ContainerLogIndex(DEFAULT_CONTAINER_LOG_DIR) if real else None
@@ -369,7 +242,7 @@ class AllocationResolver:
         self._held_all = held_all
         return dict(found)
 
-    def _hold(self, watch: _PidfdWatch, pid: int, entry: _Entry) -> _Entry:
+    def _hold(self, watch: PidfdWatch, pid: int, entry: _Entry) -> _Entry:
         """Hold `pid` by a pidfd, once the process behind it is proven to be the one `entry`
         was read from (its start time read again after the pidfd was opened). Raises _GoneError
         when it is not: that PID now names another process, to be resolved at the next call."""
@@ -417,7 +290,7 @@ class AllocationResolver:
         """The cgroup of the pod container `pid` is in now, read afresh (not cached): for a
         check right before a signal. None when it is in no pod container, or is gone."""
         try:
-            content, _ = _read_all(f"{self._root}/{pid}/cgroup")
+            content, _ = read_all(f"{self._root}/{pid}/cgroup")
         except OSError:
             return None
         found = self.tree.container_of(content)
@@ -460,7 +333,7 @@ class AllocationResolver:
         """The pod UID in the process's cgroup file; None where the file does not exist (a fake
         tree, or a kernel without cgroups). Raises _GoneError."""
         try:
-            content, _ = _read_all(f"{self._root}/{pid}/cgroup")
+            content, _ = read_all(f"{self._root}/{pid}/cgroup")
         except FileNotFoundError as e:
             if not os.path.exists(stat_path):  # the process has exited since its stat was read
                 raise _GoneError from e
@@ -472,7 +345,7 @@ class AllocationResolver:
     def _stat(self, path: str) -> tuple[int, int, tuple[int, int] | None]:
         """(ppid, start time, procfs identity) from a stat file. Raises _GoneError."""
         try:
-            data, st = _read_all(path)
+            data, st = read_all(path)
         except OSError as e:
             raise _GoneError from e
         fields = data[data.rfind(b")") + 1 :].split()
@@ -488,10 +361,10 @@ class AllocationResolver:
         """Whether the process's environment sets the variable, its valid value, and whether the
         environment is empty."""
         try:
-            environ, _ = _read_all(f"{self._root}/{pid}/environ")
+            environ, _ = read_all(f"{self._root}/{pid}/environ")
         except OSError as e:
             raise _GoneError from e
-        present, value = _allocation_id_in(environ)
+        present, value = allocation_id_in(environ)
         return present, value, not environ
 
     def _search(self, pid: int, ppid: int, memo: dict[int, str | None]) -> tuple[str | None, bool]:
@@ -519,27 +392,3 @@ class AllocationResolver:
         for member in chain:
             memo[member] = value
         return value, own_environ_empty
-
-
-_HOST_PID_WARNING = (
-    "this daemon runs in its own PID namespace (NSpid: {ids}), but the GPU driver reports "
-    "processes by their host PID: GPU processes cannot be attributed to containers and quotas "
-    "cannot be enforced; run the daemon's pod with hostPID: true"
-)
-
-
-def pid_namespace_warning(proc_root: Path = Path("/proc")) -> str | None:
-    """None when this process shares the host's PID namespace (or that cannot be told); otherwise
-    a one-line warning. A nested PID namespace shows as more than one number on the `NSpid:` line
-    of /proc/self/status."""
-    try:
-        status = (proc_root / "self" / "status").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
-    for line in status.splitlines():
-        if line.startswith("NSpid:"):
-            ids = line.split()[1:]
-            if len(ids) > 1:
-                return _HOST_PID_WARNING.format(ids=" ".join(ids))
-            return None
-    return None
