@@ -7,26 +7,43 @@ subtree the test owns, and a real cgroup namespace."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from deviceplugin.model import ProcessSample
+from deviceplugin.config import Config, EnforcementConfig, MemoryEnforcement
+from deviceplugin.gpu.fake import FakeProcess
+from deviceplugin.model import ProcessSample, allocation_id
 from deviceplugin.usage.cgroups import CgroupLayout, KubeletTree, detect_layout
 from deviceplugin.usage.procs import AllocationResolver
-from tests.blackbox.daemon_harness import GiB
+from tests.blackbox.daemon_harness import (
+    TWO_GPUS,
+    GiB,
+    Node,
+    Workloads,
+    eventually,
+    registered,
+    running_daemon,
+    with_processes,
+)
 from tests.security.cgroup_support import cid, subtree
 from tests.security.test_attribution_attacks import (
     OTHER_POD_UID,
     POD_UID,
     VICTIM,
     FakeProc,
+    RealPodCgroups,
+    alive,
     attributed,
     cgroupfs,
+    in_cgroup,
     kills,
     v1,
     v2,
@@ -175,3 +192,65 @@ def test_with_the_layout_read_a_path_of_the_other_driver_is_no_pods() -> None:
     tree = KubeletTree(layout)
     assert tree.container_of(systemd_own) is not None
     assert tree.container_of(f"0::/kubepods/burstable/pod{POD_UID}/{CTR}\n".encode()) is None
+
+
+@pytest.fixture(params=[2, 1], ids=["cgroup-v2", "cgroup-v1"])
+def pod_cgroups(request: pytest.FixtureRequest) -> Iterator[RealPodCgroups]:
+    cgroups = RealPodCgroups(request.param)
+    if cgroups.root is None:
+        pytest.skip(cgroups.skip_reason)
+    try:
+        yield cgroups
+    finally:
+        cgroups.close()
+
+
+async def test_real_cgroups_a_forged_pod_cgroup_gets_the_daemon_to_kill_nothing(
+    node: Node, workloads: Workloads, pod_cgroups: RealPodCgroups
+) -> None:
+    """The whole daemon: a process in a cgroup named like the victim's pod container but made
+    below a test-owned subtree (as a user can under a delegated v2 subtree) claims the victim's
+    allocation; with its memory the victim's container would be over its limit."""
+    config = Config(
+        enforcement=EnforcementConfig(
+            poll_interval_s=0.05, memory=MemoryEnforcement(grace_period_s=0.2)
+        )
+    )
+    async with running_daemon(node, config, trust_host_processes=False) as daemon:
+        await registered(node, 8)
+        pod = await node.sim.admit_pod("victim", [("main", 1)])
+        grant = pod.containers[0]
+        gpu = next(g for g in TWO_GPUS if g.uuid in grant.envs["NVIDIA_VISIBLE_DEVICES"])
+        limit = gpu.memory_total_bytes // 4
+        tag = uuid.uuid4().hex[:12]
+        victim = pod_cgroups.spawn(workloads, cgroupfs(pod.uid, f"main{tag}"), grant.envs)
+        forged_path = f"/vgpu-test-{tag}" + cgroupfs(pod.uid, f"forger{tag}")
+        forger = pod_cgroups.spawn(workloads, forged_path, grant.envs)
+        await eventually(lambda: in_cgroup(forger, forged_path), 5)
+        node.write_gpus(
+            [
+                with_processes(
+                    g, FakeProcess(victim, limit - GiB, 10), FakeProcess(forger, 2 * GiB, 10)
+                )
+                if g is gpu
+                else g
+                for g in TWO_GPUS
+            ]
+        )
+
+        def refused() -> bool:
+            snap = daemon.poller.snapshot
+            return snap is not None and any(
+                p.pid == forger for g in snap.gpus for p in g.misattributed
+            )
+
+        await eventually(refused, 10, "the forged cgroup's claim refused")
+        await asyncio.sleep(1.0)  # five grace periods
+        assert alive(victim), "the pod's own process was killed"
+        assert alive(forger)
+        snapshot = daemon.poller.snapshot
+        assert snapshot is not None
+        (usage,) = [
+            c for c in snapshot.containers if c.allocation_id == allocation_id(grant.device_ids)
+        ]
+        assert [p.pid for p in usage.processes] == [victim]
