@@ -29,9 +29,7 @@ Compute (docs/design.md §4). Per GPU and tick:
    and the processes run freely again.
 
 A lone container is never throttled with work conservation (its level covers the whole GPU), and is
-held to its share without it. Only processes listed in a container's usage are ever named in a
-decision; a PID that also appears among a GPU's unattributed processes, or in two allocations, is
-left out, and so is every process of a GPU reported unhealthy (its figures cannot be trusted).
+held to its share without it.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ since the reading they hold was taken (`taken_at_s`, which a stale snapshot keep
 stops is noticed from the last successful poll, not from the first failure reported (a hung poll is
 reported only at its timeout).
 
+Only processes listed in a container's usage are ever named in a decision; a PID that also
+appears among a GPU's unattributed processes, or in two allocations, is left out, and so is every
+process of a GPU reported unhealthy (its figures cannot be trusted).
+
 Steady GPUs. The policy is a function of its state and its inputs. A GPU whose inputs (its
 containers' usage, its unattributed processes, the PIDs left out) are those of a tick that
 decided nothing, changed none of its state and read no clock (no container over its memory
