@@ -203,8 +203,9 @@ def detect_layout(own_cgroup: bytes, namespace_root: str | None) -> CgroupLayout
         if len(parts) != 3:
             continue
         path: str | None = parts[2]
-        if path is not None and path.startswith("/.."):
-            path = KubeletTree(namespace_root=namespace_root).resolve(path)
+        if namespace_root != "" or parts[2].startswith("/.."):
+            # In a cgroup namespace of its own, its own path is relative to that namespace.
+            path = KubeletTree(namespace_root=namespace_root).resolve(parts[2])
         if path is None:
             continue
         for driver, marker in ((SYSTEMD, _SYSTEMD_MARKER), (CGROUPFS, _CGROUPFS_MARKER)):

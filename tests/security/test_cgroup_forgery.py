@@ -196,6 +196,14 @@ def test_the_kubelets_layout_is_read_from_the_daemons_own_container(
     assert (None if layout is None else (layout.driver, layout.root)) == expected
 
 
+def test_in_its_own_cgroup_namespace_the_daemon_reads_its_layout_from_the_namespace_root() -> None:
+    ns_root = "/kubepods/burstable/pod" + POD_UID + "/" + CTR
+    layout = detect_layout(b"0::/\n", ns_root)
+    assert layout is not None
+    assert (layout.driver, layout.root) == ("cgroupfs", "/")
+    assert detect_layout(b"0::/\n", None) is None  # its namespace's root unknown
+
+
 def test_with_the_layout_read_a_path_of_the_other_driver_is_no_pods() -> None:
     systemd_own = LAYOUTS["systemd"][0].encode()
     layout = detect_layout(systemd_own, "")
