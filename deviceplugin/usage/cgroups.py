@@ -204,8 +204,10 @@ def detect_layout(own_cgroup: bytes, namespace_root: str | None) -> CgroupLayout
             continue
         path: str | None = parts[2]
         if namespace_root != "" or parts[2].startswith("/.."):
-            # In a cgroup namespace of its own, its own path is relative to that namespace.
-            path = KubeletTree(namespace_root=namespace_root).resolve(parts[2])
+            # In a cgroup namespace of its own, its own path is relative to that namespace (whose
+            # root is known for the unified hierarchy only).
+            unified = parts[0] == "0" and not parts[1]
+            path = KubeletTree(namespace_root=namespace_root).resolve(parts[2]) if unified else None
         if path is None:
             continue
         for driver, marker in ((SYSTEMD, _SYSTEMD_MARKER), (CGROUPFS, _CGROUPFS_MARKER)):
