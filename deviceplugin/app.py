@@ -45,9 +45,10 @@ from deviceplugin.reload import (
 from deviceplugin.slicing import plan_gpus
 from deviceplugin.state import AllocationBook, Published
 from deviceplugin.statedir import check_state_file, claim_state_dir
+from deviceplugin.usage.cgroups import kubelet_layout
 from deviceplugin.usage.httpserver import HttpServer, TlsFiles
 from deviceplugin.usage.metrics import DaemonMetrics, healthz
-from deviceplugin.usage.procs import pid_namespace_warning
+from deviceplugin.usage.procs import AllocationResolver, pid_namespace_warning
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,10 @@ class DaemonSettings:
     # Let a process outside every pod cgroup keep its claimed allocation: only for workloads
     # that are not in pods (the demo, tests); `serve` refuses it outside a fake backend.
     trust_host_processes: bool = False
+    # Where the kubelet puts pod containers (docs/design.md §12): "auto" and "" read them from
+    # this daemon's own pod container (either driver at / outside a pod).
+    kubelet_cgroup_driver: str = "auto"
+    kubelet_cgroup_root: str = ""
 
 
 class Daemon:
@@ -117,6 +122,9 @@ class Daemon:
             on_poll_duration=self.metrics.observe_poll,
             on_inventory=lambda inventory: self.reconcile_resources(),
             trust_host_processes=settings.trust_host_processes,
+            resolver=AllocationResolver(
+                layout=kubelet_layout(settings.kubelet_cgroup_driver, settings.kubelet_cgroup_root)
+            ),
         )
         # One plugin endpoint per resource; the primary one (resourceName) always exists, and
         # `service` and `lifecycle` are its own.

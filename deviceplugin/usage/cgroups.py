@@ -193,6 +193,14 @@ class KubeletTree:
         return "/" + "/".join(base + parts)
 
 
+def kubelet_layout(driver: str, root: str) -> CgroupLayout | None:
+    """The layout set on the command line; None when neither is set (then read at start).
+    Raises ValueError for a driver or root that is not one."""
+    if driver == AUTO and not root:
+        return None
+    return CgroupLayout(driver, root or "/")
+
+
 def detect_layout(own_cgroup: bytes, namespace_root: str | None) -> CgroupLayout | None:
     """The kubelet's driver and root, read from where it put this daemon's own container (the
     content of /proc/self/cgroup), and checked: the layout made of them must place that very
@@ -300,7 +308,7 @@ def find_namespace_root(proc_root: Path = Path("/proc"), *, max_dirs: int = 100_
     return None
 
 
-def kubelet_tree_of(proc_root: Path) -> KubeletTree:
+def kubelet_tree_of(proc_root: Path, layout: CgroupLayout | None = None) -> KubeletTree:
     """The kubelet's layout as read once from this daemon's own container, and its cgroup
     namespace's root; logged, with what it means for attribution."""
     namespace_root = find_namespace_root(proc_root)
@@ -308,6 +316,9 @@ def kubelet_tree_of(proc_root: Path) -> KubeletTree:
         own = (proc_root / "self" / "cgroup").read_bytes()
     except OSError:
         own = b""
+    if layout is not None:
+        log.info("kubelet cgroup layout as set driver=%s root=%s", layout.driver, layout.root)
+        return _warn_unresolvable(KubeletTree(layout, namespace_root))
     layout = detect_layout(own, namespace_root)
     tree = KubeletTree(layout, namespace_root)
     if layout is None:
@@ -323,7 +334,11 @@ def kubelet_tree_of(proc_root: Path) -> KubeletTree:
             layout.driver,
             layout.root,
         )
-    if namespace_root is None:
+    return _warn_unresolvable(tree)
+
+
+def _warn_unresolvable(tree: KubeletTree) -> KubeletTree:
+    if tree.namespace_root is None:
         log.warning(
             "this daemon runs in a cgroup namespace of its own whose root cannot be found (mount "
             "the host's cgroup2 hierarchy into its container): processes whose cgroup it reads "

@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from deviceplugin.usage.cgroups import KubeletTree, PodContainer, kubelet_tree_of
+from deviceplugin.usage.cgroups import CgroupLayout, KubeletTree, PodContainer, kubelet_tree_of
 from deviceplugin.usage.containerlogs import (
     DEFAULT_CONTAINER_LOG_DIR,
     ContainerLogIndex,
@@ -128,6 +128,7 @@ class AllocationResolver:
         *,
         max_ancestors: int = 16,
         tree: KubeletTree | None = None,
+        layout: CgroupLayout | None = None,
         container_logs: ContainerLogIndex | _Default | None = _DEFAULT,
     ) -> None:
         if max_ancestors < 0:
@@ -141,7 +142,7 @@ class AllocationResolver:
         # The kubelet's layout; on the real /proc, paths relative to this process's cgroup
         # namespace are resolved when its root can be found, and refused otherwise.
         if tree is None:
-            tree = kubelet_tree_of(proc_root) if real else KubeletTree()
+            tree = kubelet_tree_of(proc_root, layout) if real else KubeletTree(layout)
         self.tree = tree
         if isinstance(container_logs, _Default):
             container_logs = ContainerLogIndex(DEFAULT_CONTAINER_LOG_DIR) if real else None

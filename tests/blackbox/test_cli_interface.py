@@ -65,6 +65,8 @@ def test_serve_help_shows_every_default_and_its_environment_variable() -> None:
         "--state-dir": "VGPU_STATE_DIR",
         "--node-name": "NODE_NAME",
         "--trust-host-processes": "VGPU_TRUST_HOST_PROCESSES",
+        "--kubelet-cgroup-driver": "VGPU_KUBELET_CGROUP_DRIVER",
+        "--kubelet-cgroup-root": "VGPU_KUBELET_CGROUP_ROOT",
         "--log-format": "VGPU_LOG_FORMAT",
         "--log-level": "VGPU_LOG_LEVEL",
     }

@@ -21,7 +21,7 @@ import pytest
 from deviceplugin.config import Config, EnforcementConfig, MemoryEnforcement
 from deviceplugin.gpu.fake import FakeProcess
 from deviceplugin.model import ProcessSample, allocation_id
-from deviceplugin.usage.cgroups import CgroupLayout, KubeletTree, detect_layout
+from deviceplugin.usage.cgroups import CgroupLayout, KubeletTree, detect_layout, kubelet_layout
 from deviceplugin.usage.procs import AllocationResolver
 from tests.blackbox.daemon_harness import (
     TWO_GPUS,
@@ -111,7 +111,7 @@ _IN_NAMESPACE = """
 import json, sys
 from pathlib import Path
 from deviceplugin.usage.cgroups import CgroupLayout, KubeletTree, find_namespace_root
-from deviceplugin.usage.cgroups import CgroupLayout, KubeletTree, detect_layout
+from deviceplugin.usage.cgroups import CgroupLayout, KubeletTree, detect_layout, kubelet_layout
 from deviceplugin.usage.procs import AllocationResolver
 root, pids = sys.argv[1], [int(p) for p in sys.argv[2:]]
 ns_root = find_namespace_root()
@@ -273,3 +273,42 @@ async def test_real_cgroups_a_forged_pod_cgroup_gets_the_daemon_to_kill_nothing(
             c for c in snapshot.containers if c.allocation_id == allocation_id(grant.device_ids)
         ]
         assert [p.pid for p in usage.processes] == [victim]
+
+
+def test_a_kubelet_cgroup_root_set_on_the_command_line_is_where_pods_are() -> None:
+    with subtree(2) as tree:
+        pod = tree.spawn(f"{tree.name}/kubepods/besteffort/pod{POD_UID}/{cid('main')}")
+        elsewhere = tree.spawn(f"{tree.name}/other/kubepods/besteffort/pod{POD_UID}/{CTR}")
+        layout = kubelet_layout("cgroupfs", tree.name)
+        resolver = AllocationResolver(Path("/proc"), layout=layout, container_logs=None)
+        resolver.resolve({pod, elsewhere})
+        assert resolver.pod_uid_of(pod) == POD_UID
+        assert resolver.pod_uid_of(elsewhere) is None
+    assert kubelet_layout("auto", "") is None  # read at start from the daemon's own container
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--kubelet-cgroup-root", "relative/root"],
+        ["--kubelet-cgroup-root", "/a/../b"],
+        ["--kubelet-cgroup-driver", "systemd", "--kubelet-cgroup-root", "/not-a-slice"],
+    ],
+    ids=["relative", "dot-dot", "systemd-not-a-slice"],
+)
+def test_serve_refuses_a_kubelet_cgroup_root_that_is_not_one(
+    tmp_path: Path, flags: list[str]
+) -> None:
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "deviceplugin", "serve", *flags,
+            "--backend", f"fake:{tmp_path / 'gpus.json'}", "--state-dir", str(tmp_path / "s"),
+            "--device-plugin-dir", str(tmp_path / "dp"), "--metrics-address", "",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "--kubelet-cgroup-root" in result.stderr
