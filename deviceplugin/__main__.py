@@ -230,6 +230,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="let processes outside every pod cgroup keep the allocation they claim; only with "
         "--backend fake:PATH, for demos and tests (default: off; env VGPU_TRUST_HOST_PROCESSES)",
     )
+    serve.add_argument(
+        "--kubelet-cgroup-driver",
+        choices=("auto", "cgroupfs", "systemd"),
+        default=_env("VGPU_KUBELET_CGROUP_DRIVER", "auto"),
+        help="the kubelet's cgroup driver: where a pod's containers are (default: auto, read from "
+        "this daemon's own pod container; env VGPU_KUBELET_CGROUP_DRIVER)",
+    )
+    serve.add_argument(
+        "--kubelet-cgroup-root",
+        metavar="PATH",
+        default=_env("VGPU_KUBELET_CGROUP_ROOT", ""),
+        help="the kubelet's --cgroup-root (default: read with the driver, else /; env "
+        "VGPU_KUBELET_CGROUP_ROOT)",
+    )
     _add_log_flags(serve)
 
     check = sub.add_parser(
@@ -360,6 +374,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             trust_host_processes=args.trust_host_processes,
             node_config=node_config,
             node_features_file=args.node_features_file,
+            kubelet_cgroup_driver=args.kubelet_cgroup_driver,
+            kubelet_cgroup_root=args.kubelet_cgroup_root,
         )
     except ConfigError as e:
         for problem in e.problems:
@@ -367,6 +383,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     except StartupError as e:
         log.error("cannot start: %s", e)
+        return EXIT_USAGE
+    from deviceplugin.usage.cgroups import KubeletTree, kubelet_layout  # noqa: PLC0415
+
+    try:
+        KubeletTree(kubelet_layout(settings.kubelet_cgroup_driver, settings.kubelet_cgroup_root))
+    except ValueError as e:
+        log.error(
+            "bad --kubelet-cgroup-root problem=%s; give the kubelet's --cgroup-root (an absolute "
+            "path; a slice such as /kubelet.slice with the systemd driver)",
+            e,
+        )
         return EXIT_USAGE
     from deviceplugin.usage.httpserver import parse_address  # noqa: PLC0415
 

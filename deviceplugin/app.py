@@ -23,7 +23,7 @@ from typing import Any
 from deviceplugin import __version__
 from deviceplugin.allocation import mps_defaults
 from deviceplugin.config import Config, MpsConfig
-from deviceplugin.enforcer import Enforcer, RecordingControl
+from deviceplugin.enforcer import Enforcer, PsutilControl, RecordingControl
 from deviceplugin.errors import StartupError
 from deviceplugin.gpu.backend import GpuBackend, open_backend
 from deviceplugin.gpu.mps import MpsControlDaemon
@@ -47,9 +47,10 @@ from deviceplugin.reload import (
 from deviceplugin.slicing import plan_gpus
 from deviceplugin.state import AllocationBook, Published
 from deviceplugin.statedir import check_state_file, claim_state_dir
+from deviceplugin.usage.cgroups import kubelet_layout
 from deviceplugin.usage.httpserver import HttpServer, TlsFiles
 from deviceplugin.usage.metrics import DaemonMetrics, healthz
-from deviceplugin.usage.procs import pid_namespace_warning
+from deviceplugin.usage.procs import AllocationResolver, pid_namespace_warning
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,10 @@ class DaemonSettings:
     # Node labels where the config names no nodeLabels.file: the feature file of this name in
     # node_features_dir (given at start, whatever the config's format).
     node_features_file: str = ""
+    # Where the kubelet puts pod containers (docs/design.md §12): "auto" and "" read them from
+    # this daemon's own pod container (either driver at / outside a pod).
+    kubelet_cgroup_driver: str = "auto"
+    kubelet_cgroup_root: str = ""
 
 
 class Daemon:
@@ -130,6 +135,9 @@ class Daemon:
             on_poll_duration=self.metrics.observe_poll,
             on_inventory=lambda inventory: self.reconcile_resources(),
             trust_host_processes=settings.trust_host_processes,
+            resolver=AllocationResolver(
+                layout=kubelet_layout(settings.kubelet_cgroup_driver, settings.kubelet_cgroup_root)
+            ),
         )
         # One plugin endpoint per resource; the primary one (resourceName) always exists, and
         # `service` and `lifecycle` are its own.
@@ -368,7 +376,12 @@ class Daemon:
                 f"cannot create the state directory {state_dir}: {e.strerror or e}; "
                 "set --state-dir to a writable directory"
             ) from e
-        enforcer = Enforcer(cfg, state_dir, control=RecordingControl() if cfg.dry_run else None)
+        # A signal is held back from a process that left its pod container since it was
+        # attributed (read afresh right before each SIGKILL or SIGSTOP).
+        control = (
+            RecordingControl() if cfg.dry_run else PsutilControl(where=self.poller.container_now)
+        )
+        enforcer = Enforcer(cfg, state_dir, control=control)
         # Resume whatever a daemon killed outright left stopped, before anything else runs.
         enforcer.recover()
         return enforcer

@@ -251,9 +251,31 @@ class ContainerAllocation:
     cdi_devices: tuple[str, ...] = ()
 
 
+SOURCE_DEVICE_PLUGIN = "device-plugin"
+SOURCE_DRA = "dra"
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceShare:
+    """What an allocation may use of one GPU (or MIG device): its memory limit, its compute
+    share (0..1) and how many slices' worth that is (for display)."""
+
+    gpu_uuid: str
+    memory_limit_bytes: int
+    compute_share_ratio: float
+    slices: int = 1
+
+
 @dataclass(frozen=True, slots=True)
 class AllocationRecord:
-    """An allocation this daemon made or recovered, and who holds it when known."""
+    """An allocation this daemon made or recovered, and who holds it when known.
+
+    Source-agnostic: attribution and the enforcer see an allocation ID, who holds it and what it
+    may use per GPU, never where it came from. A device-plugin allocation names its slices
+    (`slice_ids`; the inventory gives each slice's memory and compute); any other source (a
+    prepared DRA claim: memory = its consumed memory, compute = its consumed compute / 100)
+    states them per device in `shares`. `source` and `claim` (a DRA claim's namespace/name)
+    are for display only."""
 
     allocation_id: str
     slice_ids: tuple[str, ...]
@@ -268,6 +290,9 @@ class AllocationRecord:
     # longer serves that name (a reload renamed it): held until the kubelet frees it.
     resource_name: str = ""
     retired_resource: bool = False
+    shares: tuple[DeviceShare, ...] = ()
+    source: str = SOURCE_DEVICE_PLUGIN
+    claim: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,6 +75,8 @@ def test_serve_help_shows_every_default_and_its_environment_variable() -> None:
         "--kubeconfig": "VGPU_KUBECONFIG",
         "--fail-on-init-error": "VGPU_FAIL_ON_INIT_ERROR",
         "--node-features-file": "VGPU_NODE_FEATURES_FILE",
+        "--kubelet-cgroup-driver": "VGPU_KUBELET_CGROUP_DRIVER",
+        "--kubelet-cgroup-root": "VGPU_KUBELET_CGROUP_ROOT",
         "--log-format": "VGPU_LOG_FORMAT",
         "--log-level": "VGPU_LOG_LEVEL",
     }
