@@ -1215,6 +1215,13 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             "--state-dir", str(self.paths.root / "vgpu-state"),
             "--metrics-address", f"127.0.0.1:{port}",
             "--node-name", NODE,
+            # Where this kubelet puts pod containers, as a DaemonSet is told it: a pod's cgroup
+            # is its container's only where the kubelet puts it.
+            *(
+                ["--kubelet-cgroup-driver", "cgroupfs", "--kubelet-cgroup-root", self.cgroup_root]
+                if self.runtime == "containerd"
+                else []
+            ),
             *(["--config", str(config_path)] if config is not None else []),
             *args,
         ]  # fmt: skip
