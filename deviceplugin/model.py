@@ -268,6 +268,9 @@ class AllocationRecord:
     # longer serves that name (a reload renamed it): held until the kubelet frees it.
     resource_name: str = ""
     retired_resource: bool = False
+    # A pod's init container's, which has finished (pod-resources lists regular containers only;
+    # the kubelet's checkpoint names it): its devices stay the pod's until the pod goes.
+    init_container: bool = False
 
 
 @dataclass(frozen=True, slots=True)

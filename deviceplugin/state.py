@@ -145,16 +145,18 @@ class AllocationBook:
             if known is None:
                 added += 1
                 self._records[record.allocation_id] = record
-            elif (known.namespace, known.pod, known.container) != (
+            elif (known.namespace, known.pod, known.container, known.init_container) != (
                 record.namespace,
                 record.pod,
                 record.container,
+                record.init_container,
             ):
                 self._records[record.allocation_id] = replace(
                     known,
                     namespace=record.namespace,
                     pod=record.pod,
                     container=record.container,
+                    init_container=record.init_container,
                 )
         stale = [
             r.allocation_id

@@ -97,6 +97,7 @@ def init_container_records(
             pod=pod.pod,
             container=entry.container,
             resource_name=entry.resource_name,
+            init_container=True,
         )
     return list(named.values()), frozenset(released - set(named))
 

@@ -66,6 +66,8 @@ async def test_an_init_container_holding_devices_of_its_own_is_named(node: Node)
         assert sorted(named["default", "with-init", "setup"]["slice_ids"]) == sorted(
             setup.device_ids
         )
+        assert named["default", "with-init", "setup"]["init_container"] is True
+        assert named["default", "with-init", "main"]["init_container"] is False
 
         # The pod goes: so does every allocation of it, the init container's with it.
         await node.sim.delete_pod("default", "with-init")

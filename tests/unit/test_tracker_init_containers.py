@@ -76,7 +76,9 @@ async def test_init_container_devices_reused_by_the_app_container_are_released()
 
 async def test_init_container_devices_still_held_are_named_by_pod_and_container() -> None:
     records = await _status_after_refresh(init=(A, C), main=(A, B))
-    assert [(r.namespace, r.pod, r.container, r.slice_ids, r.listed) for r in records] == [
-        ("default", "with-init", "main", (A, B), True),
-        ("default", "with-init", "setup", (A, C), True),
+    assert [
+        (r.namespace, r.pod, r.container, r.slice_ids, r.listed, r.init_container) for r in records
+    ] == [
+        ("default", "with-init", "main", (A, B), True, False),
+        ("default", "with-init", "setup", (A, C), True, True),
     ]
