@@ -242,6 +242,12 @@ def build_container_allocation(
     `several_resources`: the node serves more than one resource, so a container may hold slices
     of several (see the module's docstring)."""
     slices = _validate(device_ids, inventory)
+    if cfg.fail_requests_greater_than_one and len(slices) > 1:
+        # NVIDIA's plugin's refusal, word for word, so that alerts on it keep matching.
+        raise AllocationError(
+            f"request for '{slices[0].resource_name}: {len(slices)}' too large: maximum request"
+            " size for shared resources is 1"
+        )
     slices.sort(key=lambda s: (s.gpu_index, s.id.gpu_uuid, s.id.n))  # SliceId's order, faster
 
     by_gpu: dict[str, list[Slice]] = {}

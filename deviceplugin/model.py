@@ -293,6 +293,9 @@ class AllocationRecord:
     shares: tuple[DeviceShare, ...] = ()
     source: str = SOURCE_DEVICE_PLUGIN
     claim: str = ""
+    # A pod's init container's, which has finished (pod-resources lists regular containers only;
+    # the kubelet's checkpoint names it): its devices stay the pod's until the pod goes.
+    init_container: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,12 +129,14 @@ class AllocationBook:
         now_s: float,
         grace_s: float,
         keep: Collection[str] = (),
+        release: Collection[str] = (),
     ) -> tuple[int, int]:
         """Bring the book in step with what the kubelet reports as live: add or name the live
         allocations; drop the others that the kubelet listed before (their pod is gone), and
         those it never listed once they are `grace_s` old. An allocation in `keep` is neither
         dropped nor doubted, listed or not (a restarted kubelet lists no pod until it has had
-        them from the API server). Returns (added, dropped)."""
+        them from the API server). An allocation in `release` not listed is dropped at once (a
+        finished init container's, whose devices the kubelet reused). Returns (added, dropped)."""
         live_ids = set()
         added = 0
         for record in live:
@@ -143,23 +145,29 @@ class AllocationBook:
             if known is None:
                 added += 1
                 self._records[record.allocation_id] = record
-            elif (known.namespace, known.pod, known.container) != (
+            elif (known.namespace, known.pod, known.container, known.init_container) != (
                 record.namespace,
                 record.pod,
                 record.container,
+                record.init_container,
             ):
                 self._records[record.allocation_id] = replace(
                     known,
                     namespace=record.namespace,
                     pod=record.pod,
                     container=record.container,
+                    init_container=record.init_container,
                 )
         stale = [
             r.allocation_id
             for r in self._records.values()
             if r.allocation_id not in live_ids
             and r.allocation_id not in keep
-            and (r.allocation_id in self._confirmed or now_s - r.allocated_at_s >= grace_s)
+            and (
+                r.allocation_id in self._confirmed
+                or r.allocation_id in release
+                or now_s - r.allocated_at_s >= grace_s
+            )
         ]
         for allocation in stale:
             del self._records[allocation]

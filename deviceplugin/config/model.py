@@ -112,6 +112,9 @@ class AllocationConfig:
     # TF_FORCE_GPU_ALLOW_GROWTH, VGPU_MEMORY_FRACTION_<i>), less the context reserve.
     framework_hints: bool = True
     context_reserve_bytes: int = DEFAULT_CONTEXT_RESERVE_BYTES
+    # Refuse a container that asks for more than one slice of a resource: what NVIDIA's plugin
+    # does with sharing.mps unless failRequestsGreaterThanOne is false (NVIDIA files only).
+    fail_requests_greater_than_one: bool = False
 
 
 @dataclass(frozen=True, slots=True)

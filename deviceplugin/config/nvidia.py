@@ -359,7 +359,11 @@ def _parse_nvidia(r: _Reader, data: Mapping[str, object]) -> Config:
         resource_name=resource_name,
         slicing=slicing,
         allocation=AllocationConfig(
-            policy=policy or defaults.allocation.policy, device_list_strategy=device_list
+            policy=policy or defaults.allocation.policy,
+            device_list_strategy=device_list,
+            fail_requests_greater_than_one=(
+                mps is not None and mps.fail_requests_greater_than_one is not False
+            ),
         ),
         mps=MpsConfig(
             enabled=mps is not None,
@@ -393,10 +397,10 @@ def _warn_mps(r: _Reader, mps: _Sharing, mps_root: str | None) -> None:
         )
         names = ", ".join(sorted({m.advertised for m in mps.resources})) or "a shared resource"
         r.warn(
-            f"sharing.mps.failRequestsGreaterThanOne: {written}: NVIDIA's plugin refuses a"
-            f" container that asks for more than 1 of {names}; vgpu admits it and gives it the"
-            " memory and compute of every slice it asks for (write"
-            " failRequestsGreaterThanOne: false to say that is what you expect)."
+            f"sharing.mps.failRequestsGreaterThanOne: {written}: as NVIDIA's plugin does, vgpu"
+            f" refuses a container that asks for more than 1 of {names} (its pod fails with"
+            " UnexpectedAdmissionError); write failRequestsGreaterThanOne: false to give such a"
+            " container the memory and compute of every slice it asks for."
         )
 
 

@@ -56,6 +56,52 @@ def checkpoint_records(checkpoint: DeviceCheckpoint, now_s: float) -> list[Alloc
     return list(records.values())
 
 
+def init_container_records(
+    checkpoint: DeviceCheckpoint, live: Collection[AllocationRecord], now_s: float
+) -> tuple[list[AllocationRecord], frozenset[str]]:
+    """The allocations of a listed pod's containers that pod-resources does not list: its init
+    containers', which the kubelet keeps in its checkpoint for as long as the pod lives.
+
+    Pod-resources lists a pod's regular containers only, and has no pod UID; the checkpoint has
+    the UID and every container. A pod is known by name once one of its checkpoint entries is
+    an allocation pod-resources lists. Each other entry of that pod is then either held still,
+    named by the pod and the init container (the kubelet keeps those devices for the pod, and
+    gives them to no other pod), or, when every one of its devices went on to a listed
+    container of the pod (the kubelet reuses an init container's devices), released: its slices
+    are counted under the container that holds them now. Returns (named records, released
+    allocation IDs)."""
+    listed = {r.allocation_id: r for r in live}
+    if not checkpoint.entries or not listed:
+        return [], frozenset()
+    pods: dict[str, AllocationRecord] = {}
+    devices_of_pod: dict[str, set[str]] = {}
+    for entry in checkpoint.entries:
+        record = listed.get(entry.allocation_id)
+        if record is not None and record.pod:
+            pods.setdefault(entry.pod_uid, record)
+            devices_of_pod.setdefault(entry.pod_uid, set()).update(record.slice_ids)
+    named: dict[str, AllocationRecord] = {}
+    released: set[str] = set()
+    for entry in checkpoint.entries:
+        pod = pods.get(entry.pod_uid)
+        if pod is None or entry.allocation_id in listed or entry.allocation_id in named:
+            continue
+        if devices_of_pod[entry.pod_uid].issuperset(entry.device_ids):
+            released.add(entry.allocation_id)
+            continue
+        named[entry.allocation_id] = AllocationRecord(
+            entry.allocation_id,
+            entry.device_ids,
+            now_s,
+            namespace=pod.namespace,
+            pod=pod.pod,
+            container=entry.container,
+            resource_name=entry.resource_name,
+            init_container=True,
+        )
+    return list(named.values()), frozenset(released - set(named))
+
+
 class AllocationTracker:
     """Keeps the allocation record in step with the kubelet's pod-resources API.
 
@@ -133,6 +179,8 @@ class AllocationTracker:
             if c.resource_name in resources or self._adopt(c.resource_name, c.device_ids)
         ]
         checkpoint = self._ours(self._checkpoint(), resources)
+        finished, released = init_container_records(checkpoint, live, now)
+        live.extend(finished)
         restarted = (
             identity is not None
             and self._socket_identity is not None
@@ -168,7 +216,9 @@ class AllocationTracker:
                 records = checkpoint_records(checkpoint, now)
                 self._recover(records)
                 keep = frozenset(r.allocation_id for r in records)
-        added, dropped = self._book.sync(live, now_s=now, grace_s=self._grace_s, keep=keep)
+        added, dropped = self._book.sync(
+            live, now_s=now, grace_s=self._grace_s, keep=keep, release=released - keep
+        )
         self.refreshes += 1
         if added or dropped or self.refreshes == 1:
             log.info(

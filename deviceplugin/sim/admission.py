@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import grpc
 
@@ -61,26 +62,31 @@ class Admission(CheckpointedState):
         containers: Sequence[tuple[str, int | Mapping[str, int]]],
         resource_name: str = "nvidia.com/vgpu",
         namespace: str = "default",
+        init_containers: Sequence[tuple[str, int]] = (),
     ) -> PodGrant:
         """Admit a pod whose containers each request `count` devices of `resource_name`, or
         `{resource: count, ...}` of several resources, then start them. As the kubelet does, each
         resource of a container is allocated by its own plugin, in resource name order, and the
         pod gets one grant per container and resource. All or nothing: on any failure nothing of
-        the pod is kept."""
+        the pod is kept. `init_containers` ask for `resource_name` before them, as the kubelet's
+        allocation does: their devices stay the pod's, and a later container takes them first
+        (devicesToReuse); pod-resources does not list them, the checkpoint does."""
         if not self._running:
             raise RuntimeError("kubelet simulator is not running")
-        names = [container for container, _ in containers]
+        names = [container for container, _ in (*init_containers, *containers)]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate container names in pod {namespace}/{name}: {names}")
-        requests: list[tuple[str, str, int]] = []
+        requests: list[tuple[str, str, int, bool]] = [
+            (container, resource_name, count, True) for container, count in init_containers
+        ]
         for container, request in containers:
             if isinstance(request, int):
-                requests.append((container, resource_name, request))
+                requests.append((container, resource_name, request, False))
             elif not request:
-                requests.append((container, resource_name, 0))
+                requests.append((container, resource_name, 0, False))
             else:
-                requests.extend((container, r, n) for r, n in sorted(request.items()))
-        if any(count < 0 for _, _, count in requests):
+                requests.extend((container, r, n, False) for r, n in sorted(request.items()))
+        if any(count < 0 for _, _, count, _ in requests):
             raise ValueError(f"negative device request in pod {namespace}/{name}: {containers}")
         async with self._admission:
             if (namespace, name) in self._pods:
@@ -89,13 +95,17 @@ class Admission(CheckpointedState):
             taken: list[str] = []
             grants: list[ContainerGrant] = []
             numa_nodes: dict[str, tuple[int, ...]] = {}
+            reusable: dict[str, list[str]] = {}  # the init containers' devices, by resource
             try:
-                for container, resource, count in requests:
+                for container, resource, count, init in requests:
                     if count == 0:
                         grants.append(
-                            ContainerGrant(container, resource, (), {}, (), (), {}, (), ())
+                            ContainerGrant(
+                                container, resource, (), {}, (), (), {}, (), (), init=init
+                            )
                         )
                         continue
+                    reuse = reusable.setdefault(resource, [])
                     grant = await self._allocate_container(
                         namespace=namespace,
                         pod=name,
@@ -103,7 +113,13 @@ class Admission(CheckpointedState):
                         resource=resource,
                         count=count,
                         taken=taken,
+                        reuse=reuse[:count],
                     )
+                    if init:
+                        grant = replace(grant, init=True)
+                        reuse.extend(d for d in grant.device_ids if d not in reuse)
+                    else:
+                        reuse[:] = [d for d in reuse if d not in grant.device_ids]
                     grants.append(grant)
                     known = self._devices.get(resource, {})
                     for device_id in grant.device_ids:
@@ -143,6 +159,7 @@ class Admission(CheckpointedState):
         resource: str,
         count: int,
         taken: list[str],
+        reuse: Sequence[str] = (),
     ) -> ContainerGrant:
         """devicesToAllocate, the preference and Allocate for one container."""
         healthy = self._healthy.get(resource)
@@ -160,11 +177,11 @@ class Admission(CheckpointedState):
             )
         in_use = self.allocated_ids(resource) | set(taken)
         available = sorted(healthy - in_use)
-        if len(available) < count:
+        if len(available) < count - len(reuse):
             raise AdmissionError(
                 _unexpected(
                     f"requested number of devices unavailable for {resource}. "
-                    f"Requested: {count}, Available: {len(available)}"
+                    f"Requested: {count - len(reuse)}, Available: {len(available)}"
                 ),
                 resource_name=resource,
             )
@@ -183,8 +200,8 @@ class Admission(CheckpointedState):
             request = dp.PreferredAllocationRequest(
                 container_requests=[
                     dp.ContainerPreferredAllocationRequest(
-                        available_deviceIDs=available,
-                        must_include_deviceIDs=[],
+                        available_deviceIDs=sorted({*available, *reuse}),
+                        must_include_deviceIDs=list(reuse),
                         allocation_size=count,
                     )
                 ]
@@ -203,7 +220,10 @@ class Admission(CheckpointedState):
                 ) from e
             if answer.container_responses:
                 preferred = tuple(answer.container_responses[0].deviceIDs)
-            chosen, valid = choose_devices(available, preferred, count)
+            chosen, valid = choose_devices(sorted({*available, *reuse}), preferred, count)
+            if not set(reuse) <= set(chosen):
+                rest = [d for d in chosen if d not in reuse]
+                chosen, valid = [*reuse, *rest[: count - len(reuse)]], False
             if not valid:
                 logger.warning(
                     "preferred allocation not usable as is, filling from available "
@@ -217,8 +237,8 @@ class Admission(CheckpointedState):
                     chosen,
                 )
         else:
-            chosen = available[:count]
-        taken.extend(chosen)
+            chosen = [*reuse, *available[: count - len(reuse)]]
+        taken.extend(d for d in chosen if d not in taken)
         request_ids = list(chosen)
         try:
             response: dp.AllocateResponse = await endpoint.stub.Allocate(

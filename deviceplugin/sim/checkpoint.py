@@ -49,6 +49,7 @@ class CheckpointedState(KubeletState):
                             "ResourceName": c.resource_name,
                             "DeviceIDs": list(c.device_ids),
                             "Preferred": list(c.preferred),
+                            "Init": c.init,
                         }
                         for c in pod.containers
                     ],
@@ -133,6 +134,7 @@ def _pods_from_checkpoint(data: dict[str, Any]) -> dict[tuple[str, str], _PodRec
             name, resource = str(container["Name"]), str(container["ResourceName"])
             device_ids = [str(d) for d in container["DeviceIDs"]]
             preferred = [str(d) for d in container["Preferred"]]
+            init = bool(container.get("Init", False))
             entry = entries.get((uid, name, resource))
             if entry is None:
                 if device_ids:
@@ -147,7 +149,9 @@ def _pods_from_checkpoint(data: dict[str, Any]) -> dict[tuple[str, str], _PodRec
             response = dp.ContainerAllocateResponse.FromString(
                 base64.b64decode(entry["AllocResp"], validate=True)
             )
-            containers.append(_grant_from_response(name, resource, device_ids, response, preferred))
+            containers.append(
+                _grant_from_response(name, resource, device_ids, response, preferred, init=init)
+            )
         grant = PodGrant(str(pod["Namespace"]), str(pod["Name"]), uid, tuple(containers))
         records[(grant.namespace, grant.name)] = _PodRecord(grant, numa_nodes)
     return records

@@ -59,6 +59,8 @@ class _PodResourcesServicer(podres_grpc.PodResourcesListerServicer):
         pod = record.grant
         by_container: dict[str, list[podres.ContainerDevices]] = {}
         for container in pod.containers:
+            if container.init:
+                continue  # the kubelet lists a pod's regular containers only
             devices = by_container.setdefault(container.name, [])
             devices.extend(
                 entry

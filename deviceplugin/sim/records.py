@@ -79,6 +79,9 @@ class ContainerGrant:
     annotations: dict[str, str]
     cdi_devices: tuple[str, ...]
     preferred: tuple[str, ...]  # the GetPreferredAllocation answer; () when not asked
+    # An init container's: in the checkpoint, not listed by pod-resources, and its devices
+    # reused by the pod's later containers.
+    init: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +114,8 @@ def _grant_from_response(
     device_ids: Sequence[str],
     response: dp.ContainerAllocateResponse,
     preferred: Sequence[str],
+    *,
+    init: bool = False,
 ) -> ContainerGrant:
     return ContainerGrant(
         name=name,
@@ -122,6 +127,7 @@ def _grant_from_response(
         annotations=dict(response.annotations),
         cdi_devices=tuple(c.name for c in response.cdi_devices),
         preferred=tuple(preferred),
+        init=init,
     )
 
 

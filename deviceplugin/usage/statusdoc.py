@@ -149,6 +149,8 @@ def _allocation(a: AllocationRecord) -> dict[str, Any]:
         # by a reload), held until the kubelet frees it.
         "resource_name": a.resource_name or None,
         "retired": a.retired_resource,
+        # A finished init container's, whose devices the pod still holds.
+        "init_container": a.init_container,
         "allocated_at": rfc3339(a.allocated_at_s) if a.allocated_at_s > 0 else None,
         "allocated_at_s": a.allocated_at_s,
     }

@@ -174,10 +174,6 @@ def test_init_container_and_two_app_containers(vgpu: Daemon) -> None:
     assert {("multi", "main"), ("multi", "helper")} <= names
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a finished init container's allocation stays in /status with no pod or container",
-)
 def test_finished_init_container_allocation_is_not_left_unnamed(vgpu: Daemon) -> None:
     node = vgpu.cluster
     node.create_pod(
