@@ -22,6 +22,9 @@ from typing import Any
 from deviceplugin import __version__
 from deviceplugin.allocation import mps_defaults
 from deviceplugin.config import Config, MpsConfig
+from deviceplugin.dra.driver import DraDriver
+from deviceplugin.dra.kubeapi import LightkubeApi, load_config
+from deviceplugin.dra.settings import DraSettings
 from deviceplugin.enforcer import Enforcer, RecordingControl
 from deviceplugin.errors import StartupError
 from deviceplugin.gpu.backend import GpuBackend, open_backend
@@ -80,6 +83,8 @@ class DaemonSettings:
     # Let a process outside every pod cgroup keep its claimed allocation: only for workloads
     # that are not in pods (the demo, tests); `serve` refuses it outside a fake backend.
     trust_host_processes: bool = False
+    # `--kubelet-api dra`: served as a DRA driver (deviceplugin.dra) instead of device plugins.
+    dra: DraSettings | None = None
 
 
 class Daemon:
@@ -102,6 +107,7 @@ class Daemon:
         )
         # Made in run(): its duty-cycle thread must not outlive a daemon that never ran.
         self.enforcer: Enforcer | None = None
+        self.dra = self._make_dra(settings)
         self.poller = Poller(
             backend,
             cfg,
@@ -109,7 +115,9 @@ class Daemon:
             self.book,
             node_name=settings.node_name,
             health=self.health,
-            checkpoint=CheckpointReader(
+            checkpoint=None
+            if self.dra is not None
+            else CheckpointReader(
                 settings.device_plugin_dir / CHECKPOINT_FILE,
                 lambda: self.resources.names,
             ),
@@ -117,6 +125,7 @@ class Daemon:
             on_poll_duration=self.metrics.observe_poll,
             on_inventory=lambda inventory: self.reconcile_resources(),
             trust_host_processes=settings.trust_host_processes,
+            inventory_view=None if self.dra is None else self.dra.inventory_view,
         )
         # One plugin endpoint per resource; the primary one (resourceName) always exists, and
         # `service` and `lifecycle` are its own.
@@ -215,11 +224,31 @@ class Daemon:
         endpoint.append(ResourceEndpoint(resource_name, inventory, service, lifecycle))
         return endpoint[0]
 
+    def _make_dra(self, settings: DaemonSettings) -> DraDriver | None:
+        if settings.dra is None:
+            return None
+        try:
+            api = LightkubeApi(load_config(settings.dra.kubeconfig))
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+        return DraDriver(
+            settings.dra,
+            lambda: self.settings.config,
+            settings.state_dir,
+            self.book,
+            api,
+            snapshot=lambda: self.poller.snapshot,
+            on_claims_changed=lambda: self.poller.allocated(),  # noqa: PLW0108 (made later)
+        )
+
     def reconcile_resources(self) -> None:
         """Bring the plugin endpoints in line with the current inventory: every resource it
         names is served and registered, with its slices; a resource with no slice left (none
         even held by an allocation) is stopped. Called after every poll; whatever changes the
         inventory (a MIG layout change, a new config) ends here."""
+        if self.dra is not None:
+            self.dra.inventory_changed(self.inventory.value)
+            return
         self.resources.reconcile(self.inventory.value)
 
     # --- optional components: the MPS control daemon and the node feature file ---------------
@@ -311,15 +340,18 @@ class Daemon:
     def health(self) -> DaemonHealth:
         # Registered only when every resource is and holds its stream (a registration that holds
         # no stream counts as none, so /healthz fails in time); unregistered since the earliest.
-        lifecycles = [endpoint.lifecycle for endpoint in self.resources]
+        lifecycles = [] if self.dra is not None else [e.lifecycle for e in self.resources]
         since = [
             t
             for lc in lifecycles
             for t in (lc.unregistered_since_s, lc.unstable_since_s)
             if t > 0 and (not lc.registered or lc.unstable_since_s)
         ]
+        registered = all(lc.registered and not lc.unstable_since_s for lc in lifecycles)
+        if self.dra is not None:
+            registered = self.dra.registered
         return DaemonHealth(
-            registered=all(lc.registered and not lc.unstable_since_s for lc in lifecycles),
+            registered=registered,
             unregistered_since_s=min(since, default=0.0),
             registrations_total=sum(lc.stats.registrations for lc in lifecycles),
             registration_failures_total=sum(lc.stats.registration_failures for lc in lifecycles),
@@ -363,6 +395,11 @@ class Daemon:
         if pid_namespace:
             log.warning("%s", pid_namespace)
         self.enforcer = await asyncio.to_thread(self._start_enforcer)
+        if self.dra is not None:
+            try:
+                self.dra.recover()
+            except (OSError, ValueError) as e:
+                raise StartupError(str(e)) from e
         try:
             try:
                 await self.poller.poll_once()
@@ -384,7 +421,10 @@ class Daemon:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self.poller.run(stop), name="poll")
                 self._tasks, self._stop = tasks, stop
-                tasks.create_task(self.resources.run(stop), name="plugins")
+                if self.dra is not None:
+                    tasks.create_task(self.dra.run(stop), name="dra")
+                else:
+                    tasks.create_task(self.resources.run(stop), name="plugins")
                 if self.settings.config_path is not None:
                     reloader = ConfigReloader(
                         self,
@@ -399,9 +439,10 @@ class Daemon:
                     tasks.create_task(
                         report_hangups_without_a_config(stop, hangup), name="config-reload"
                     )
-                tasks.create_task(
-                    self.tracker.run(stop, self.poller.names_wanted), name="pod-resources"
-                )
+                if self.dra is None:
+                    tasks.create_task(
+                        self.tracker.run(stop, self.poller.names_wanted), name="pod-resources"
+                    )
                 if self.mps is not None:
                     self._supervise_mps(self.mps)
                 if self.node_labels is not None:

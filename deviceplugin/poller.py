@@ -191,6 +191,7 @@ class Poller:
         timeout_s: float | None = None,
         on_inventory: Callable[[Inventory], None] = lambda inventory: None,
         trust_host_processes: bool = False,
+        inventory_view: Callable[[Inventory], Inventory] | None = None,
     ) -> None:
         self._backend = backend
         self._config = config
@@ -215,6 +216,8 @@ class Poller:
         self._enforce = enforce
         self._on_poll_duration = on_poll_duration
         self._on_inventory = on_inventory
+        # DRA mode: the built inventory as the prepared claims make it (deviceplugin.dra).
+        self._inventory_view = inventory_view
         self._interval_s = config.enforcement.poll_interval_s
         self._idle_interval_s = idle_interval_s(config)
         # True after a poll that saw no GPU process while no slice was allocated: the next one
@@ -253,11 +256,14 @@ class Poller:
         if problem is not None:
             raise DeviceListTooLargeError(problem)
         # Held slices that a new plan or a MIG layout change dropped stay, Unhealthy, until freed.
+        built = self._inventories.build(
+            reading, cfg.slicing, mig=cfg.mig, resource_name=cfg.resource_name
+        )
+        if self._inventory_view is not None:
+            built = self._inventory_view(built)
         inventory = keep_held(
             self._inventory.value,
-            self._inventories.build(
-                reading, cfg.slicing, mig=cfg.mig, resource_name=cfg.resource_name
-            ),
+            built,
             (slice_id for record in allocations for slice_id in record.slice_ids),
         )
         pids = {p.pid for gpu in reading.gpus for p in gpu.processes}
