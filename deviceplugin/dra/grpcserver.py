@@ -101,7 +101,9 @@ class _DraService:
                     device_name=d.device_name,
                     cdi_device_ids=list(d.cdi_device_ids),
                 )
-                if d.share_id:
+                # dra.v1beta1 has no share_id: the kubelet speaking it reads the share from
+                # the claim's status.
+                if d.share_id and "share_id" in pb.Device.DESCRIPTOR.fields_by_name:
                     device.share_id = d.share_id
         return response
 

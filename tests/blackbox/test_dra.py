@@ -1,0 +1,261 @@
+"""The daemon as a DRA driver, driven as the kubelet drives it: a fake plugin watcher that
+registers it through its registration socket and calls NodePrepareResources and
+NodeUnprepareResources (dra.v1 and dra.v1beta1) on its own socket, and a small fake API server
+holding the claims and receiving the node's ResourceSlice."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import stat
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from deviceplugin._proto.dra.v1 import api_pb2 as dra_v1
+from deviceplugin._proto.dra.v1 import api_pb2_grpc as dra_v1_grpc
+from deviceplugin._proto.dra.v1beta1 import api_pb2 as dra_v1beta1
+from deviceplugin._proto.dra.v1beta1 import api_pb2_grpc as dra_v1beta1_grpc
+from deviceplugin._proto.pluginregistration.v1 import api_pb2 as reg_pb
+from deviceplugin._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from deviceplugin.app import Daemon
+from deviceplugin.dra.settings import DraSettings
+from deviceplugin.gpu.fake import FakeBackend
+from tests.blackbox.daemon_harness import GiB, Node, eventually, gpu
+from tests.support.fake_apiserver import FakeApiServer, allocated_claim
+
+NODE = "test-node"
+GPU0 = gpu(0, name="NVIDIA A100-PCIE-40GB", memory_gib=40)
+GPU1 = gpu(1, name="NVIDIA L4", memory_gib=24)
+
+
+@pytest.fixture
+def api() -> Iterator[FakeApiServer]:
+    server = FakeApiServer()
+    server.nodes[NODE] = {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": NODE, "uid": "node-uid"},
+    }
+    server.start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Node:
+    return Node(tmp_path, [GPU0, GPU1])
+
+
+def _dra(node: Node, api: FakeApiServer) -> DraSettings:
+    return DraSettings(
+        node_name=NODE,
+        kubelet_root_dir=node.root / "kubelet",
+        cdi_dir=node.root / "cdi",
+        kubeconfig=api.kubeconfig(node.root / "kubeconfig"),
+    )
+
+
+@contextlib.asynccontextmanager
+async def dra_daemon(node: Node, api: FakeApiServer) -> AsyncIterator[Daemon]:
+    settings = dataclasses.replace(node.settings(), dra=_dra(node, api))
+    backend = FakeBackend(node.state_file)
+    daemon = Daemon(settings, backend)
+    stop = asyncio.Event()
+    task = asyncio.create_task(daemon.run(stop))
+    try:
+        yield daemon
+        assert not task.done(), f"daemon exited early: {task}"
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        backend.close()
+
+
+async def _register(settings: DraSettings) -> reg_pb.PluginInfo:
+    """What the kubelet's plugin watcher does with a new socket in plugins_registry/."""
+    await eventually(settings.registration_socket.exists, timeout_s=10)
+    async with grpc.aio.insecure_channel(f"unix://{settings.registration_socket}") as channel:
+        stub = reg_grpc.RegistrationStub(channel)
+        info: reg_pb.PluginInfo = await stub.GetInfo(reg_pb.InfoRequest())
+        await stub.NotifyRegistrationStatus(reg_pb.RegistrationStatus(plugin_registered=True))
+    return info
+
+
+def _claim(uid: str, memory: str, compute: str, device: str = "gpu-0", **kw: Any) -> dict[str, Any]:
+    return allocated_claim(
+        f"claim-{uid}",
+        uid,
+        NODE,
+        [
+            {
+                "request": "gpu",
+                "device": device,
+                "consumedCapacity": {"memory": memory, "compute": compute},
+                "shareID": f"share-{uid}",
+            }
+        ],
+        **kw,
+    )
+
+
+def _ref(pb: Any, uid: str) -> Any:
+    return pb.Claim(namespace="default", uid=uid, name=f"claim-{uid}")
+
+
+async def _prepare(socket: Path, uid: str, *, beta: bool = False) -> Any:
+    pb, grpc_mod = (dra_v1beta1, dra_v1beta1_grpc) if beta else (dra_v1, dra_v1_grpc)
+    async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
+        stub = grpc_mod.DRAPluginStub(channel)
+        response = await stub.NodePrepareResources(
+            pb.NodePrepareResourcesRequest(claims=[_ref(pb, uid)])
+        )
+    return response.claims[uid]
+
+
+async def _unprepare(socket: Path, uid: str) -> str:
+    async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
+        stub = dra_v1_grpc.DRAPluginStub(channel)
+        response = await stub.NodeUnprepareResources(
+            dra_v1.NodeUnprepareResourcesRequest(claims=[_ref(dra_v1, uid)])
+        )
+    return str(response.claims[uid].error)
+
+
+def _spec(node: Node, uid: str) -> Path:
+    return node.root / "cdi" / f"vgpu.dev-claim_{uid}.json"
+
+
+def _env(spec: Path) -> dict[str, str]:
+    doc = json.loads(spec.read_text())
+    return dict(e.split("=", 1) for e in doc["devices"][0]["containerEdits"]["env"])
+
+
+async def test_registers_publishes_its_slice_and_prepares_a_claim(
+    node: Node, api: FakeApiServer
+) -> None:
+    settings = _dra(node, api)
+    async with dra_daemon(node, api) as daemon:
+        info = await _register(settings)
+        assert info.type == "DRAPlugin"
+        assert info.name == "vgpu.dev"
+        assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+        assert info.endpoint == str(settings.service_socket)
+        for sock in (settings.service_socket, settings.registration_socket):
+            assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
+        await eventually(lambda: daemon.dra is not None and daemon.dra.registered)
+
+        await eventually(lambda: len(api.slice_list()) == 1, timeout_s=10)
+        published = api.slice_list()[0]
+        assert published["spec"]["nodeName"] == NODE
+        assert published["spec"]["pool"]["name"] == NODE
+        assert published["metadata"]["ownerReferences"][0]["uid"] == "node-uid"
+        devices = {d["name"]: d for d in published["spec"]["devices"]}
+        assert set(devices) == {"gpu-0", "gpu-1"}
+        assert devices["gpu-0"]["capacity"]["memory"]["value"] == str(40 * GiB)
+        assert devices["gpu-0"]["capacity"]["compute"]["value"] == "100"
+        assert devices["gpu-1"]["attributes"]["productName"] == {"string": "NVIDIA L4"}
+
+        api.put_claim(_claim("u-15", "15Gi", "30"))
+        answer = await _prepare(settings.service_socket, "u-15")
+        assert answer.error == ""
+        (device,) = answer.devices
+        assert device.device_name == "gpu-0"
+        assert device.pool_name == NODE
+        assert list(device.request_names) == ["gpu"]
+        assert device.share_id == "share-u-15"
+        assert list(device.cdi_device_ids) == ["vgpu.dev/claim=u-15", f"nvidia.com/gpu={GPU0.uuid}"]
+        spec = _spec(node, "u-15")
+        assert stat.S_IMODE(os.stat(spec).st_mode) == 0o600
+        env = _env(spec)
+        assert env["NVIDIA_VISIBLE_DEVICES"] == GPU0.uuid
+        assert env["VGPU_MEMORY_LIMIT_MIB_0"] == str(15 * 1024)
+        assert env["VGPU_COMPUTE_SHARE_PERCENT_0"] == "30"
+        allocation = env["VGPU_ALLOCATION_ID"]
+
+        def container_limits() -> tuple[int, float] | None:
+            snapshot = daemon.poller.snapshot
+            for c in snapshot.containers if snapshot else ():
+                if c.allocation_id == allocation:
+                    return c.memory_limit_bytes, c.compute_share_ratio
+            return None
+
+        # The claim is an allocation like any other: limited to what it consumed.
+        await eventually(lambda: container_limits() == (15 * GiB, 0.3), what="claim's limits")
+        records = {r.allocation_id: r for r in daemon.book}
+        assert records[allocation].pod == "pod-1"
+        assert records[allocation].namespace == "default"
+
+        # Prepared twice (a kubelet retry): the same answer, from the checkpoint.
+        again = await _prepare(settings.service_socket, "u-15", beta=True)
+        assert list(again.devices[0].cdi_device_ids) == list(device.cdi_device_ids)
+
+        assert await _unprepare(settings.service_socket, "u-15") == ""
+        assert not spec.exists()
+        assert allocation not in {r.allocation_id for r in daemon.book}
+        # Unprepared twice: still fine.
+        assert await _unprepare(settings.service_socket, "u-15") == ""
+        await eventually(lambda: container_limits() is None, what="the claim gone")
+
+
+async def test_a_claim_not_for_this_node_is_refused_with_its_reason(
+    node: Node, api: FakeApiServer
+) -> None:
+    settings = _dra(node, api)
+    async with dra_daemon(node, api):
+        await _register(settings)
+        claim = _claim("u-x", "1Gi", "10")
+        claim["status"]["allocation"]["devices"]["results"][0]["pool"] = "other-node"
+        api.put_claim(claim)
+        answer = await _prepare(settings.service_socket, "u-x")
+        assert "other-node" in answer.error
+        assert not _spec(node, "u-x").exists()
+        missing = await _prepare(settings.service_socket, "u-missing")
+        assert "claim-u-missing" in missing.error
+
+
+async def test_a_prepared_claim_survives_a_daemon_restart(node: Node, api: FakeApiServer) -> None:
+    settings = _dra(node, api)
+    async with dra_daemon(node, api):
+        await _register(settings)
+        api.put_claim(_claim("u-25", "25Gi", "50"))
+        first = await _prepare(settings.service_socket, "u-25")
+        assert first.error == ""
+    # The claim is gone from the API server: what the new daemon answers comes from its
+    # checkpoint, and the claim is held to its memory from the first poll.
+    api.claims.clear()
+    async with dra_daemon(node, api) as daemon:
+        await _register(settings)
+        again = await _prepare(settings.service_socket, "u-25")
+        assert again.error == ""
+        assert list(again.devices[0].cdi_device_ids) == list(first.devices[0].cdi_device_ids)
+        env = _env(_spec(node, "u-25"))
+        assert env["VGPU_MEMORY_LIMIT_MIB_0"] == str(25 * 1024)
+        assert env["VGPU_ALLOCATION_ID"] in {r.allocation_id for r in daemon.book}
+        assert await _unprepare(settings.service_socket, "u-25") == ""
+        assert not _spec(node, "u-25").exists()
+
+
+async def test_an_unhealthy_gpu_is_tainted_in_the_slice(node: Node, api: FakeApiServer) -> None:
+    settings = _dra(node, api)
+    async with dra_daemon(node, api):
+        await _register(settings)
+        await eventually(lambda: len(api.slice_list()) == 1, timeout_s=10)
+        node.write_gpus([dataclasses.replace(GPU0, healthy=False), GPU1])
+
+        def taints() -> dict[str, Any]:
+            devices = api.slice_list()[0]["spec"]["devices"]
+            return {d["name"]: d.get("taints") for d in devices}
+
+        await eventually(lambda: taints()["gpu-0"] is not None, timeout_s=10)
+        assert taints() == {
+            "gpu-0": [{"key": "vgpu.dev/unhealthy", "effect": "NoSchedule"}],
+            "gpu-1": None,
+        }
+        assert api.slice_list()[0]["spec"]["pool"]["generation"] == 2
