@@ -8,6 +8,7 @@ Every call raises `ApiCallError` naming the object and the server's answer.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -18,6 +19,9 @@ from lightkube.resources.core_v1 import Node
 from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
 
 FIELD_MANAGER = "vgpu"
+
+# httpx logs every request at INFO: the driver logs what it did itself.
+logging.getLogger("httpx2").setLevel(logging.WARNING)
 
 
 class ApiCallError(Exception):
