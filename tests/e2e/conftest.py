@@ -1,0 +1,52 @@
+"""Fixtures for the end-to-end tests: one real cluster per test module (see harness.py).
+
+Without VGPU_E2E_K8S_BUNDLE every test here skips, saying so. With it, a cluster that does not
+come up is an error of every test in the module, never a skip."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests.e2e.harness import BUNDLE_ENV, Bundle, Cluster, Runtime, resolve_bundle
+
+
+def bundle() -> Bundle:
+    spec = os.environ.get(BUNDLE_ENV)
+    if not spec:
+        pytest.skip(
+            f"{BUNDLE_ENV} is not set: name a Kubernetes v1.36.2 bundle (tarball or directory) "
+            "to run the end-to-end tests on a real node"
+        )
+    if os.geteuid() != 0:
+        pytest.fail(f"{BUNDLE_ENV} is set, but the end-to-end cluster needs root (namespaces)")
+    return resolve_bundle(spec)
+
+
+@pytest.fixture(scope="module")
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """A fresh one-node cluster for the module. The module may set RUNTIME = "fakecri" (or
+    "containerd"); the default takes containerd + runc when installed."""
+    runtime: Runtime = getattr(request.module, "RUNTIME", "auto")
+    with Cluster.start(bundle(), runtime) as c:
+        yield c
+
+
+@pytest.fixture
+def node(cluster: Cluster) -> Iterator[Cluster]:
+    """The module's cluster, cleaned after the test: every pod deleted, every vgpu daemon the
+    test started stopped, the kubelet running again."""
+    before = len(cluster.daemons)
+    try:
+        yield cluster
+    finally:
+        for daemon in cluster.daemons[before:]:
+            daemon.kill()
+        if len(cluster.daemons) > before:
+            cluster.wait_no_extended_resources()
+        kubelet = cluster.components.get("kubelet")
+        if kubelet is not None and not kubelet.alive():
+            cluster.start_kubelet()
+        cluster.delete_all_pods()
