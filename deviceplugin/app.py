@@ -29,7 +29,13 @@ from deviceplugin.enforcer import Enforcer, RecordingControl
 from deviceplugin.errors import StartupError
 from deviceplugin.gpu.backend import GpuBackend, open_backend
 from deviceplugin.gpu.mps import MpsControlDaemon
-from deviceplugin.kubelet.checkpoint import CHECKPOINT_FILE, CheckpointReader
+from deviceplugin.kubelet.checkpoint import (
+    CHECKPOINT_FILE,
+    CheckpointEntry,
+    CheckpointReader,
+    DeviceCheckpoint,
+    normalize_pod_uid,
+)
 from deviceplugin.kubelet.lifecycle import PluginLifecycle
 from deviceplugin.kubelet.limits import device_list_problem
 from deviceplugin.kubelet.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
@@ -115,7 +121,7 @@ class Daemon:
             self.book,
             node_name=settings.node_name,
             health=self.health,
-            checkpoint=None
+            checkpoint=_ClaimEvidence(self.dra)
             if self.dra is not None
             else CheckpointReader(
                 settings.device_plugin_dir / CHECKPOINT_FILE,
@@ -461,6 +467,22 @@ class Daemon:
                 if self.http is not None:
                     self.http.stop()
         log.info("stopped")
+
+
+class _ClaimEvidence:
+    """DRA mode's attribution evidence: the prepared claims and the pods they are reserved for,
+    in the shape of the kubelet's device checkpoint."""
+
+    def __init__(self, dra: DraDriver) -> None:
+        self._dra = dra
+
+    def read(self) -> DeviceCheckpoint:
+        return DeviceCheckpoint.of(
+            tuple(
+                CheckpointEntry(normalize_pod_uid(pod), "", allocation, slices, gpus)
+                for pod, allocation, slices, gpus in self._dra.claim_owners()
+            )
+        )
 
 
 def _set_on_done(event: asyncio.Event, _: asyncio.Future[Any]) -> None:

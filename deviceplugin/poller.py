@@ -21,13 +21,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from deviceplugin.config import Config
 from deviceplugin.errors import BackendError
 from deviceplugin.gpu.backend import GpuBackend, no_wake
 from deviceplugin.incremental import InventoryCache
-from deviceplugin.kubelet.checkpoint import CheckpointReader
+from deviceplugin.kubelet.checkpoint import DeviceCheckpoint
 from deviceplugin.kubelet.limits import DeviceListTooLargeError, device_list_problem
 from deviceplugin.model import (
     AllocationRecord,
@@ -158,6 +158,13 @@ def _set_exception(future: asyncio.Future[Any], error: BaseException) -> None:
         future.set_exception(error)
 
 
+class CheckpointSource(Protocol):
+    """Who holds which allocation, as attribution evidence: the kubelet's device checkpoint
+    (`CheckpointReader`), or in DRA mode the prepared claims and their pods."""
+
+    def read(self) -> DeviceCheckpoint: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Tick:
     """What one poll produced, off the event loop."""
@@ -185,7 +192,7 @@ class Poller:
         node_name: str = "",
         health: Callable[[], DaemonHealth] = DaemonHealth,
         resolver: AllocationResolver | None = None,
-        checkpoint: CheckpointReader | None = None,
+        checkpoint: CheckpointSource | None = None,
         enforce: Callable[[NodeSnapshot], NodeSnapshot] = lambda snapshot: snapshot,
         on_poll_duration: Callable[[float], None] = lambda seconds: None,
         timeout_s: float | None = None,

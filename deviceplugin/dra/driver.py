@@ -119,6 +119,19 @@ class DraDriver:
             self._built, self.settings.policy, self.settings.driver_name, self._reasons()
         )
 
+    def claim_owners(self) -> list[tuple[str, str, tuple[str, ...], frozenset[str]]]:
+        """(pod UID, allocation ID, slice IDs, GPU UUIDs) for each pod a prepared claim is
+        reserved for: attribution's evidence in DRA mode (a claim from a process outside those
+        pods is refused). Read by the poll worker."""
+        owners = []
+        for claim in self._claims:
+            record = claim_record(claim)
+            for _, pod_uid in claim.pods:
+                owners.append(
+                    (pod_uid, record.allocation_id, record.slice_ids, frozenset(claim.gpu_uuids))
+                )
+        return owners
+
     @property
     def registered(self) -> bool:
         return self.servers.registration.registered

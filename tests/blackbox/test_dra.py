@@ -26,8 +26,8 @@ from deviceplugin._proto.pluginregistration.v1 import api_pb2 as reg_pb
 from deviceplugin._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from deviceplugin.app import Daemon
 from deviceplugin.dra.settings import DraSettings
-from deviceplugin.gpu.fake import FakeBackend
-from tests.blackbox.daemon_harness import GiB, Node, eventually, gpu
+from deviceplugin.gpu.fake import FakeBackend, FakeProcess
+from tests.blackbox.daemon_harness import GiB, Node, Workloads, eventually, gpu, with_processes
 from tests.support.fake_apiserver import FakeApiServer, allocated_claim
 
 NODE = "test-node"
@@ -259,3 +259,48 @@ async def test_an_unhealthy_gpu_is_tainted_in_the_slice(node: Node, api: FakeApi
             "gpu-1": None,
         }
         assert api.slice_list()[0]["spec"]["pool"]["generation"] == 2
+
+
+async def test_a_claim_is_held_to_the_memory_it_consumed_and_its_neighbour_is_not(
+    node: Node, api: FakeApiServer
+) -> None:
+    settings = _dra(node, api)
+    workloads = Workloads()
+    try:
+        async with dra_daemon(node, api) as daemon:
+            await _register(settings)
+            api.put_claim(_claim("u-15", "15Gi", "30"))
+            api.put_claim(_claim("u-25", "25Gi", "70", pod="pod-2"))
+            for uid in ("u-15", "u-25"):
+                assert (await _prepare(settings.service_socket, uid)).error == ""
+            small = workloads.spawn(_env(_spec(node, "u-15")))
+            big = workloads.spawn(_env(_spec(node, "u-25")))
+            # 16Gi against a claim of 15Gi: over; 20Gi against 25Gi: within.
+            node.write_gpus(
+                [
+                    with_processes(
+                        GPU0, FakeProcess(small, 16 * GiB, 10), FakeProcess(big, 20 * GiB, 10)
+                    ),
+                    GPU1,
+                ]
+            )
+            await eventually(lambda: not _alive(small), 15, "the over-claim process killed")
+            assert _alive(big)
+            snapshot = daemon.poller.snapshot
+            assert snapshot is not None
+            kills = [
+                (e.namespace, e.pod, e.count)
+                for e in snapshot.enforcement
+                if e.kind == "memory" and e.action == "kill"
+            ]
+            assert kills == [("default", "pod-1", 1)]
+    finally:
+        workloads.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
