@@ -245,6 +245,7 @@ class Daemon:
             api,
             snapshot=lambda: self.poller.snapshot,
             on_claims_changed=lambda: self.poller.allocated(),  # noqa: PLW0108 (made later)
+            pod_resources_socket=settings.pod_resources_socket,
         )
 
     def reconcile_resources(self) -> None:

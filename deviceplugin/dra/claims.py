@@ -277,8 +277,9 @@ def claim_slices(claim: PreparedClaim, healthy: bool = True) -> list[Slice]:
     ]
 
 
-def claim_record(claim: PreparedClaim) -> AllocationRecord:
-    """The claim in the allocation book: its pod's names, its claim-slices."""
+def claim_record(claim: PreparedClaim, container: str = "") -> AllocationRecord:
+    """The claim in the allocation book: its pod's names (the container where pod-resources
+    has named it; several containers sharing a claim are joined with commas), its slices."""
     pod = claim.pods[0][0] if claim.pods else ""
     return AllocationRecord(
         allocation_id=claim.allocation_id,
@@ -286,7 +287,7 @@ def claim_record(claim: PreparedClaim) -> AllocationRecord:
         allocated_at_s=claim.prepared_at_s,
         namespace=claim.namespace,
         pod=pod,
-        container="",
+        container=container,
     )
 
 

@@ -25,6 +25,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from deviceplugin.config import Config
 from deviceplugin.dra import cdi
 from deviceplugin.dra.claims import (
@@ -44,11 +46,12 @@ from deviceplugin.dra.grpcserver import (
     PrepareResult,
 )
 from deviceplugin.dra.kubeapi import ApiCallError, KubeApi
+from deviceplugin.dra.podresources import claim_containers
 from deviceplugin.dra.settings import DraSettings, GpuCdi
 from deviceplugin.dra.slices import build_devices, build_slice, device_plans, inventory_health
 from deviceplugin.dra.slices import device_name as plan_device_name
 from deviceplugin.dra.store import ClaimStore
-from deviceplugin.model import Inventory, NodeSnapshot
+from deviceplugin.model import AllocationRecord, Inventory, NodeSnapshot
 from deviceplugin.state import AllocationBook
 
 log = logging.getLogger(__name__)
@@ -69,6 +72,7 @@ class DraDriver:
         *,
         snapshot: Callable[[], NodeSnapshot | None] = lambda: None,
         on_claims_changed: Callable[[], None] = lambda: None,
+        pod_resources_socket: Path | None = None,
     ) -> None:
         self.settings = settings
         # The daemon's current config (a reload replaces it): new claims get its env settings.
@@ -90,9 +94,14 @@ class DraDriver:
             settings.driver_name,
             settings.service_socket,
             settings.registration_socket,
+            on_registered=self._publish.set,
         )
         self.slice_writes = 0
         self.slice_failures = 0
+        # Container names of prepared claims, by claim UID, from pod-resources.
+        self._pod_resources = pod_resources_socket
+        self._containers: dict[str, str] = {}
+        self._names_wanted = asyncio.Event()
 
     # --- the poll's view -------------------------------------------------------------------
 
@@ -140,8 +149,12 @@ class DraDriver:
 
     def _claims_changed(self) -> None:
         self._claims = tuple(self.store)
-        self._book.sync([claim_record(c) for c in self._claims], now_s=time.time(), grace_s=0.0)
+        self._book.sync(self._records(), now_s=time.time(), grace_s=0.0)
+        self._names_wanted.set()
         self._on_claims_changed()
+
+    def _records(self) -> list[AllocationRecord]:
+        return [claim_record(c, self._containers.get(c.uid, "")) for c in self._claims]
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, PrepareResult]:
         results: dict[str, PrepareResult] = {}
@@ -340,12 +353,85 @@ class DraDriver:
         self.store.load()
         self._claims = tuple(self.store)
         if self._claims:
-            self._book.sync([claim_record(c) for c in self._claims], now_s=time.time(), grace_s=0.0)
+            self._book.sync(self._records(), now_s=time.time(), grace_s=0.0)
+
+    async def _watch_slice(self, stop: asyncio.Event) -> None:
+        """Publish again when our slice is deleted behind our back (a kubelet that starts wipes
+        its node's slices; an operator's kubectl delete)."""
+        s = self.settings
+        delay = RETRY_FIRST_S
+        while not stop.is_set():
+            try:
+                async for kind, name in self._api.watch_slices(s.node_name, s.driver_name):
+                    delay = RETRY_FIRST_S
+                    if kind == "DELETED":
+                        log.info(
+                            "ResourceSlice deleted by someone else; publishing again name=%s", name
+                        )
+                        self._published = None
+                        self._publish.set()
+            except ApiCallError as e:
+                log.info("ResourceSlice watch ended; watching again in %.1fs: %s", delay, e)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+            delay = min(delay * 2, RETRY_MAX_S)
+
+    async def _name_containers(self, stop: asyncio.Event) -> None:
+        """Name each prepared claim's containers from pod-resources: asked after every change
+        of the claims, again every second while a claim has no name yet."""
+        if self._pod_resources is None:
+            return
+        warned = False
+        while not stop.is_set():
+            self._names_wanted.clear()
+            unnamed = [c for c in self._claims if c.uid not in self._containers]
+            if unnamed:
+                try:
+                    users = await claim_containers(self._pod_resources, self.settings.driver_name)
+                    warned = False
+                except grpc.aio.AioRpcError as e:
+                    users = {}
+                    if not warned:
+                        log.warning(
+                            "pod-resources not answering; claims keep their pod but not their "
+                            "container names socket=%s error=%s",
+                            self._pod_resources,
+                            e.code().name,
+                        )
+                        warned = True
+                named = False
+                for claim in unnamed:
+                    found = users.get((claim.namespace, claim.name))
+                    if found:
+                        self._containers[claim.uid] = ",".join(c for _, c in found)
+                        named = True
+                known = {c.uid for c in self._claims}
+                self._containers = {u: n for u, n in self._containers.items() if u in known}
+                if named:
+                    self._book.sync(self._records(), now_s=time.time(), grace_s=0.0)
+            waiter = asyncio.ensure_future(self._names_wanted.wait())
+            stopper = asyncio.ensure_future(stop.wait())
+            try:
+                still = any(c.uid not in self._containers for c in self._claims)
+                await asyncio.wait(
+                    {waiter, stopper},
+                    timeout=1.0 if still else None,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                waiter.cancel()
+                stopper.cancel()
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.servers.start()
         try:
-            await self._publish_loop(stop)
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._name_containers(stop), name="dra-names")
+                watch = tasks.create_task(self._watch_slice(stop), name="dra-watch")
+                try:
+                    await self._publish_loop(stop)
+                finally:
+                    watch.cancel()
         finally:
             await self.servers.stop()
             await self._api.close()

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import os
 import stat
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -149,10 +149,17 @@ class RegistrationState:
 
 
 class _RegistrationService:
-    def __init__(self, driver_name: str, endpoint: Path, state: RegistrationState) -> None:
+    def __init__(
+        self,
+        driver_name: str,
+        endpoint: Path,
+        state: RegistrationState,
+        on_registered: Callable[[], None],
+    ) -> None:
         self._driver = driver_name
         self._endpoint = endpoint
         self._state = state
+        self._on_registered = on_registered
 
     async def GetInfo(self, request: Any, context: Any) -> Any:  # noqa: N802
         self._state.info_requests += 1
@@ -170,6 +177,8 @@ class _RegistrationService:
         state.error = request.error
         if state.registered:
             log.info("registered with the kubelet driver=%s", self._driver)
+            # A kubelet that starts removes its node's ResourceSlices: publish again.
+            self._on_registered()
         else:
             log.error(
                 "the kubelet refused the registration driver=%s error=%s",
@@ -205,8 +214,14 @@ class PluginServers:
     """The driver's service socket and its registration socket, served until `stop`."""
 
     def __init__(
-        self, preparer: Preparer, driver_name: str, service_socket: Path, registration_socket: Path
+        self,
+        preparer: Preparer,
+        driver_name: str,
+        service_socket: Path,
+        registration_socket: Path,
+        on_registered: Callable[[], None] = lambda: None,
     ) -> None:
+        self._on_registered = on_registered
         self.preparer = preparer
         self.driver_name = driver_name
         self.service_socket = service_socket
@@ -234,7 +249,7 @@ class PluginServers:
         registration = grpc.aio.server()
         reg_grpc.add_RegistrationServicer_to_server(
             _RegistrationService(  # type: ignore[arg-type]
-                self.driver_name, self.service_socket, self.registration
+                self.driver_name, self.service_socket, self.registration, self._on_registered
             ),
             registration,
         )

@@ -9,6 +9,7 @@ Every call raises `ApiCallError` naming the object and the server's answer.
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,6 +40,7 @@ class KubeApi(Protocol):
     async def create_slice(self, obj: dict[str, Any]) -> dict[str, Any]: ...
     async def replace_slice(self, obj: dict[str, Any]) -> dict[str, Any]: ...
     async def delete_slice(self, name: str) -> None: ...
+    def watch_slices(self, node_name: str, driver_name: str) -> AsyncIterator[tuple[str, str]]: ...
     async def close(self) -> None: ...
 
 
@@ -112,6 +114,23 @@ class LightkubeApi:
 
     async def delete_slice(self, name: str) -> None:
         await self._call(f"delete ResourceSlice {name}", self._client.delete(ResourceSlice, name))
+
+    async def watch_slices(
+        self, node_name: str, driver_name: str
+    ) -> AsyncIterator[tuple[str, str]]:
+        """(event type, slice name) for every change of this node's slices of the driver; ends
+        (ApiCallError) when the watch breaks."""
+        fields: dict[str, Any] = {"spec.nodeName": node_name, "spec.driver": driver_name}
+        try:
+            async for kind, obj in self._client.watch(ResourceSlice, fields=fields):
+                name = obj.metadata.name if obj.metadata is not None else None
+                yield kind, str(name or "")
+        except ApiError as e:
+            raise ApiCallError(
+                f"watch ResourceSlices: {e.status.message}", int(e.status.code or 0)
+            ) from None
+        except httpx2.HTTPError as e:
+            raise ApiCallError(f"watch ResourceSlices: API server not answering: {e}") from None
 
     async def close(self) -> None:
         await self._client.close()

@@ -307,3 +307,16 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+async def test_a_slice_deleted_by_someone_else_is_published_again(
+    node: Node, api: FakeApiServer
+) -> None:
+    settings = _dra(node, api)
+    async with dra_daemon(node, api):
+        await _register(settings)
+        await eventually(lambda: len(api.slice_list()) == 1 and api.watches > 0, timeout_s=10)
+        name = api.slice_list()[0]["metadata"]["name"]
+        api.delete_slice(name)
+        await eventually(lambda: len(api.slice_list()) == 1, timeout_s=10, what="the slice back")
+        assert api.slice_list()[0]["metadata"]["name"] == name

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from deviceplugin.gpu.fake import FakeState
+from deviceplugin.gpu.fake import FakeMigDevice, FakeState
 from tests.blackbox.daemon_harness import gpu
 from tests.e2e.harness import RESOURCE, Cluster, Daemon, pod_manifest, wait_until
 from tests.e2e.netns import ApiError
@@ -229,6 +229,9 @@ def test_the_claim_shows_in_status_and_metrics_with_its_pod(node: Cluster, dra: 
 
     record = wait_until(listed, timeout_s=20, what="the claim in /status")
     assert (record["namespace"], record["pod"]) == (NS, "seen")
+    # The container comes from the kubelet's pod-resources DRA entries.
+    wait_until(lambda: (listed() or {}).get("container") == "main", timeout_s=20,
+               what="the claim's container named")  # fmt: skip
 
 
 def test_sigkill_between_prepare_and_unprepare_loses_nothing(node: Cluster, dra: Daemon) -> None:
@@ -280,6 +283,48 @@ def test_unhealthy_gpu_is_tainted_and_the_next_pod_waits(node: Cluster, dra: Dae
     wait_until(lambda: not the_slice(node)["spec"]["devices"][0].get("taints"), timeout_s=20,
                what="the taint removed")  # fmt: skip
     node.wait_running("after-taint")
+
+
+MIG_GPU = dataclasses.replace(
+    gpu(1, name="NVIDIA A100-SXM4-80GB", memory_gib=80),
+    mig_enabled=True,
+    mig_devices=(FakeMigDevice("MIG-e2e-1", 1, 0, "3g.40gb", 40 * GiB),),
+    mig_block=True,
+)
+
+
+def test_mig_devices_are_devices_of_the_slice(node: Cluster, dra: Daemon) -> None:
+    dra.write_config(CONFIG + "mig: {strategy: single}\n")
+    node.write_gpus(FakeState(gpus=(GPU, MIG_GPU)))
+    try:
+
+        def devices() -> dict[str, Any]:
+            return {d["name"]: d for d in the_slice(node)["spec"]["devices"]}
+
+        wait_until(lambda: "gpu-1-mig-1-0" in devices(), timeout_s=30, what="the MIG device")
+        mig = devices()["gpu-1-mig-1-0"]
+        assert mig["attributes"]["type"] == {"string": "mig"}
+        assert mig["attributes"]["migProfile"] == {"string": "3g.40gb"}
+        assert mig["attributes"]["parentUUID"] == {"string": MIG_GPU.uuid}
+        assert mig["capacity"]["memory"]["value"] == str(40 * GiB)
+        assert "gpu-1" not in devices()  # a GPU in MIG mode is its MIG devices
+    finally:
+        dra.write_config(CONFIG)
+        node.write_gpus(GPUS)
+    wait_until(lambda: len(the_slice(node)["spec"]["devices"]) == 1, timeout_s=30,
+               what="the slice back to one GPU")  # fmt: skip
+
+
+def test_a_kubelet_restart_keeps_claims_and_prepares_new_ones(node: Cluster, dra: Daemon) -> None:
+    node.create_pod(claim_pod("before", "m5-c5"))
+    node.wait_running("before")
+    node.restart_kubelet()
+    node.wait_node_ready()
+    wait_until(lambda: dra.status()["health"]["registered"], timeout_s=30, what="registered")
+    node.create_pod(claim_pod("after", "m5-c5"))
+    node.wait_running("after")
+    node.wait_running("before")
+    assert len(spec_files(node)) == 2
 
 
 def _create_to_running(node: Cluster, make: Any, n: int = 5) -> list[float]:

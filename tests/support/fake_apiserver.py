@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import queue
 import threading
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,6 +23,8 @@ class FakeApiServer:
         self.nodes: dict[str, dict[str, Any]] = {}
         self.requests: list[tuple[str, str]] = []
         self.fail_writes = False
+        self._watchers: list[queue.Queue[dict[str, Any] | None]] = []
+        self.watches = 0
         self._lock = threading.Lock()
         self._versions = itertools.count(1)
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -36,6 +39,9 @@ class FakeApiServer:
         self._thread.start()
 
     def close(self) -> None:
+        with self._lock:
+            for watcher in self._watchers:
+                watcher.put(None)
         self._server.shutdown()
         self._server.server_close()
 
@@ -58,6 +64,13 @@ class FakeApiServer:
         meta = claim["metadata"]
         with self._lock:
             self.claims[(meta["namespace"], meta["name"])] = claim
+
+    def delete_slice(self, name: str) -> None:
+        """Delete a slice as someone else would (a kubelet that starts, an operator)."""
+        with self._lock:
+            obj = self.slices.pop(name)
+            for watcher in self._watchers:
+                watcher.put({"type": "DELETED", "object": obj})
 
     def slice_list(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -91,6 +104,27 @@ class FakeApiServer:
                     },
                 )
 
+            def _watch(self) -> None:
+                events: queue.Queue[dict[str, Any] | None] = queue.Queue()
+                with fake._lock:
+                    fake._watchers.append(events)
+                    fake.watches += 1
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                try:
+                    while (event := events.get()) is not None:
+                        line = json.dumps(event).encode() + b"\n"
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                        self.wfile.flush()
+                    self.wfile.write(b"0\r\n\r\n")
+                except OSError:
+                    pass
+                finally:
+                    with fake._lock:
+                        fake._watchers.remove(events)
+
             def _body(self) -> dict[str, Any]:
                 length = int(self.headers.get("Content-Length") or 0)
                 body: dict[str, Any] = json.loads(self.rfile.read(length) or b"{}")
@@ -101,6 +135,9 @@ class FakeApiServer:
                 path = url.path
                 with fake._lock:
                     fake.requests.append((method, path))
+                if method == "GET" and path == SLICES and "watch=true" in url.query:
+                    self._watch()
+                    return
                 if method != "GET" and fake.fail_writes:
                     self._status(503, "ServiceUnavailable", "writes refused by the test")
                     return
