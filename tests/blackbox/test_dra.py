@@ -22,6 +22,8 @@ from deviceplugin._proto.dra.v1 import api_pb2 as dra_v1
 from deviceplugin._proto.dra.v1 import api_pb2_grpc as dra_v1_grpc
 from deviceplugin._proto.dra.v1beta1 import api_pb2 as dra_v1beta1
 from deviceplugin._proto.dra.v1beta1 import api_pb2_grpc as dra_v1beta1_grpc
+from deviceplugin._proto.drahealth.v1alpha1 import api_pb2 as health_pb
+from deviceplugin._proto.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from deviceplugin._proto.pluginregistration.v1 import api_pb2 as reg_pb
 from deviceplugin._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from deviceplugin.app import Daemon
@@ -320,3 +322,26 @@ async def test_a_slice_deleted_by_someone_else_is_published_again(
         api.delete_slice(name)
         await eventually(lambda: len(api.slice_list()) == 1, timeout_s=10, what="the slice back")
         assert api.slice_list()[0]["metadata"]["name"] == name
+
+
+async def test_the_health_stream_reports_a_gpu_turning_unhealthy(
+    node: Node, api: FakeApiServer
+) -> None:
+    settings = _dra(node, api)
+    async with dra_daemon(node, api):
+        await _register(settings)
+        async with grpc.aio.insecure_channel(f"unix://{settings.service_socket}") as channel:
+            stub = health_grpc.DRAResourceHealthStub(channel)
+            stream = stub.NodeWatchResources(health_pb.NodeWatchResourcesRequest())
+            first = await asyncio.wait_for(stream.read(), 10)
+            health = {d.device.device_name: d.health for d in first.devices}
+            assert health == {"gpu-0": health_pb.HEALTHY, "gpu-1": health_pb.HEALTHY}
+            assert {d.device.pool_name for d in first.devices} == {NODE}
+            node.write_gpus([dataclasses.replace(GPU0, healthy=False), GPU1])
+            while True:
+                update = await asyncio.wait_for(stream.read(), 10)
+                health = {d.device.device_name: d.health for d in update.devices}
+                if health["gpu-0"] == health_pb.UNHEALTHY:
+                    break
+            assert health["gpu-1"] == health_pb.HEALTHY
+            stream.cancel()
