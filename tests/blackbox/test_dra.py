@@ -65,8 +65,12 @@ def _dra(node: Node, api: FakeApiServer) -> DraSettings:
 
 
 @contextlib.asynccontextmanager
-async def dra_daemon(node: Node, api: FakeApiServer) -> AsyncIterator[Daemon]:
-    settings = dataclasses.replace(node.settings(), dra=_dra(node, api))
+async def dra_daemon(
+    node: Node, api: FakeApiServer, *, trust_host_processes: bool = True
+) -> AsyncIterator[Daemon]:
+    settings = dataclasses.replace(
+        node.settings(), dra=_dra(node, api), trust_host_processes=trust_host_processes
+    )
     backend = FakeBackend(node.state_file)
     daemon = Daemon(settings, backend)
     stop = asyncio.Event()
@@ -345,3 +349,33 @@ async def test_the_health_stream_reports_a_gpu_turning_unhealthy(
                     break
             assert health["gpu-1"] == health_pb.HEALTHY
             stream.cancel()
+
+
+async def test_a_process_outside_the_claims_pods_is_refused_not_charged(
+    node: Node, api: FakeApiServer
+) -> None:
+    """Design §12 in DRA mode: the claim's allocation ID in a process's environment is not
+    enough; the process must run in a pod the claim is reserved for. A host process here is in
+    no pod: its claim is refused and counted, and nothing is killed for it."""
+    settings = _dra(node, api)
+    workloads = Workloads()
+    try:
+        async with dra_daemon(node, api, trust_host_processes=False) as daemon:
+            await _register(settings)
+            api.put_claim(_claim("u-15", "15Gi", "30"))
+            assert (await _prepare(settings.service_socket, "u-15")).error == ""
+            intruder = workloads.spawn(_env(_spec(node, "u-15")))
+            node.write_gpus([with_processes(GPU0, FakeProcess(intruder, 16 * GiB, 10)), GPU1])
+
+            def misattributed() -> int:
+                snapshot = daemon.poller.snapshot
+                return sum(len(g.misattributed) for g in (snapshot.gpus if snapshot else ()))
+
+            await eventually(lambda: misattributed() == 1, 10, "the claim refused")
+            await asyncio.sleep(3)  # past the grace period
+            assert _alive(intruder)
+            snapshot = daemon.poller.snapshot
+            assert snapshot is not None
+            assert not [e for e in snapshot.enforcement if e.count]
+    finally:
+        workloads.close()
