@@ -379,3 +379,22 @@ async def test_a_process_outside_the_claims_pods_is_refused_not_charged(
             assert not [e for e in snapshot.enforcement if e.count]
     finally:
         workloads.close()
+
+
+def test_serve_in_dra_mode_without_a_node_name_or_a_readable_kubeconfig_says_what_to_do(
+    node: Node,
+) -> None:
+    from tests.blackbox.daemon_harness import serve_args
+    from tests.blackbox.test_cli_interface import run_cli
+
+    no_node = run_cli("serve", "--kubelet-api", "dra", *serve_args(node), env={"NODE_NAME": ""})
+    assert no_node.returncode == 2
+    assert "--kubelet-api dra needs --node-name" in no_node.stderr
+    missing = node.root / "no-such-kubeconfig"
+    bad = run_cli(
+        "serve", "--kubelet-api", "dra", "--node-name", NODE, "--kubeconfig", str(missing),
+        "--metrics-address", "127.0.0.1:0", *serve_args(node),
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert f"cannot read the API server's address and credentials from {missing}" in bad.stderr
+    assert "set --kubeconfig" in bad.stderr
