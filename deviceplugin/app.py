@@ -25,7 +25,7 @@ from deviceplugin.config import Config, MpsConfig
 from deviceplugin.dra.driver import DraDriver
 from deviceplugin.dra.kubeapi import LightkubeApi, load_config
 from deviceplugin.dra.settings import DraSettings
-from deviceplugin.enforcer import Enforcer, RecordingControl
+from deviceplugin.enforcer import Enforcer, PsutilControl, RecordingControl
 from deviceplugin.errors import StartupError
 from deviceplugin.gpu.backend import GpuBackend, open_backend
 from deviceplugin.gpu.mps import MpsControlDaemon
@@ -339,7 +339,12 @@ class Daemon:
                 f"cannot create the state directory {state_dir}: {e.strerror or e}; "
                 "set --state-dir to a writable directory"
             ) from e
-        enforcer = Enforcer(cfg, state_dir, control=RecordingControl() if cfg.dry_run else None)
+        # A signal is held back from a process that left its pod container since it was
+        # attributed (read afresh right before each SIGKILL or SIGSTOP).
+        control = (
+            RecordingControl() if cfg.dry_run else PsutilControl(where=self.poller.container_now)
+        )
+        enforcer = Enforcer(cfg, state_dir, control=control)
         # Resume whatever a daemon killed outright left stopped, before anything else runs.
         enforcer.recover()
         return enforcer

@@ -251,9 +251,31 @@ class ContainerAllocation:
     cdi_devices: tuple[str, ...] = ()
 
 
+SOURCE_DEVICE_PLUGIN = "device-plugin"
+SOURCE_DRA = "dra"
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceShare:
+    """What an allocation may use of one GPU (or MIG device): its memory limit, its compute
+    share (0..1) and how many slices' worth that is (for display)."""
+
+    gpu_uuid: str
+    memory_limit_bytes: int
+    compute_share_ratio: float
+    slices: int = 1
+
+
 @dataclass(frozen=True, slots=True)
 class AllocationRecord:
-    """An allocation this daemon made or recovered, and who holds it when known."""
+    """An allocation this daemon made or recovered, and who holds it when known.
+
+    Source-agnostic: attribution and the enforcer see an allocation ID, who holds it and what it
+    may use per GPU, never where it came from. A device-plugin allocation names its slices
+    (`slice_ids`; the inventory gives each slice's memory and compute); any other source (a
+    prepared DRA claim: memory = its consumed memory, compute = its consumed compute / 100)
+    states them per device in `shares`. `source` and `claim` (a DRA claim's namespace/name)
+    are for display only."""
 
     allocation_id: str
     slice_ids: tuple[str, ...]
@@ -264,6 +286,9 @@ class AllocationRecord:
     # Whether the kubelet's pod-resources API lists it (or it is too fresh to be listed yet).
     # Slices of an allocation the kubelet does not list count as unconfirmed, not allocated.
     listed: bool = True
+    shares: tuple[DeviceShare, ...] = ()
+    source: str = SOURCE_DEVICE_PLUGIN
+    claim: str = ""
 
 
 @dataclass(frozen=True, slots=True)

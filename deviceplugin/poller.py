@@ -327,8 +327,14 @@ class Poller:
             self._resolver.pod_uid_of,
             trust_host_processes=self._trust_host_processes,
             cgroup_of=self._resolver.cgroup_of,
+            container_of=self._resolver.container_of,
+            containers_known=self._resolver.containers_known,
             version=self._resolver.generation,
         )
+
+    def container_now(self, pid: int) -> str | None:
+        """The pod container cgroup `pid` is in now, read afresh (for a check before a signal)."""
+        return self._resolver.container_now(pid)
 
     @property
     def interval_s(self) -> float:

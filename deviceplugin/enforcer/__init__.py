@@ -1,6 +1,6 @@
-"""Quota enforcement (docs/design.md §4): a pure policy, the one module that sends signals, and
-the enforcer that ties them to the poll loop and to the stopped-process record in the state
-directory."""
+"""Quota enforcement (docs/design.md §4): a pure policy, the modules that send signals (named
+together in `actuator`), and the enforcer that ties them to the poll loop and to the
+stopped-process record in the state directory."""
 
 from deviceplugin.enforcer.actuator import (
     DutyCycler,

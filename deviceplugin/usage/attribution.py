@@ -6,46 +6,22 @@ by the caller in the process environment) names an allocation this daemon knows.
 process is unattributed: it is counted on its GPU and never appears in a ContainerUsage, so the
 enforcer, which acts only on containers' processes, cannot touch it.
 
-The allocation ID in a process's environment is a claim any process can make, and the ID is
-predictable. Given evidence (the pod and container cgroup of each process, and the kubelet's
-device checkpoint), `attribute` decides per process which allocation, if any, it belongs to, and
-whether its claim is refused ("misattributed"). Without a readable checkpoint every claim stands.
-Otherwise:
-1. A claim (the process's own `VGPU_ALLOCATION_ID`, or its nearest ancestor's) that the
-   checkpoint records for the process's own pod stands.
-2. A claim from a process in no pod cgroup (a host process) is refused, whatever it names;
-   `trust_host_processes` lets it stand, for workloads that run outside pod cgroups (the kubelet
-   simulator, the demo, tests): `serve` refuses that setting outside a fake backend.
-3. A claim of an allocation the process's pod does not hold is refused.
-4. A process of a pod whose claim did not stand (none, invalid or refused) is charged only when
-   it shares its container cgroup with a process whose claim stood, and then to that process's
-   allocation. Otherwise it is its pod's unattributed use (`GpuUsage.unattributed_pods`): it
-   counts on its GPU and never makes the enforcer act on another process.
+Who each process is charged to, and which claims are refused, is decided in `usage.charges` by
+the attribution rules (docs/design.md §12); this module turns that into the snapshot.
 
-So a process can neither charge its GPU use to another pod's container (nor get that container's
-processes killed or throttled for it) by copying its ID, nor push its own pod's GPU container over
-its limit from a sidecar that holds no slices. A misattributed process never counts for the
-allocation it claimed; it is counted apart per GPU.
-
-Utilisation ratios are time-weighted averages over a sliding window (docs/design.md §5), so that a
-scrape does not beat against a duty cycle.
+Utilisation ratios are time-weighted averages over a sliding window (docs/design.md §5,
+`usage.window`), so that a scrape does not beat against a duty cycle.
 
 A build whose inputs are those of the build before (the GPUs' process samples, the allocations
 and whether each counts as confirmed, the claims, the inventory and checkpoint objects, and the
 evidence's version) hands out that build's attribution again rather than deciding it anew: on a
 node whose processes hold still, most polls. Evidence without a version is never reused.
-
-Over 400 lines: the attribution rules above and the snapshot built from them are one decision,
-best checked in one file.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Hashable, Mapping, Sequence
 
 from deviceplugin.kubelet.checkpoint import DeviceCheckpoint
 from deviceplugin.model import (
@@ -57,292 +33,27 @@ from deviceplugin.model import (
     Inventory,
     NodeReading,
     NodeSnapshot,
-    ProcessSample,
 )
+from deviceplugin.usage.charges import (
+    UNCONFIRMED_AFTER_S,
+    AttributionEvidence,
+    Charges,
+    UsageHead,
+    UsageTail,
+    attribute,
+    charge_processes,
+    confirmed,
+    ratio_of,
+)
+from deviceplugin.usage.window import UtilizationWindow
 
-
-def _ratio(percent: float) -> float:
-    """A percentage as a ratio clamped to 0..1 (drivers' per-process sums may exceed 100)."""
-    return min(max(percent / 100.0, 0.0), 1.0)
-
-
-# An allocation the kubelet has not listed counts as allocated for this long after Allocate
-# (pod-resources is asked right after it, and every 10 s), then as unconfirmed.
-UNCONFIRMED_AFTER_S = 15.0
-# Running sums are recomputed from the samples after this many updates, so that rounding
-# errors of adding and subtracting cannot accumulate over a long run.
-_RESUM_EVERY = 1024
-# Total weights below this many seconds count as no time at all (rounding residue).
-_MIN_WEIGHT_S = 1e-9
-# A sample starting at most this long after the previous one ended follows on from it (a poll's
-# start is computed as its end minus its duration, which may round a little past the last end).
-_MERGE_GAP_S = 1e-6
-
-
-class _Series:
-    """The samples of one key, oldest first, with the running sums of their full weights."""
-
-    __slots__ = ("in_order", "samples", "updates", "weight_total", "weighted_sum")
-
-    def __init__(self) -> None:
-        self.samples: deque[tuple[float, float, float]] = deque()  # (start_s, end_s, value)
-        self.weighted_sum = 0.0
-        self.weight_total = 0.0
-        self.updates = 0
-        # True while starts and ends never decrease: then the samples that reach back before the
-        # window are a prefix of the deque, and an average needs to look at that prefix only.
-        self.in_order = True
-
-    def resum(self) -> None:
-        self.weighted_sum = math.fsum((end - start) * value for start, end, value in self.samples)
-        self.weight_total = math.fsum(end - start for start, end, _ in self.samples)
-        self.updates = 0
-
-    def follows(self, start_s: float, end_s: float, value: float) -> bool:
-        """Whether a sample (start_s, end_s, value) carries on the last one: in order, the same
-        value, starting where it ended. `stretch` then makes the two one sample, which gives the
-        same averages over any window; a steady key keeps a single sample."""
-        last_start, last_end, last_value = self.samples[-1]
-        return (
-            self.in_order
-            and value == last_value
-            and start_s >= last_start
-            and end_s >= last_end
-            and abs(start_s - last_end) <= _MERGE_GAP_S
-        )
-
-    def stretch(self, end_s: float) -> None:
-        """Make the last sample end at `end_s` (see `follows`)."""
-        start_s, last_end, value = self.samples[-1]
-        self.samples[-1] = (start_s, end_s, value)
-        self.weighted_sum += (end_s - last_end) * value
-        self.weight_total += end_s - last_end
-
-
-def _single_average(sample: tuple[float, float, float], window_start_s: float) -> float:
-    """The average of a key holding only `sample`: its value, exactly (running sums of its
-    pieces round), so that an unchanged container reads the same from one poll to the next."""
-    start_s, end_s, value = sample
-    return value if end_s - max(start_s, window_start_s) > _MIN_WEIGHT_S else 0.0
-
-
-def _clipped_average(
-    samples: Iterable[tuple[float, float, float]], window_start_s: float, now_s: float
-) -> float | None:
-    """The average of samples over [window_start_s, now_s], each weighed by its overlap."""
-    seen = False
-    weight_total = 0.0
-    weighted_sum = 0.0
-    for start, end, value in samples:
-        if end <= window_start_s or start > now_s:
-            continue
-        seen = True
-        weight = min(end, now_s) - max(start, window_start_s)
-        if weight > 0:
-            weight_total += weight
-            weighted_sum += weight * value
-    if not seen:
-        return None
-    return weighted_sum / weight_total if weight_total > _MIN_WEIGHT_S else 0.0
-
-
-class UtilizationWindow:
-    """Time-weighted averages over the last `window_s` seconds, per key.
-
-    A sample is the average of a value over [end_s - duration_s, end_s]; it weighs in proportion to
-    the part of that interval that lies inside the window. Samples that ended before the window of
-    the newest one are dropped as new ones arrive. Samples added in time order (the usual case: one
-    per poll) are averaged in constant time; any order gives the same result, more slowly."""
-
-    def __init__(self, window_s: float) -> None:
-        if not window_s > 0:
-            raise ValueError(f"window_s must be > 0, got {window_s}")
-        self.window_s = window_s
-        self._series: dict[Hashable, _Series] = {}
-
-    def __len__(self) -> int:
-        """How many keys hold samples."""
-        return len(self._series)
-
-    def add(self, key: Hashable, end_s: float, duration_s: float, value: float) -> float | None:
-        """Add a sample; return the key's average at `end_s` (as `average(key, end_s)`)."""
-        series = self._series.get(key)
-        if series is None:
-            series = self._series[key] = _Series()
-        samples = series.samples
-        start_s = end_s - max(duration_s, 0.0)
-        if samples and series.follows(start_s, end_s, value):
-            series.stretch(end_s)
-            if len(samples) == 1 and series.updates + 1 < _RESUM_EVERY:
-                # The usual case, made short: a steady key gets the same value again.
-                series.updates += 1
-                return _single_average(samples[0], end_s - self.window_s)
-        else:
-            if samples and (start_s < samples[-1][0] or end_s < samples[-1][1]):
-                series.in_order = False
-            samples.append((start_s, end_s, value))
-            series.weighted_sum += (end_s - start_s) * value
-            series.weight_total += end_s - start_s
-        if series.in_order:
-            horizon = end_s - self.window_s
-            while samples[0][1] <= horizon:
-                old_start, old_end, old_value = samples.popleft()
-                series.weighted_sum -= (old_end - old_start) * old_value
-                series.weight_total -= old_end - old_start
-        else:
-            horizon = max(end for _, end, _ in samples) - self.window_s
-            kept = [sample for sample in samples if sample[1] > horizon]
-            if len(kept) != len(samples):
-                series.samples = deque(kept)
-                series.updates = _RESUM_EVERY  # recompute the sums below
-        series.updates += 1
-        if series.updates >= _RESUM_EVERY:
-            series.resum()
-        return self.average(key, end_s)
-
-    def extend(
-        self, items: Iterable[tuple[Hashable, float]], end_s: float, duration_s: float
-    ) -> bool:
-        """`add(key, end_s, duration_s, value)` for every (key, value) of `items`, when each key
-        holds one sample of that value, ending where this one starts: then the averages stay
-        those values, and True. Otherwise nothing is added, and False."""
-        start_s = end_s - max(duration_s, 0.0)
-        steady: list[_Series] = []
-        for key, value in items:
-            series = self._series.get(key)
-            if (
-                series is None
-                or len(series.samples) != 1
-                or series.updates + 1 >= _RESUM_EVERY
-                or not series.follows(start_s, end_s, value)
-            ):
-                return False
-            steady.append(series)
-        for series in steady:
-            series.stretch(end_s)
-            series.updates += 1
-        return True
-
-    def average(self, key: Hashable, now_s: float) -> float | None:
-        """The time-weighted mean of the key's samples within [now_s - window_s, now_s]; None when
-        there is none. Samples that cover no time there (duration 0) give 0.0."""
-        series = self._series.get(key)
-        if series is None or not series.samples:
-            return None
-        samples = series.samples
-        window_start_s = now_s - self.window_s
-        if not series.in_order or now_s < samples[-1][1]:
-            return _clipped_average(samples, window_start_s, now_s)
-        if samples[-1][1] <= window_start_s:
-            return None
-        if len(samples) == 1:
-            return _single_average(samples[0], window_start_s)
-        # Every sample ends by now_s; only a prefix reaches back before the window: take its
-        # full weight out of the running sums and put back the part inside the window.
-        weighted_sum = series.weighted_sum
-        weight_total = series.weight_total
-        for start, end, value in samples:
-            if start >= window_start_s:
-                break
-            weighted_sum -= (end - start) * value
-            weight_total -= end - start
-            if end > window_start_s:
-                weighted_sum += (end - window_start_s) * value
-                weight_total += end - window_start_s
-        return weighted_sum / weight_total if weight_total > _MIN_WEIGHT_S else 0.0
-
-    def forget_except(self, keys: AbstractSet[Hashable]) -> None:
-        """Drop every key not in `keys`, so that memory follows what is still there."""
-        for key in [k for k in self._series if k not in keys]:
-            del self._series[key]
-
-
-def _no_cgroup(pid: int) -> str | None:
-    return None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class AttributionEvidence:
-    """What `attribute` checks claimed allocation IDs against: the kubelet's device checkpoint,
-    the UID of the pod whose cgroup holds a PID (None for a process in no pod cgroup), and the
-    cgroup path that names that pod (the container's cgroup; None where unknown)."""
-
-    checkpoint: DeviceCheckpoint
-    pod_uid_of: Callable[[int], str | None]
-    trust_host_processes: bool = False
-    cgroup_of: Callable[[int], str | None] = _no_cgroup
-    # Changes whenever `pod_uid_of` or `cgroup_of` may answer differently for a PID (the
-    # resolver's generation); None when unknown. With it, a build whose inputs all stayed the
-    # same hands out the previous build's attribution rather than deciding it again.
-    version: Hashable | None = None
-
-
-def attribute(
-    claim: str | None, pod_uid: str | None, gpu_uuid: str, evidence: AttributionEvidence
-) -> tuple[str | None, bool]:
-    """The allocation a process on `gpu_uuid` belongs to by its own claim (None: not by its
-    claim), and whether its claim is refused. `claim` is the valid allocation ID found in its
-    environment, if any; `pod_uid` its pod (normalised), if any. Rules 1 to 3 of this module's
-    docstring; rule 4 (container cgroups) needs the other processes and is applied in
-    `SnapshotBuilder.build`."""
-    checkpoint = evidence.checkpoint
-    if not checkpoint.readable:
-        return claim, False
-    if pod_uid is None and evidence.trust_host_processes:
-        return claim, False
-    owners = checkpoint.owners.get(claim) if claim is not None else None
-    if owners is not None and pod_uid is not None and pod_uid in owners:
-        return claim, False
-    return None, claim is not None
-
-
-def _confirmed(record: AllocationRecord, wall_s: float) -> bool:
-    """Whether the slices `record` holds count as allocated (else as unconfirmed): the kubelet
-    lists it, or it was made less than UNCONFIRMED_AFTER_S ago."""
-    return record.listed or wall_s - record.allocated_at_s < UNCONFIRMED_AFTER_S
-
-
-@dataclasses.dataclass(slots=True)
-class _Accumulator:
-    """One (allocation, GPU) while a snapshot is built."""
-
-    record: AllocationRecord
-    slices: int = 0
-    memory_limit_bytes: int = 0
-    compute_share_ratio: float = 0.0
-    memory_used_bytes: int = 0
-    sm_util_percent: float = 0.0
-    processes: list[ProcessSample] = dataclasses.field(default_factory=list)
-
-    def add(self, process: ProcessSample) -> None:
-        self.processes.append(process)
-        self.memory_used_bytes += process.used_memory_bytes or 0
-        self.sm_util_percent += process.sm_util_percent or 0.0
-
-
-# ContainerUsage's fields before `sm_utilization_ratio`, and after it up to `container`.
-_Head = tuple[str, str, int, int, int, int]
-_Tail = tuple[float, tuple[ProcessSample, ...], str, str, str]
-_Charged = tuple[tuple[str, str], float, _Head, _Tail]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Charges:
-    """Phase one of a build: what is charged to each (allocation ID, GPU UUID), and per GPU UUID
-    the processes charged to no allocation, the refused claims, the pods' unattributed processes
-    and the slice counts; the accepted allocation IDs this daemon does not know."""
-
-    # Per (allocation ID, GPU UUID), in charge order: its utilisation ratio this poll, and the
-    # ContainerUsage fields before and after `sm_utilization_ratio` (up to `container`).
-    containers: tuple[_Charged, ...]
-    unattributed: Mapping[str, tuple[ProcessSample, ...]]
-    misattributed: Mapping[str, tuple[ProcessSample, ...]]
-    unattributed_pods: Mapping[str, tuple[tuple[int, str], ...]]
-    unknown: frozenset[str]
-    slices_total: Mapping[str, int]
-    slices_allocated: Mapping[str, int]
-    slices_unhealthy: Mapping[str, int]
-    slices_unconfirmed: Mapping[str, int]
+__all__ = [
+    "UNCONFIRMED_AFTER_S",
+    "AttributionEvidence",
+    "SnapshotBuilder",
+    "attribute",
+    "mark_stale",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -353,12 +64,12 @@ class _Memo:
     key: tuple[object, ...]
     inventory: Inventory
     checkpoint: DeviceCheckpoint | None
-    charges: _Charges
+    charges: Charges
 
 
 # A container's ContainerUsage, with the fields it was made of: before the utilisation ratio,
 # after it, and the ratio.
-_Built = tuple[_Head, _Tail, float, ContainerUsage]
+_Built = tuple[UsageHead, UsageTail, float, ContainerUsage]
 
 
 class SnapshotBuilder:
@@ -375,7 +86,7 @@ class SnapshotBuilder:
         self._sorted: tuple[ContainerUsage, ...] = ()
         # The last build's charges, and each container's figure, when every container's
         # average was its figure: the same charges again need only the windows extended.
-        self._steady: tuple[_Charges, tuple[tuple[Hashable, float], ...]] | None = None
+        self._steady: tuple[Charges, tuple[tuple[Hashable, float], ...]] | None = None
         self._memo: _Memo | None = None
 
     def build(
@@ -425,7 +136,7 @@ class SnapshotBuilder:
             uuid = gpu.info.uuid
             sm_ratio: float | None = None
             if gpu.sm_util_percent is not None:
-                sm_ratio = window.add(uuid, now_s, duration_s, _ratio(gpu.sm_util_percent))
+                sm_ratio = window.add(uuid, now_s, duration_s, ratio_of(gpu.sm_util_percent))
             gpu_usages.append(
                 GpuUsage(
                     reading=gpu,
@@ -452,7 +163,7 @@ class SnapshotBuilder:
         )
         return snapshot, charges.unknown
 
-    def _build_containers(self, charges: _Charges, now_s: float, duration_s: float) -> None:
+    def _build_containers(self, charges: Charges, now_s: float, duration_s: float) -> None:
         """Every container's usage from `charges`, the one of the last build where its values
         are the same (which lets the enforcer see that it is unchanged), sorted by GPU index,
         namespace, pod, container and allocation ID."""
@@ -495,7 +206,7 @@ class SnapshotBuilder:
         *,
         wall_s: float,
         evidence: AttributionEvidence | None,
-    ) -> _Charges:
+    ) -> Charges:
         """Who each GPU process is charged to, and the slice counts: the same inputs give the
         same answer, so the last one is handed out again while they stay the same (a node whose
         processes and figures hold still, most polls)."""
@@ -503,16 +214,18 @@ class SnapshotBuilder:
         if checked is not None and checked.version is None:
             # The evidence cannot say whether its answers changed: never reused.
             self._memo = None
-            return _charge(
+            return charge_processes(
                 gpus, inventory, allocations, pid_allocation, wall_s=wall_s, checked=checked
             )
         checkpoint = None if checked is None else checked.checkpoint
         key = (
             tuple((g.info.uuid, g.info.index, g.processes) for g in gpus),
             tuple(allocations),
-            tuple(_confirmed(r, wall_s) for r in allocations),
+            tuple(confirmed(r, wall_s) for r in allocations),
             dict(pid_allocation),
-            None if checked is None else (checked.trust_host_processes, checked.version),
+            None
+            if checked is None
+            else (checked.trust_host_processes, checked.containers_known, checked.version),
         )
         memo = self._memo
         if (
@@ -522,159 +235,11 @@ class SnapshotBuilder:
             and memo.key == key
         ):
             return memo.charges
-        charges = _charge(
+        charges = charge_processes(
             gpus, inventory, allocations, pid_allocation, wall_s=wall_s, checked=checked
         )
         self._memo = _Memo(key, inventory, checkpoint, charges)
         return charges
-
-
-def _charge(
-    gpus: Sequence[GpuReading],
-    inventory: Inventory,
-    allocations: Sequence[AllocationRecord],
-    pid_allocation: Mapping[int, str | None],
-    *,
-    wall_s: float,
-    checked: AttributionEvidence | None,
-) -> _Charges:
-    """Phase one of a build: each process of `gpus` charged to an allocation, or counted as
-    unattributed (and misattributed where its claim was refused), by the rules of this module's
-    docstring; `checked` is the evidence when its checkpoint is readable, else None."""
-    gpu_by_uuid = {g.info.uuid: g for g in gpus}
-    records = {r.allocation_id: r for r in allocations}
-
-    slices_total = dict.fromkeys(gpu_by_uuid, 0)
-    slices_unhealthy = dict.fromkeys(gpu_by_uuid, 0)
-    for slice_ in inventory.slices:
-        uuid = slice_.id.gpu_uuid
-        if uuid in slices_total:
-            slices_total[uuid] += 1
-            if not slice_.healthy:
-                slices_unhealthy[uuid] += 1
-
-    accumulators: dict[tuple[str, str], _Accumulator] = {}
-    held_healthy: set[str] = set()
-    # Held by allocations the kubelet does not list, past the first seconds after Allocate.
-    held_unconfirmed: set[str] = set()
-    by_id = inventory.by_id
-    for record in records.values():
-        for slice_id in record.slice_ids:
-            s = by_id.get(slice_id)
-            if s is None or s.id.gpu_uuid not in gpu_by_uuid:
-                continue
-            key = (record.allocation_id, s.id.gpu_uuid)
-            acc = accumulators.get(key)
-            if acc is None:
-                acc = accumulators[key] = _Accumulator(record)
-            acc.slices += 1
-            acc.memory_limit_bytes += s.memory_limit_bytes
-            acc.compute_share_ratio += s.compute_share_ratio
-            if s.healthy:
-                if _confirmed(record, wall_s):
-                    held_healthy.add(slice_id)
-                else:
-                    held_unconfirmed.add(slice_id)
-    slices_allocated = dict.fromkeys(gpu_by_uuid, 0)
-    for slice_id in held_healthy:
-        slices_allocated[by_id[slice_id].id.gpu_uuid] += 1
-    slices_unconfirmed = dict.fromkeys(gpu_by_uuid, 0)
-    for slice_id in held_unconfirmed - held_healthy:
-        slices_unconfirmed[by_id[slice_id].id.gpu_uuid] += 1
-
-    unknown: set[str] = set()
-    unattributed: dict[str, list[ProcessSample]] = {uuid: [] for uuid in gpu_by_uuid}
-    misattributed: dict[str, list[ProcessSample]] = {uuid: [] for uuid in gpu_by_uuid}
-    unattributed_pods: dict[str, list[tuple[int, str]]] = {uuid: [] for uuid in gpu_by_uuid}
-    # Processes of a pod whose claim did not stand, and the allocations that stood per
-    # container cgroup: rule 4 charges the former to the latter.
-    pending: list[tuple[str, ProcessSample, str, str | None]] = []
-    cgroup_allocations: dict[str, set[str]] = {}
-
-    def charge(uuid: str, process: ProcessSample, found: str | None) -> None:
-        """Count `process` for the allocation it was found to belong to (None: none)."""
-        if found is None:
-            unattributed[uuid].append(process)
-            return
-        owner = records.get(found)
-        if owner is None:
-            unattributed[uuid].append(process)
-            unknown.add(found)
-            return
-        key = (found, uuid)
-        acc = accumulators.get(key)
-        if acc is None:
-            acc = accumulators[key] = _Accumulator(owner)
-        acc.add(process)
-
-    # Without a readable checkpoint every claim stands: `attribute` is not asked.
-    claim_of = pid_allocation.get
-    for gpu in gpus:
-        uuid = gpu.info.uuid
-        for process in gpu.processes:
-            pid = process.pid
-            found = claim_of(pid)
-            if checked is not None:
-                pod_uid = checked.pod_uid_of(pid)
-                found, refused = attribute(found, pod_uid, uuid, checked)
-                if refused:
-                    misattributed[uuid].append(process)
-                if pod_uid is not None:
-                    cgroup = checked.cgroup_of(pid)
-                    if found is None:
-                        pending.append((uuid, process, pod_uid, cgroup))
-                        continue
-                    if cgroup is not None:
-                        cgroup_allocations.setdefault(cgroup, set()).add(found)
-            charge(uuid, process, found)
-    for uuid, process, pod_uid, cgroup in pending:
-        sharing = cgroup_allocations.get(cgroup, set()) if cgroup is not None else set()
-        if len(sharing) == 1:
-            charge(uuid, process, next(iter(sharing)))
-        else:
-            unattributed_pods[uuid].append((process.pid, pod_uid))
-            charge(uuid, process, None)
-    if pending:
-        # Charged after the others: put every list back in the driver's order.
-        order = {p.pid: n for gpu in gpus for n, p in enumerate(gpu.processes)}
-        for processes in unattributed.values():
-            if len(processes) > 1:
-                processes.sort(key=lambda p: order.get(p.pid, 0))
-        for acc in accumulators.values():
-            if len(acc.processes) > 1:
-                acc.processes.sort(key=lambda p: order.get(p.pid, 0))
-    return _Charges(
-        tuple(
-            (
-                key,
-                _ratio(acc.sm_util_percent),
-                (
-                    key[0],
-                    key[1],
-                    gpu_by_uuid[key[1]].info.index,
-                    acc.slices,
-                    acc.memory_used_bytes,
-                    acc.memory_limit_bytes,
-                ),
-                (
-                    acc.compute_share_ratio,
-                    tuple(acc.processes),
-                    acc.record.namespace,
-                    acc.record.pod,
-                    acc.record.container,
-                ),
-            )
-            for key, acc in accumulators.items()
-        ),
-        {uuid: tuple(ps) for uuid, ps in unattributed.items()},
-        {uuid: tuple(ps) for uuid, ps in misattributed.items()},
-        {uuid: tuple(ps) for uuid, ps in unattributed_pods.items()},
-        frozenset(unknown),
-        slices_total,
-        slices_allocated,
-        slices_unhealthy,
-        slices_unconfirmed,
-    )
 
 
 def mark_stale(snapshot: NodeSnapshot, health: DaemonHealth) -> NodeSnapshot:

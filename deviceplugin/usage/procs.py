@@ -8,15 +8,17 @@ environment still belongs to the container that started it). Nothing else from a
 environment is kept, returned or logged: it may hold secrets.
 
 That variable is only a claim: any process can set it, and the ID is predictable. So the daemon
-also reads the pod a process runs in from `/proc/<pid>/cgroup` (`pod_uid_in_cgroup`), which the
-process cannot choose, and `usage.attribute` checks the claim against the kubelet's device
-checkpoint (`deviceplugin.kubelet.checkpoint`): a claim stands when the checkpoint records that
-allocation for the process's own pod; a process in a pod that holds exactly one allocation on
-its GPU belongs to that one whatever its environment says; a claim of another pod's allocation is
-refused (misattributed), from a host process too; a host process keeps a claim the checkpoint
-does not record; and without a readable checkpoint every claim stands, as before.
+also reads where the process runs, which it cannot choose: `/proc/<pid>/cgroup` gives the pod
+container it is in, only when that cgroup is where the kubelet puts a pod's containers
+(`usage.cgroups`: its pod UID, container runtime ID and container cgroup), and the kubelet's
+container log links (`usage.containerlogs`) name that container. `usage.attribution` checks the
+claim against the kubelet's device checkpoint with them (docs/design.md §12): a claim stands
+only from the container the checkpoint gives that allocation (from its pod, where the kubelet's
+container names cannot be read); a claim from a host process or from another pod or container
+is refused; without a readable checkpoint every claim stands.
 
-Everything is read under an injected `proc_root`, so tests use a fake tree in a temporary directory.
+The /proc readers, pidfds and the host-PID check are `usage.procfs`. Everything is read under an
+injected `proc_root`, so tests use a fake tree in a temporary directory.
 
 On the real /proc, every resolved process is also held by a pidfd (Linux 5.3+): a pidfd refers to
 one process, never to a later one that reuses its PID, and turns readable when that process exits.
@@ -28,32 +30,38 @@ each one's /proc entry would cost a system call per process and poll. Where a pi
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
-import re
-import resource
-import select
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-ENV_NAME = "VGPU_ALLOCATION_ID"
-_ENV_PREFIX = ENV_NAME.encode() + b"="
-_ALLOCATION_ID_LENGTH = 16
-_HEX_DIGITS = frozenset(b"0123456789abcdef")
-_READ_CHUNK = 65536
+from deviceplugin.usage.cgroups import KubeletTree, PodContainer, kubelet_tree_of
+from deviceplugin.usage.containerlogs import (
+    DEFAULT_CONTAINER_LOG_DIR,
+    ContainerLogIndex,
+    ContainerNames,
+)
+from deviceplugin.usage.procfs import (
+    ENV_NAME,
+    PidfdWatch,
+    allocation_id_in,
+    pid_namespace_warning,
+    read_all,
+)
+
+__all__ = [
+    "ENV_NAME",
+    "AllocationResolver",
+    "pid_namespace_warning",
+    "pod_cgroup",
+    "pod_uid_in_cgroup",
+]
+
+
 # Fields of /proc/<pid>/stat counted after the ")" that closes the command name: field 3 (the run
 # state) is index 0 there, so field 4 (ppid) is index 1 and field 22 (start time) is index 19.
 _PPID_FIELD = 1
 _START_TIME_FIELD = 19
-# A pod's cgroup, one path segment: `pod<uid>` (cgroupfs driver) or `<prefix>-pod<uid>.slice`
-# (systemd driver, the UID's dashes written as underscores). A UID is a UUID, or 32 hex digits
-# for a static pod.
-_POD_SEGMENT = re.compile(
-    rb"(?:[a-z0-9_.-]*-)?pod"
-    rb"([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}|[0-9a-f]{32})"
-    rb"(\.slice)?"
-)
 
 
 class _GoneError(Exception):
@@ -77,157 +85,32 @@ class _Entry:
     settled: bool = True
     pod_uid: str | None = None
     cgroup: str | None = None
+    container_id: str | None = None
 
 
-def _read_all(path: str) -> tuple[bytes, os.stat_result]:
-    """The whole content of a file and its fstat. Raises OSError."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        data = os.read(fd, _READ_CHUNK)
-        if len(data) < _READ_CHUNK:
-            # A short read is the whole file, for procfs and regular files alike.
-            return data, st
-        chunks = [data]
-        while chunk := os.read(fd, _READ_CHUNK):
-            chunks.append(chunk)
-    finally:
-        os.close(fd)
-    return b"".join(chunks), st
+_DEFAULT_TREE = KubeletTree()
 
 
-def _allocation_id_in(environ: bytes) -> tuple[bool, str | None]:
-    """Find VGPU_ALLOCATION_ID in a NUL-separated environment block: (present, valid value).
-
-    A value that is not 16 lowercase hex digits was not set by Allocate: present, but None."""
-    if environ.startswith(_ENV_PREFIX):
-        start = len(_ENV_PREFIX)
-    else:
-        at = environ.find(b"\0" + _ENV_PREFIX)
-        if at < 0:
-            return False, None
-        start = at + 1 + len(_ENV_PREFIX)
-    end = environ.find(b"\0", start)
-    value = environ[start:] if end < 0 else environ[start:end]
-    if len(value) != _ALLOCATION_ID_LENGTH or not _HEX_DIGITS.issuperset(value):
-        return True, None
-    return True, value.decode("ascii")
-
-
-def _pod_uid_in_path(path: bytes) -> str | None:
-    """The UID of the innermost pod cgroup on a cgroup path, counting only segments at or below
-    one that names `kubepods` (so a host unit that happens to be called `pod<uuid>` is no pod).
-
-    A path that starts with `..` is relative to the root of the daemon's own cgroup namespace
-    (on cgroup v2 a pod's containers get one of their own), and that root is the daemon's
-    container, inside a pod: the `kubepods` segments above it are cut off. With the cgroupfs
-    driver another pod then reads `/../../../besteffort/pod<uid>/<container>`."""
-    found: str | None = None
-    segments = path.split(b"/")
-    below_kubepods = len(segments) > 1 and segments[1] == b".."
-    for segment in segments:
-        if b"kubepods" in segment:
-            below_kubepods = True
-        if not below_kubepods:
-            continue
-        match = _POD_SEGMENT.fullmatch(segment)
-        if match is not None:
-            found = match.group(1).decode("ascii").replace("_", "-")
-    return found
-
-
-def pod_uid_in_cgroup(content: bytes) -> str | None:
+def pod_uid_in_cgroup(content: bytes, tree: KubeletTree = _DEFAULT_TREE) -> str | None:
     """The pod UID (lowercase, with dashes) in the content of `/proc/<pid>/cgroup`; None when the
-    process is in no pod's cgroup. See `pod_cgroup`."""
-    found = pod_cgroup(content)
-    return None if found is None else found[0]
+    process is in no pod container's cgroup (see `usage.cgroups`)."""
+    found = tree.container_of(content)
+    return None if found is None else found.pod_uid
 
 
-def pod_cgroup(content: bytes) -> tuple[str, str] | None:
-    """The pod UID (lowercase, with dashes) in the content of `/proc/<pid>/cgroup`, and the
-    cgroup path it was read from (the container's cgroup: processes with the same path share
-    their container); None when the process is in no pod's cgroup.
-
-    cgroup v2 gives one line `0::<path>`, v1 one line `<id>:<controllers>:<path>` per hierarchy
-    (hybrid hosts both); the unified line wins when it names a pod, else the first v1 line that
-    does. Paths may start with `/..` segments where the daemon runs in a cgroup namespace of its
-    own: only the pod segment matters. Where pods nest (a kubelet inside a pod's container), the
-    innermost pod is the one its kubelet knows."""
-    first: tuple[str, str] | None = None
-    for line in content.split(b"\n"):
-        parts = line.split(b":", 2)
-        if len(parts) != 3:
-            continue
-        uid = _pod_uid_in_path(parts[2])
-        if uid is None:
-            continue
-        found = (uid, parts[2].decode("utf-8", "backslashreplace"))
-        if parts[0] == b"0" and not parts[1]:
-            return found
-        if first is None:
-            first = found
-    return first
+def pod_cgroup(content: bytes, tree: KubeletTree = _DEFAULT_TREE) -> tuple[str, str] | None:
+    """The pod UID in the content of `/proc/<pid>/cgroup`, and the cgroup of its container (the
+    kubelet's, from the hierarchy's root: processes with the same one share their container);
+    None when the process is in no pod container's cgroup (see `usage.cgroups`)."""
+    found = tree.container_of(content)
+    return None if found is None else (found.pod_uid, found.cgroup)
 
 
-# Use at most this share of the process's file descriptor limit for pidfds.
-_PIDFD_SHARE_OF_FD_LIMIT = 2
+class _Default:
+    """The default of an argument whose None means "none"."""
 
 
-def _pidfd_budget() -> int:
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return 65536
-    return max(0, soft // _PIDFD_SHARE_OF_FD_LIMIT - 64)
-
-
-class _PidfdWatch:
-    """Pidfds of resolved processes, and one poll object over them all."""
-
-    def __init__(self) -> None:
-        self._fds: dict[int, int] = {}  # pid -> pidfd
-        self._pids: dict[int, int] = {}  # pidfd -> pid
-        self._poll = select.poll()
-        self._budget = _pidfd_budget()
-        self.available = self._budget > 0
-
-    def __len__(self) -> int:
-        return len(self._fds)
-
-    def __contains__(self, pid: int) -> bool:
-        return pid in self._fds
-
-    def hold(self, pid: int) -> int | None:
-        """A pidfd for `pid`, held until `drop`; None where none can be had."""
-        if not self.available or len(self._fds) >= self._budget:
-            return None
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError as e:
-            if e.errno in (errno.ENOSYS, errno.EPERM):
-                self.available = False  # this kernel or sandbox gives none: stop asking
-            return None
-        os.set_inheritable(fd, False)
-        self._fds[pid] = fd
-        self._pids[fd] = pid
-        self._poll.register(fd, select.POLLIN)
-        return fd
-
-    def exited(self) -> set[int]:
-        """The held PIDs whose process has exited since it was held (one poll(2) call)."""
-        if not self._fds:
-            return set()
-        return {self._pids[fd] for fd, _ in self._poll.poll(0)}
-
-    def drop(self, pid: int) -> None:
-        fd = self._fds.pop(pid, None)
-        if fd is not None:
-            del self._pids[fd]
-            self._poll.unregister(fd)
-            os.close(fd)
-
-    def close(self) -> None:
-        for pid in list(self._fds):
-            self.drop(pid)
+_DEFAULT = _Default()
 
 
 class AllocationResolver:
@@ -239,14 +122,31 @@ class AllocationResolver:
     those resolved afresh. An allocation ID found here is a claim, not a proof: `pod_uid_of` gives
     what `usage.attribute` checks it against."""
 
-    def __init__(self, proc_root: Path = Path("/proc"), *, max_ancestors: int = 16) -> None:
+    def __init__(
+        self,
+        proc_root: Path = Path("/proc"),
+        *,
+        max_ancestors: int = 16,
+        tree: KubeletTree | None = None,
+        container_logs: ContainerLogIndex | _Default | None = _DEFAULT,
+    ) -> None:
         if max_ancestors < 0:
             raise ValueError(f"max_ancestors must be >= 0, got {max_ancestors}")
         self._root = str(proc_root)
         self._max_ancestors = max_ancestors
         self._cache: dict[int, _Entry] = {}
+        real = os.path.realpath(proc_root) == "/proc"
         # Only the real /proc names real processes to hold.
-        self._pidfds = _PidfdWatch() if os.path.realpath(proc_root) == "/proc" else None
+        self._pidfds = PidfdWatch() if real else None
+        # The kubelet's layout; on the real /proc, paths relative to this process's cgroup
+        # namespace are resolved when its root can be found, and refused otherwise.
+        if tree is None:
+            tree = kubelet_tree_of(proc_root) if real else KubeletTree()
+        self.tree = tree
+        if isinstance(container_logs, _Default):
+            container_logs = ContainerLogIndex(DEFAULT_CONTAINER_LOG_DIR) if real else None
+        self._container_logs = container_logs
+        self._containers: ContainerNames | None = None
         self.hits = 0
         self.misses = 0
         # Bumped by every `resolve` that changed an answer of `pod_uid_of` or `cgroup_of` (or of
@@ -277,6 +177,11 @@ class AllocationResolver:
     def resolve(self, pids: Iterable[int]) -> dict[int, str | None]:
         """The allocation ID of each PID, or None: not found, or not readable now (a vanished or
         unreadable process is not cached, so that the next call tries again)."""
+        if self._container_logs is not None:
+            containers = self._container_logs.read()
+            if containers is not self._containers:
+                self._containers = containers
+                self.generation += 1
         previous = self._cache
         fresh: dict[int, _Entry] = {}
         found: dict[int, str | None] = {}
@@ -337,7 +242,7 @@ class AllocationResolver:
         self._held_all = held_all
         return dict(found)
 
-    def _hold(self, watch: _PidfdWatch, pid: int, entry: _Entry) -> _Entry:
+    def _hold(self, watch: PidfdWatch, pid: int, entry: _Entry) -> _Entry:
         """Hold `pid` by a pidfd, once the process behind it is proven to be the one `entry`
         was read from (its start time read again after the pidfd was opened). Raises _GoneError
         when it is not: that PID now names another process, to be resolved at the next call."""
@@ -366,6 +271,31 @@ class AllocationResolver:
         entry = self._cache.get(pid)
         return None if entry is None else entry.cgroup
 
+    def container_of(self, pid: int) -> tuple[str, str] | None:
+        """(pod UID, container name) of the container `pid` runs in, as the kubelet's container
+        log links name it, for a PID the latest `resolve` call resolved; None when its container
+        is not one the kubelet made, and for one that call could not read or was not given.
+        Meaningful only while `containers_known`."""
+        entry = self._cache.get(pid)
+        if entry is None or entry.container_id is None or self._containers is None:
+            return None
+        return self._containers.get(entry.container_id)
+
+    @property
+    def containers_known(self) -> bool:
+        """Whether the kubelet's container log links could be read at the latest `resolve`."""
+        return self._containers is not None
+
+    def container_now(self, pid: int) -> str | None:
+        """The cgroup of the pod container `pid` is in now, read afresh (not cached): for a
+        check right before a signal. None when it is in no pod container, or is gone."""
+        try:
+            content, _ = read_all(f"{self._root}/{pid}/cgroup")
+        except OSError:
+            return None
+        found = self.tree.container_of(content)
+        return None if found is None else found.cgroup
+
     def _lookup(
         self, pid: int, cached: _Entry | None, memo: dict[int, str | None]
     ) -> tuple[_Entry, bool]:
@@ -387,26 +317,35 @@ class AllocationResolver:
         allocation, own_environ_empty = self._search(pid, ppid, memo)
         settled = same_process or not own_environ_empty  # a second look is final
         pod = self._pod_cgroup(pid, stat_path)
-        pod_uid, cgroup = (None, None) if pod is None else pod
-        return _Entry(start_time, allocation, identity, settled, pod_uid, cgroup), False
+        if pod is None:
+            return _Entry(start_time, allocation, identity, settled), False
+        return _Entry(
+            start_time,
+            allocation,
+            identity,
+            settled,
+            pod.pod_uid,
+            pod.cgroup,
+            pod.container_id,
+        ), False
 
-    def _pod_cgroup(self, pid: int, stat_path: str) -> tuple[str, str] | None:
+    def _pod_cgroup(self, pid: int, stat_path: str) -> PodContainer | None:
         """The pod UID in the process's cgroup file; None where the file does not exist (a fake
         tree, or a kernel without cgroups). Raises _GoneError."""
         try:
-            content, _ = _read_all(f"{self._root}/{pid}/cgroup")
+            content, _ = read_all(f"{self._root}/{pid}/cgroup")
         except FileNotFoundError as e:
             if not os.path.exists(stat_path):  # the process has exited since its stat was read
                 raise _GoneError from e
             return None
         except OSError as e:
             raise _GoneError from e
-        return pod_cgroup(content)
+        return self.tree.container_of(content)
 
     def _stat(self, path: str) -> tuple[int, int, tuple[int, int] | None]:
         """(ppid, start time, procfs identity) from a stat file. Raises _GoneError."""
         try:
-            data, st = _read_all(path)
+            data, st = read_all(path)
         except OSError as e:
             raise _GoneError from e
         fields = data[data.rfind(b")") + 1 :].split()
@@ -422,10 +361,10 @@ class AllocationResolver:
         """Whether the process's environment sets the variable, its valid value, and whether the
         environment is empty."""
         try:
-            environ, _ = _read_all(f"{self._root}/{pid}/environ")
+            environ, _ = read_all(f"{self._root}/{pid}/environ")
         except OSError as e:
             raise _GoneError from e
-        present, value = _allocation_id_in(environ)
+        present, value = allocation_id_in(environ)
         return present, value, not environ
 
     def _search(self, pid: int, ppid: int, memo: dict[int, str | None]) -> tuple[str | None, bool]:
@@ -453,27 +392,3 @@ class AllocationResolver:
         for member in chain:
             memo[member] = value
         return value, own_environ_empty
-
-
-_HOST_PID_WARNING = (
-    "this daemon runs in its own PID namespace (NSpid: {ids}), but the GPU driver reports "
-    "processes by their host PID: GPU processes cannot be attributed to containers and quotas "
-    "cannot be enforced; run the daemon's pod with hostPID: true"
-)
-
-
-def pid_namespace_warning(proc_root: Path = Path("/proc")) -> str | None:
-    """None when this process shares the host's PID namespace (or that cannot be told); otherwise
-    a one-line warning. A nested PID namespace shows as more than one number on the `NSpid:` line
-    of /proc/self/status."""
-    try:
-        status = (proc_root / "self" / "status").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
-    for line in status.splitlines():
-        if line.startswith("NSpid:"):
-            ids = line.split()[1:]
-            if len(ids) > 1:
-                return _HOST_PID_WARNING.format(ids=" ".join(ids))
-            return None
-    return None

@@ -273,8 +273,9 @@ def test_mounts_serve_the_paths_the_daemon_uses() -> None:
     assert Path(env["VGPU_CONFIG"]).name == "config.yaml"
 
     assert "emptyDir" in volumes[mounts["/tmp"]["name"]]
-    # Every other hostPath is /dev/null for the NVIDIA runtime's volume-mounts mode, or NFD's
-    # feature directory for the node labels.
+    # Every other hostPath is /dev/null for the NVIDIA runtime's volume-mounts mode, NFD's
+    # feature directory for the node labels, or read-only for attribution: the host's cgroup
+    # hierarchy and the kubelet's container log links.
     feature_dir = str(Path(NFD_FEATURE_FILE).parent)
     others = {
         v["hostPath"]["path"]
@@ -282,8 +283,10 @@ def test_mounts_serve_the_paths_the_daemon_uses() -> None:
         if "hostPath" in v
         and v["hostPath"]["path"] not in {plugin_dir, pod_resources_dir, state_dir, feature_dir}
     }
-    assert others == {"/dev/null"}
+    assert others == {"/dev/null", "/sys/fs/cgroup", "/var/log/containers"}
     assert "/var/run/nvidia-container-devices/all" in mounts
+    assert mounts["/var/log/containers"]["readOnly"] is True
+    assert mounts["/host/sys/fs/cgroup"]["readOnly"] is True
 
 
 def test_security_context_is_the_narrowest_that_works() -> None:

@@ -13,7 +13,7 @@ import urllib.request
 import grpc
 import pytest
 
-import deviceplugin.usage.attribution as usage_module
+import deviceplugin.usage.charges as usage_module
 from deviceplugin.kubelet.proto import dp, dp_grpc
 from deviceplugin.model import AllocationRecord, DaemonHealth
 from deviceplugin.state import AllocationBook

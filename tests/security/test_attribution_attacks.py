@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -47,15 +48,20 @@ OTHER_POD_UID = "77777777-1d2a-4c3b-9e8f-0123456789ab"
 VICTIM = record(sid(UUID0, 0), namespace="ml", pod="victim", container="main")  # 20 GiB limit
 
 
+def cid(container: str) -> str:
+    """A container runtime ID (64 hex digits) for a container called `container` here."""
+    return hashlib.sha256(container.encode()).hexdigest()
+
+
 def cgroupfs(uid: str, container: str) -> str:
-    return f"/kubepods/besteffort/pod{uid}/{container}"
+    return f"/kubepods/besteffort/pod{uid}/{cid(container)}"
 
 
 def systemd(uid: str, container: str) -> str:
     under = uid.replace("-", "_")
     return (
         "/kubepods.slice/kubepods-besteffort.slice/"
-        f"kubepods-besteffort-pod{under}.slice/cri-containerd-{container}.scope"
+        f"kubepods-besteffort-pod{under}.slice/cri-containerd-{cid(container)}.scope"
     )
 
 
@@ -331,10 +337,11 @@ async def test_real_cgroups_host_copycat_and_sidecar_kill_nothing(
         limit = gpu.memory_total_bytes // 4
         tag = uuid.uuid4().hex[:12]
         main_path = path_of(pod.uid, f"main{tag}")
+        side_path = path_of(pod.uid, f"side{tag}")
         victim = pod_cgroups.spawn(workloads, main_path, grant.envs)
-        sidecar = pod_cgroups.spawn(workloads, path_of(pod.uid, f"side{tag}"), {})
+        sidecar = pod_cgroups.spawn(workloads, side_path, {})
         copycat = workloads.spawn(grant.envs)  # a host process with the pod's ID
-        await eventually(lambda: in_cgroup(victim, tag) and in_cgroup(sidecar, tag), 5)
+        await eventually(lambda: in_cgroup(victim, main_path) and in_cgroup(sidecar, side_path), 5)
         node.write_gpus(
             [
                 with_processes(

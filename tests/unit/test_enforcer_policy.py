@@ -766,3 +766,41 @@ def test_repeated_inputs_decide_as_a_policy_that_ticks_every_time(
                 assert skipping.duty(key) == reference.duty(key)
                 assert skipping.entitlement(key) == reference.entitlement(key)
             tick += 1
+
+
+def test_an_allocation_stating_its_shares_is_enforced_like_a_slice_allocation() -> None:
+    """The enforcer does not know where an allocation came from: one that states its memory
+    limit per device (a DRA claim) is held to it like a device-plugin allocation of slices."""
+    from deviceplugin.model import SOURCE_DRA, AllocationRecord, DaemonHealth, DeviceShare
+    from deviceplugin.usage.attribution import SnapshotBuilder
+    from tests.unit.test_usage import INVENTORY, UUID0, reading
+
+    gib = 1 << 30
+    claim = AllocationRecord(
+        "00000000000000c1",
+        (),
+        0.0,
+        "ml",
+        "trainer",
+        "main",
+        shares=(DeviceShare(UUID0, 12 * gib, 0.3),),
+        source=SOURCE_DRA,
+        claim="ml/trainer-gpu",
+    )
+    snapshot, unknown = SnapshotBuilder("n", 5.0).build(
+        reading(gpu0=[ProcessSample(4242, 13 * gib, 10.0)]),
+        INVENTORY,
+        [claim],
+        {4242: claim.allocation_id},
+        now_s=10.0,
+        wall_s=1_700_000_000.0,
+        health=DaemonHealth(),
+        previous_reading_s=9.0,
+    )
+    (usage,) = snapshot.containers
+    assert (usage.memory_limit_bytes, usage.compute_share_ratio) == (12 * gib, 0.3)
+    assert unknown == frozenset()
+    assert snapshot.gpus[0].slices_allocated == 0  # no slice of the inventory is held
+    policy = EnforcementPolicy(EnforcementConfig(memory=MemoryEnforcement(grace_period_s=0.0)))
+    decided = policy.decide(snapshot, 0.0) + policy.decide(snapshot, 1.0)
+    assert [d.pid for d in decided if isinstance(d, Kill)] == [4242]

@@ -29,10 +29,10 @@ from deviceplugin.model import (
 from deviceplugin.usage.attribution import (
     AttributionEvidence,
     SnapshotBuilder,
-    UtilizationWindow,
     attribute,
     mark_stale,
 )
+from deviceplugin.usage.window import UtilizationWindow
 
 GI = 1 << 30
 REPLICAS = 4

@@ -1,0 +1,317 @@
+"""Pure: who each GPU process is charged to, by the attribution rules (docs/design.md §12), and
+the slice counts per GPU.
+
+The allocation ID in a process's environment is a claim any process can make, and the ID is
+predictable. Given evidence (the pod and container cgroup of each process, and the kubelet's
+device checkpoint), `attribute` decides per process which allocation, if any, it belongs to, and
+whether its claim is refused ("misattributed"). Without a readable checkpoint every claim stands.
+Otherwise:
+1. A claim (the process's own `VGPU_ALLOCATION_ID`, or its nearest ancestor's) that the
+   checkpoint records for the process's own pod stands; where the kubelet's container names
+   are known (its container log links, `usage.containerlogs`), only from the very container the
+   checkpoint records it for: a claim from another container of the pod (a sidecar that copied
+   the ID), or from a container the kubelet does not know, is refused.
+2. A claim from a process in no pod cgroup (a host process) is refused, whatever it names;
+   `trust_host_processes` lets it stand, for workloads that run outside pod cgroups (the kubelet
+   simulator, the demo, tests): `serve` refuses that setting outside a fake backend.
+3. A claim of an allocation the process's pod does not hold is refused.
+4. A process of a pod whose claim did not stand (none, invalid or refused) is charged only when
+   it shares its container cgroup with a process whose claim stood, and then to that process's
+   allocation. Otherwise it is its pod's unattributed use (`GpuUsage.unattributed_pods`): it
+   counts on its GPU and never makes the enforcer act on another process.
+
+So a process can neither charge its GPU use to another pod's container (nor get that container's
+processes killed or throttled for it) by copying its ID, nor push its own pod's GPU container over
+its limit from a sidecar that holds no slices. A misattributed process never counts for the
+allocation it claimed; it is counted apart per GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Mapping, Sequence
+
+from deviceplugin.kubelet.checkpoint import DeviceCheckpoint
+from deviceplugin.model import (
+    AllocationRecord,
+    GpuReading,
+    Inventory,
+    ProcessSample,
+)
+
+
+def ratio_of(percent: float) -> float:
+    """A percentage as a ratio clamped to 0..1 (drivers' per-process sums may exceed 100)."""
+    return min(max(percent / 100.0, 0.0), 1.0)
+
+
+# An allocation the kubelet has not listed counts as allocated for this long after Allocate
+# (pod-resources is asked right after it, and every 10 s), then as unconfirmed.
+UNCONFIRMED_AFTER_S = 15.0
+
+
+def _no_cgroup(pid: int) -> str | None:
+    return None
+
+
+def _no_container(pid: int) -> tuple[str, str] | None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AttributionEvidence:
+    """What `attribute` checks claimed allocation IDs against: the kubelet's device checkpoint,
+    the UID of the pod whose cgroup holds a PID (None for a process in no pod cgroup), and the
+    cgroup path that names that pod (the container's cgroup; None where unknown)."""
+
+    checkpoint: DeviceCheckpoint
+    pod_uid_of: Callable[[int], str | None]
+    trust_host_processes: bool = False
+    cgroup_of: Callable[[int], str | None] = _no_cgroup
+    # (pod UID, container name) of the container a PID runs in, as the kubelet named it, and
+    # whether those names could be read at all: when they could, a claim stands only from the
+    # very container the checkpoint gives the allocation (not from another of its pod's).
+    container_of: Callable[[int], tuple[str, str] | None] = _no_container
+    containers_known: bool = False
+    # Changes whenever `pod_uid_of` or `cgroup_of` may answer differently for a PID (the
+    # resolver's generation); None when unknown. With it, a build whose inputs all stayed the
+    # same hands out the previous build's attribution rather than deciding it again.
+    version: Hashable | None = None
+
+
+def attribute(
+    claim: str | None,
+    pod_uid: str | None,
+    gpu_uuid: str,
+    evidence: AttributionEvidence,
+    container: tuple[str, str] | None = None,
+) -> tuple[str | None, bool]:
+    """The allocation a process on `gpu_uuid` belongs to by its own claim (None: not by its
+    claim), and whether its claim is refused. `claim` is the valid allocation ID found in its
+    environment, if any; `pod_uid` its pod (normalised), if any; `container` its container's
+    (pod UID, name) where the kubelet's names are known. Rules 1 to 3 of this module's
+    docstring; rule 4 (container cgroups) needs the other processes and is applied in
+    `SnapshotBuilder.build`."""
+    checkpoint = evidence.checkpoint
+    if not checkpoint.readable:
+        return claim, False
+    if pod_uid is None and evidence.trust_host_processes:
+        return claim, False
+    owners = checkpoint.owners.get(claim) if claim is not None else None
+    if owners is not None and pod_uid is not None and pod_uid in owners:
+        if not evidence.containers_known:
+            return claim, False
+        if container is not None and container[0] == pod_uid:
+            assert claim is not None
+            if container in checkpoint.pod_of(claim):
+                return claim, False
+    return None, claim is not None
+
+
+def confirmed(record: AllocationRecord, wall_s: float) -> bool:
+    """Whether the slices `record` holds count as allocated (else as unconfirmed): the kubelet
+    lists it, or it was made less than UNCONFIRMED_AFTER_S ago."""
+    return record.listed or wall_s - record.allocated_at_s < UNCONFIRMED_AFTER_S
+
+
+@dataclasses.dataclass(slots=True)
+class _Accumulator:
+    """One (allocation, GPU) while a snapshot is built."""
+
+    record: AllocationRecord
+    slices: int = 0
+    memory_limit_bytes: int = 0
+    compute_share_ratio: float = 0.0
+    memory_used_bytes: int = 0
+    sm_util_percent: float = 0.0
+    processes: list[ProcessSample] = dataclasses.field(default_factory=list)
+
+    def add(self, process: ProcessSample) -> None:
+        self.processes.append(process)
+        self.memory_used_bytes += process.used_memory_bytes or 0
+        self.sm_util_percent += process.sm_util_percent or 0.0
+
+
+# ContainerUsage's fields before `sm_utilization_ratio`, and after it up to `container`.
+UsageHead = tuple[str, str, int, int, int, int]
+UsageTail = tuple[float, tuple[ProcessSample, ...], str, str, str]
+Charged = tuple[tuple[str, str], float, UsageHead, UsageTail]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Charges:
+    """Phase one of a build: what is charged to each (allocation ID, GPU UUID), and per GPU UUID
+    the processes charged to no allocation, the refused claims, the pods' unattributed processes
+    and the slice counts; the accepted allocation IDs this daemon does not know."""
+
+    # Per (allocation ID, GPU UUID), in charge order: its utilisation ratio this poll, and the
+    # ContainerUsage fields before and after `sm_utilization_ratio` (up to `container`).
+    containers: tuple[Charged, ...]
+    unattributed: Mapping[str, tuple[ProcessSample, ...]]
+    misattributed: Mapping[str, tuple[ProcessSample, ...]]
+    unattributed_pods: Mapping[str, tuple[tuple[int, str], ...]]
+    unknown: frozenset[str]
+    slices_total: Mapping[str, int]
+    slices_allocated: Mapping[str, int]
+    slices_unhealthy: Mapping[str, int]
+    slices_unconfirmed: Mapping[str, int]
+
+
+def charge_processes(
+    gpus: Sequence[GpuReading],
+    inventory: Inventory,
+    allocations: Sequence[AllocationRecord],
+    pid_allocation: Mapping[int, str | None],
+    *,
+    wall_s: float,
+    checked: AttributionEvidence | None,
+) -> Charges:
+    """Phase one of a build: each process of `gpus` charged to an allocation, or counted as
+    unattributed (and misattributed where its claim was refused), by the rules of this module's
+    docstring; `checked` is the evidence when its checkpoint is readable, else None."""
+    gpu_by_uuid = {g.info.uuid: g for g in gpus}
+    records = {r.allocation_id: r for r in allocations}
+
+    slices_total = dict.fromkeys(gpu_by_uuid, 0)
+    slices_unhealthy = dict.fromkeys(gpu_by_uuid, 0)
+    for slice_ in inventory.slices:
+        uuid = slice_.id.gpu_uuid
+        if uuid in slices_total:
+            slices_total[uuid] += 1
+            if not slice_.healthy:
+                slices_unhealthy[uuid] += 1
+
+    accumulators: dict[tuple[str, str], _Accumulator] = {}
+    held_healthy: set[str] = set()
+    # Held by allocations the kubelet does not list, past the first seconds after Allocate.
+    held_unconfirmed: set[str] = set()
+    by_id = inventory.by_id
+    for record in records.values():
+        for slice_id in record.slice_ids:
+            s = by_id.get(slice_id)
+            if s is None or s.id.gpu_uuid not in gpu_by_uuid:
+                continue
+            key = (record.allocation_id, s.id.gpu_uuid)
+            acc = accumulators.get(key)
+            if acc is None:
+                acc = accumulators[key] = _Accumulator(record)
+            acc.slices += 1
+            acc.memory_limit_bytes += s.memory_limit_bytes
+            acc.compute_share_ratio += s.compute_share_ratio
+            if s.healthy:
+                if confirmed(record, wall_s):
+                    held_healthy.add(slice_id)
+                else:
+                    held_unconfirmed.add(slice_id)
+        for share in record.shares:
+            # Stated per device (a DRA claim): no slices of the inventory to count.
+            if share.gpu_uuid not in gpu_by_uuid:
+                continue
+            key = (record.allocation_id, share.gpu_uuid)
+            acc = accumulators.get(key)
+            if acc is None:
+                acc = accumulators[key] = _Accumulator(record)
+            acc.slices += share.slices
+            acc.memory_limit_bytes += share.memory_limit_bytes
+            acc.compute_share_ratio += share.compute_share_ratio
+    slices_allocated = dict.fromkeys(gpu_by_uuid, 0)
+    for slice_id in held_healthy:
+        slices_allocated[by_id[slice_id].id.gpu_uuid] += 1
+    slices_unconfirmed = dict.fromkeys(gpu_by_uuid, 0)
+    for slice_id in held_unconfirmed - held_healthy:
+        slices_unconfirmed[by_id[slice_id].id.gpu_uuid] += 1
+
+    unknown: set[str] = set()
+    unattributed: dict[str, list[ProcessSample]] = {uuid: [] for uuid in gpu_by_uuid}
+    misattributed: dict[str, list[ProcessSample]] = {uuid: [] for uuid in gpu_by_uuid}
+    unattributed_pods: dict[str, list[tuple[int, str]]] = {uuid: [] for uuid in gpu_by_uuid}
+    # Processes of a pod whose claim did not stand, and the allocations that stood per
+    # container cgroup: rule 4 charges the former to the latter.
+    pending: list[tuple[str, ProcessSample, str, str | None]] = []
+    cgroup_allocations: dict[str, set[str]] = {}
+
+    def charge(uuid: str, process: ProcessSample, found: str | None) -> None:
+        """Count `process` for the allocation it was found to belong to (None: none)."""
+        if found is None:
+            unattributed[uuid].append(process)
+            return
+        owner = records.get(found)
+        if owner is None:
+            unattributed[uuid].append(process)
+            unknown.add(found)
+            return
+        key = (found, uuid)
+        acc = accumulators.get(key)
+        if acc is None:
+            acc = accumulators[key] = _Accumulator(owner)
+        acc.add(process)
+
+    # Without a readable checkpoint every claim stands: `attribute` is not asked.
+    claim_of = pid_allocation.get
+    for gpu in gpus:
+        uuid = gpu.info.uuid
+        for process in gpu.processes:
+            pid = process.pid
+            found = claim_of(pid)
+            if checked is not None:
+                pod_uid = checked.pod_uid_of(pid)
+                container = checked.container_of(pid) if checked.containers_known else None
+                found, refused = attribute(found, pod_uid, uuid, checked, container)
+                if refused:
+                    misattributed[uuid].append(process)
+                if pod_uid is not None:
+                    cgroup = checked.cgroup_of(pid)
+                    if found is None:
+                        pending.append((uuid, process, pod_uid, cgroup))
+                        continue
+                    if cgroup is not None:
+                        cgroup_allocations.setdefault(cgroup, set()).add(found)
+            charge(uuid, process, found)
+    for uuid, process, pod_uid, cgroup in pending:
+        sharing = cgroup_allocations.get(cgroup, set()) if cgroup is not None else set()
+        if len(sharing) == 1:
+            charge(uuid, process, next(iter(sharing)))
+        else:
+            unattributed_pods[uuid].append((process.pid, pod_uid))
+            charge(uuid, process, None)
+    if pending:
+        # Charged after the others: put every list back in the driver's order.
+        order = {p.pid: n for gpu in gpus for n, p in enumerate(gpu.processes)}
+        for processes in unattributed.values():
+            if len(processes) > 1:
+                processes.sort(key=lambda p: order.get(p.pid, 0))
+        for acc in accumulators.values():
+            if len(acc.processes) > 1:
+                acc.processes.sort(key=lambda p: order.get(p.pid, 0))
+    return Charges(
+        tuple(
+            (
+                key,
+                ratio_of(acc.sm_util_percent),
+                (
+                    key[0],
+                    key[1],
+                    gpu_by_uuid[key[1]].info.index,
+                    acc.slices,
+                    acc.memory_used_bytes,
+                    acc.memory_limit_bytes,
+                ),
+                (
+                    acc.compute_share_ratio,
+                    tuple(acc.processes),
+                    acc.record.namespace,
+                    acc.record.pod,
+                    acc.record.container,
+                ),
+            )
+            for key, acc in accumulators.items()
+        ),
+        {uuid: tuple(ps) for uuid, ps in unattributed.items()},
+        {uuid: tuple(ps) for uuid, ps in misattributed.items()},
+        {uuid: tuple(ps) for uuid, ps in unattributed_pods.items()},
+        frozenset(unknown),
+        slices_total,
+        slices_allocated,
+        slices_unhealthy,
+        slices_unconfirmed,
+    )
