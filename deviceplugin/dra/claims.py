@@ -38,6 +38,7 @@ from deviceplugin.allocation import (
 from deviceplugin.config import AllocationConfig, MpsConfig
 from deviceplugin.dra.slices import device_name, device_plans
 from deviceplugin.model import (
+    SOURCE_DRA,
     AllocationRecord,
     GpuPlan,
     Inventory,
@@ -288,6 +289,8 @@ def claim_record(claim: PreparedClaim, container: str = "") -> AllocationRecord:
         namespace=claim.namespace,
         pod=pod,
         container=container,
+        source=SOURCE_DRA,
+        claim=f"{claim.namespace}/{claim.name}",
     )
 
 

@@ -140,6 +140,9 @@ def _allocation(a: AllocationRecord) -> dict[str, Any]:
         "pod": a.pod,
         "container": a.container,
         "slice_ids": list(a.slice_ids),
+        # Where it came from (device-plugin | dra) and, for a DRA claim, its namespace/name.
+        "source": a.source,
+        "claim": a.claim,
         "allocated_at": rfc3339(a.allocated_at_s) if a.allocated_at_s > 0 else None,
         "allocated_at_s": a.allocated_at_s,
     }

@@ -197,6 +197,10 @@ async def test_registers_publishes_its_slice_and_prepares_a_claim(
         records = {r.allocation_id: r for r in daemon.book}
         assert records[allocation].pod == "pod-1"
         assert records[allocation].namespace == "default"
+        assert (records[allocation].source, records[allocation].claim) == (
+            "dra",
+            "default/claim-u-15",
+        )
 
         # Prepared twice (a kubelet retry): the same answer, from the checkpoint.
         again = await _prepare(settings.service_socket, "u-15", beta=True)
