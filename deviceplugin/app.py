@@ -15,7 +15,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -237,8 +237,10 @@ class Daemon:
             api = LightkubeApi(load_config(settings.dra.kubeconfig))
         except ValueError as e:
             raise StartupError(str(e)) from None
+        # The driver's name is the config's at start: it names the kubelet sockets.
+        dra = replace(settings.dra, driver_name=settings.config.dra.driver_name)
         return DraDriver(
-            settings.dra,
+            dra,
             lambda: self.settings.config,
             settings.state_dir,
             self.book,

@@ -47,7 +47,7 @@ from deviceplugin.dra.grpcserver import (
 )
 from deviceplugin.dra.kubeapi import ApiCallError, KubeApi
 from deviceplugin.dra.podresources import claim_containers
-from deviceplugin.dra.settings import DraSettings, GpuCdi
+from deviceplugin.dra.settings import DraSettings, GpuCdi, RequestPolicy
 from deviceplugin.dra.slices import build_devices, build_slice, device_plans, inventory_health
 from deviceplugin.dra.slices import device_name as plan_device_name
 from deviceplugin.dra.store import ClaimStore
@@ -124,9 +124,9 @@ class DraDriver:
         return {g.reading.info.uuid: g.reading.health_reason for g in snapshot.gpus}
 
     def _devices(self) -> list[dict[str, Any]]:
-        return build_devices(
-            self._built, self.settings.policy, self.settings.driver_name, self._reasons()
-        )
+        # The request policies of the current config: a reload republishes the slice.
+        policy = RequestPolicy.of(self._config().dra)
+        return build_devices(self._built, policy, self.settings.driver_name, self._reasons())
 
     def claim_owners(self) -> list[tuple[str, str, tuple[str, ...], frozenset[str]]]:
         """(pod UID, allocation ID, slice IDs, GPU UUIDs) for each pod a prepared claim is

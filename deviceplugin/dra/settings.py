@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from deviceplugin.config import DraConfig
+
 DEFAULT_DRIVER_NAME = "vgpu.dev"
 DEFAULT_KUBELET_ROOT_DIR = "/var/lib/kubelet"
 DEFAULT_CDI_DIR = "/var/run/cdi"
@@ -47,6 +49,21 @@ class RequestPolicy:
     memory_step_bytes: int = 256 * MIB
     compute_min: int = 1
     compute_step: int = 1
+    # None: one slice's worth of the device.
+    memory_default_bytes: int | None = None
+    compute_default: int | None = None
+
+    @classmethod
+    def of(cls, cfg: DraConfig) -> RequestPolicy:
+        """The config's `dra` section's policies."""
+        return cls(
+            memory_min_bytes=cfg.memory_min_bytes,
+            memory_step_bytes=cfg.memory_step_bytes,
+            compute_min=cfg.compute_min,
+            compute_step=cfg.compute_step,
+            memory_default_bytes=cfg.memory_default_bytes,
+            compute_default=cfg.compute_default,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +77,6 @@ class DraSettings:
     # None: the pod's service account (in-cluster config).
     kubeconfig: Path | None = None
     gpu_cdi: GpuCdi = GpuCdi.NVIDIA
-    policy: RequestPolicy = RequestPolicy()
 
     @property
     def registration_socket(self) -> Path:

@@ -88,13 +88,17 @@ def build_device(
     if gpu.parent_uuid:
         attributes["migProfile"] = {"string": gpu.mig_profile}
         attributes["parentUUID"] = {"string": gpu.parent_uuid}
+    one_slice_memory = plan.memory_per_slice_bytes
+    if policy.memory_default_bytes is not None:
+        one_slice_memory = policy.memory_default_bytes
     memory_default = min(
         gpu.memory_total_bytes,
-        _round_down(plan.memory_per_slice_bytes, policy.memory_min_bytes, policy.memory_step_bytes),
+        _round_down(one_slice_memory, policy.memory_min_bytes, policy.memory_step_bytes),
     )
-    compute_default = _round_down(
-        int(round(plan.compute_share_ratio * 100, 6)), policy.compute_min, policy.compute_step
-    )
+    one_slice_compute = int(round(plan.compute_share_ratio * 100, 6))
+    if policy.compute_default is not None:
+        one_slice_compute = policy.compute_default
+    compute_default = _round_down(one_slice_compute, policy.compute_min, policy.compute_step)
     device: dict[str, Any] = {
         "name": device_name(plan),
         "attributes": attributes,

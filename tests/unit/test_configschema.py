@@ -163,6 +163,12 @@ def samples(path: Path, schema: dict[str, Any]) -> tuple[list[object], list[obje
     if path == ("nodeLabels", "path"):
         good += ["", "/etc/kubernetes/node-feature-discovery/features.d/vgpu"]
         bad += ["features.d/vgpu", 5, None]
+    if path == ("dra", "driverName"):
+        good += ["vgpu.dev", "gpu.example.com"]
+        bad += ["Not_A_Name", "", "vgpu.dev.", 5]
+    if path[:2] == ("dra", "memory"):  # a size, more than 0
+        good += ["256Mi", "1Gi", 1048576]
+        bad += ["10Q", "Gi", -1, 0, True]
     if path[-1] == "overrides":
         good += [[], None, [OVERRIDE]]
         bad += [[{"replicas": 2}], [{"match": {}, "replicas": 2}], [{"match": {"index": 0}}]]

@@ -117,3 +117,38 @@ def test_slice_is_the_nodes_pool_owned_by_its_node() -> None:
     assert obj["spec"]["pool"] == {"name": "Node-1", "generation": 3, "resourceSliceCount": 1}
     assert obj["spec"]["nodeName"] == "Node-1"
     assert obj["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+
+
+def test_request_policies_come_from_the_config() -> None:
+    from deviceplugin.config.load import config_from_bytes
+    from deviceplugin.dra.settings import RequestPolicy
+
+    cfg = config_from_bytes(
+        b"dra:\n  driverName: gpu.example.com\n"
+        b"  memory: {min: 1Gi, step: 512Mi, default: 4Gi}\n"
+        b"  compute: {min: 5, step: 5, default: 10}\n",
+        "test",
+    )
+    assert cfg.dra.driver_name == "gpu.example.com"
+    (d,) = build_devices(_inventory(GpuReading(_gpu(0))), RequestPolicy.of(cfg.dra), "x")
+    memory = d["capacity"]["memory"]["requestPolicy"]
+    assert memory == {
+        "default": str(4 * GIB),
+        "validRange": {"min": str(GIB), "max": str(40 * GIB), "step": str(512 << 20)},
+    }
+    compute = d["capacity"]["compute"]["requestPolicy"]
+    assert compute == {"default": "10", "validRange": {"min": "5", "max": "100", "step": "5"}}
+
+
+def test_bad_dra_config_is_refused_naming_the_key() -> None:
+    import pytest
+
+    from deviceplugin.config.load import config_from_bytes
+    from deviceplugin.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        config_from_bytes(b"dra: {driverName: Not_A_Name, compute: {step: 0}, colour: red}", "t")
+    problems = " ".join(e.value.problems)
+    assert "dra.driverName" in problems
+    assert "dra.compute.step" in problems
+    assert "dra.colour" in problems or "colour" in problems
