@@ -373,7 +373,7 @@ class Daemon:
             poll_failures_consecutive=self.poller.failures,
             poll_interval_s=self.poller.interval_s,
             polling_idle=self.poller.idle,
-            pod_resources_ok=self.tracker.ok,
+            pod_resources_ok=self.tracker.ok if self.dra is None else self.dra.pod_resources_ok,
             mps=None if self.mps is None else self.mps.status,
         )
 

@@ -102,6 +102,8 @@ class DraDriver:
         self._pod_resources = pod_resources_socket
         self._containers: dict[str, str] = {}
         self._names_wanted = asyncio.Event()
+        # Whether pod-resources answered the last query (for /healthz and /status).
+        self.pod_resources_ok = False
 
     # --- the poll's view -------------------------------------------------------------------
 
@@ -385,12 +387,14 @@ class DraDriver:
         while not stop.is_set():
             self._names_wanted.clear()
             unnamed = [c for c in self._claims if c.uid not in self._containers]
-            if unnamed:
+            if unnamed or not self.pod_resources_ok:
                 try:
                     users = await claim_containers(self._pod_resources, self.settings.driver_name)
                     warned = False
+                    self.pod_resources_ok = True
                 except grpc.aio.AioRpcError as e:
                     users = {}
+                    self.pod_resources_ok = False
                     if not warned:
                         log.warning(
                             "pod-resources not answering; claims keep their pod but not their "
@@ -412,7 +416,9 @@ class DraDriver:
             waiter = asyncio.ensure_future(self._names_wanted.wait())
             stopper = asyncio.ensure_future(stop.wait())
             try:
-                still = any(c.uid not in self._containers for c in self._claims)
+                still = not self.pod_resources_ok or any(
+                    c.uid not in self._containers for c in self._claims
+                )
                 await asyncio.wait(
                     {waiter, stopper},
                     timeout=1.0 if still else None,

@@ -230,6 +230,7 @@ def test_the_claim_shows_in_status_and_metrics_with_its_pod(node: Cluster, dra: 
     record = wait_until(listed, timeout_s=20, what="the claim in /status")
     assert (record["namespace"], record["pod"]) == (NS, "seen")
     assert record["source"] == "dra"
+    assert dra.status()["health"]["pod_resources_ok"] is True
     assert record["claim"] == f"{NS}/{claim_of(node, 'seen')['metadata']['name']}"
     # The container comes from the kubelet's pod-resources DRA entries.
     wait_until(lambda: (listed() or {}).get("container") == "main", timeout_s=20,
