@@ -29,7 +29,15 @@ from deviceplugin._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from deviceplugin.app import Daemon
 from deviceplugin.dra.settings import DraSettings
 from deviceplugin.gpu.fake import FakeBackend, FakeProcess
-from tests.blackbox.daemon_harness import GiB, Node, Workloads, eventually, gpu, with_processes
+from tests.blackbox.daemon_harness import (
+    FAST,
+    GiB,
+    Node,
+    Workloads,
+    eventually,
+    gpu,
+    with_processes,
+)
 from tests.support.fake_apiserver import FakeApiServer, allocated_claim
 
 NODE = "test-node"
@@ -402,3 +410,40 @@ def test_serve_in_dra_mode_without_a_node_name_or_a_readable_kubeconfig_says_wha
     assert bad.returncode == 2
     assert f"cannot read the API server's address and credentials from {missing}" in bad.stderr
     assert "set --kubeconfig" in bad.stderr
+
+
+async def test_a_reloaded_request_policy_is_published(node: Node, api: FakeApiServer) -> None:
+    config_path = node.root / "config.yaml"
+    config_path.write_text("dra: {compute: {default: 10}}\n")
+    from deviceplugin.reload import read_config
+
+    loaded = read_config(config_path)
+    settings = dataclasses.replace(
+        node.settings(dataclasses.replace(loaded.config, enforcement=FAST)),
+        dra=_dra(node, api),
+        config_path=config_path,
+        config_hash=loaded.hash,
+    )
+    backend = FakeBackend(node.state_file)
+    daemon = Daemon(settings, backend)
+    stop = asyncio.Event()
+    task = asyncio.create_task(daemon.run(stop))
+
+    def compute_default() -> str:
+        slices = api.slice_list()
+        if not slices:
+            return ""
+        return str(
+            slices[0]["spec"]["devices"][0]["capacity"]["compute"]["requestPolicy"]["default"]
+        )
+
+    try:
+        await _register(settings.dra)  # type: ignore[arg-type]
+        await eventually(lambda: compute_default() == "10", timeout_s=10, what="default 10")
+        config_path.write_text("dra: {compute: {default: 20}}\n")
+        await eventually(lambda: compute_default() == "20", timeout_s=15, what="default 20")
+        assert not task.done()
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        backend.close()
