@@ -447,3 +447,46 @@ async def test_a_reloaded_request_policy_is_published(node: Node, api: FakeApiSe
         stop.set()
         await asyncio.wait_for(task, 10)
         backend.close()
+
+
+async def test_compute_shares_of_two_claims_are_held_in_the_fake_gpu(
+    node: Node, api: FakeApiServer
+) -> None:
+    """Claims of 25 and 75 compute, both processes wanting the whole GPU: the smaller claim is
+    throttled (a duty cycle), the larger is not."""
+    settings = _dra(node, api)
+    workloads = Workloads()
+    try:
+        async with dra_daemon(node, api) as daemon:
+            await _register(settings)
+            api.put_claim(_claim("u-small", "4Gi", "25"))
+            api.put_claim(_claim("u-big", "4Gi", "75", pod="pod-2"))
+            for uid in ("u-small", "u-big"):
+                assert (await _prepare(settings.service_socket, uid)).error == ""
+            small = workloads.spawn(_env(_spec(node, "u-small")))
+            big = workloads.spawn(_env(_spec(node, "u-big")))
+            node.write_gpus(
+                [
+                    with_processes(GPU0, FakeProcess(small, GiB, 100), FakeProcess(big, GiB, 100)),
+                    GPU1,
+                ]
+            )
+
+            def duty(pod: str) -> float | None:
+                snapshot = daemon.poller.snapshot
+                for c in snapshot.containers if snapshot else ():
+                    if c.pod == pod:
+                        return c.duty_cycle_ratio
+                return None
+
+            def shares() -> dict[str, float]:
+                snapshot = daemon.poller.snapshot
+                return {
+                    c.pod: c.compute_share_ratio for c in (snapshot.containers if snapshot else ())
+                }
+
+            await eventually(lambda: shares() == {"pod-1": 0.25, "pod-2": 0.75}, 10, "shares")
+            await eventually(lambda: duty("pod-1") is not None, 15, "the 25% claim throttled")
+            assert duty("pod-2") is None
+    finally:
+        workloads.close()
