@@ -42,11 +42,11 @@ def node(cluster: Cluster) -> Iterator[Cluster]:
     try:
         yield cluster
     finally:
-        for daemon in cluster.daemons[before:]:
-            daemon.kill()
-        if len(cluster.daemons) > before:
-            cluster.wait_no_extended_resources()
         kubelet = cluster.components.get("kubelet")
         if kubelet is not None and not kubelet.alive():
             cluster.start_kubelet()
         cluster.delete_all_pods()
+        for daemon in cluster.daemons[before:]:
+            daemon.kill()
+        if len(cluster.daemons) > before:
+            cluster.wait_no_extended_resources()

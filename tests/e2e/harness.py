@@ -24,7 +24,7 @@ sockets and checkpoint, the pods' real cgroups and processes, a fake GPU state f
 
 Stable API (tests and benchmarks build on it)::
 
-    with Cluster.start(bundle, runtime="auto") as c:       # or the module fixture `cluster`
+    with Cluster.start(bundle, runtime="auto", kubelet_config=None) as c:  # or `cluster`
         c.runtime                      # "containerd" or "fakecri"
         c.api.get/post/patch/delete    # the API server (admin), JSON; ApiError on HTTP >= 300
         c.kubectl("get", "nodes")      # the project's kubectl, when fetched (else skip)
@@ -36,7 +36,10 @@ Stable API (tests and benchmarks build on it)::
         c.container_env("p", "main")   # what the container has: /proc/<pid>/environ
                                        # (containerd) or the fake runtime's CreateContainer line
         c.container_pids("p", "main")  # host PIDs in the container's cgroup (containerd)
-        c.fakecri_log()                # the fake runtime's log text
+        c.container_init_pid("p", "main")   # its first process's host PID (containerd)
+        c.checkpoint_devices("p", "main", RES)  # what the kubelet's checkpoint gave it
+        c.fakecri_log(); c.create_container_requests()   # the fake runtime's log, parsed
+        c.wait_no_extended_resources() # after a plugin stopped: nothing nvidia.com/* offered
         c.stop_kubelet(signal.SIGKILL); c.start_kubelet(); c.restart_kubelet()
         c.paths.checkpoint, c.paths.device_plugin_dir, c.paths.pod_resources_socket,
         c.paths.plugins_registry, c.paths.plugins_dir, c.paths.cdi_dir  # host paths
@@ -80,6 +83,7 @@ from tests.e2e.netns import ApiClient, ApiError, http_get
 
 BUNDLE_ENV = "VGPU_E2E_K8S_BUNDLE"
 CACHE_ENV = "VGPU_E2E_CACHE"
+REPO = Path(__file__).resolve().parents[2]
 RESOURCE = "nvidia.com/vgpu"
 NODE = "e2e-node"
 NODE_IP = "10.200.0.1"
@@ -406,6 +410,11 @@ def wait_until(
         time.sleep(interval_s)
 
 
+# Prefixed to every command the cluster starts: SIGKILL when the test process dies, however it
+# dies (its finalizers cannot run then). Kept across the execs that follow.
+DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "KILL", "--"]
+
+
 def _netns_inode(pid: int) -> int | None:
     try:
         return os.stat(f"/proc/{pid}/ns/net").st_ino
@@ -489,7 +498,12 @@ IN_NODE_POD_RESOURCES = "/var/lib/kubelet/pod-resources/kubelet.sock"
 class Cluster:
     """One node; see the module docstring. Use `Cluster.start(...)` as a context manager."""
 
-    def __init__(self, bundle: Bundle, runtime: Runtime = "auto") -> None:
+    def __init__(
+        self,
+        bundle: Bundle,
+        runtime: Runtime = "auto",
+        kubelet_config: Mapping[str, Any] | None = None,
+    ) -> None:
         if runtime == "auto":
             runtime = "containerd" if containerd_available() else "fakecri"
         if runtime == "containerd" and not containerd_available():
@@ -498,6 +512,7 @@ class Cluster:
             )
         self.runtime: Literal["containerd", "fakecri"] = runtime
         self.bundle = bundle
+        self.kubelet_overrides = dict(kubelet_config or {})
         self.id = uuid.uuid4().hex[:8]
         self.paths = Paths(Path(tempfile.mkdtemp(prefix="vge2e-", dir="/tmp")))
         self.cgroup_root = f"/vgpu-e2e-{self.id}"
@@ -513,8 +528,15 @@ class Cluster:
 
     @classmethod
     @contextlib.contextmanager
-    def start(cls, bundle: Bundle, runtime: Runtime = "auto") -> Iterator[Cluster]:
-        cluster = cls(bundle, runtime)
+    def start(
+        cls,
+        bundle: Bundle,
+        runtime: Runtime = "auto",
+        kubelet_config: Mapping[str, Any] | None = None,
+    ) -> Iterator[Cluster]:
+        """Bring the cluster up (`kubelet_config`: KubeletConfiguration fields to override),
+        yield it, close it whatever happens."""
+        cluster = cls(bundle, runtime, kubelet_config)
         try:
             cluster._bring_up()
             yield cluster
@@ -538,7 +560,8 @@ class Cluster:
             (root / sub).mkdir(parents=True, exist_ok=True)
         make_certificates(self.paths.pki)
         self.timings["certificates"] = time.monotonic() - t0
-        self._make_cgroup_root()
+        if self.runtime == "containerd":  # the fake runtime makes no cgroups
+            self._make_cgroup_root()
         self._start_anchor()
         pki = self.paths.pki
         self._api = ApiClient(
@@ -618,7 +641,18 @@ class Cluster:
             lines.append(f"mount --bind {f} /proc/sys/{key}")
         lines += [f"echo $$ > {root}/anchor.pid", "exec sleep infinity"]
         self.anchor = subprocess.Popen(
-            ["unshare", "--net", "--mount", "--fork", "--", "/bin/sh", "-c", "\n".join(lines)],
+            [
+                *DIE_WITH_PARENT,
+                "unshare",
+                "--net",
+                "--mount",
+                "--fork",
+                "--kill-child=KILL",
+                "--",
+                "/bin/sh",
+                "-c",
+                "\n".join(lines),
+            ],
             cwd=self.paths.empty,
             stdout=subprocess.DEVNULL,
             stderr=(root / "log" / "anchor.log").open("wb"),
@@ -649,7 +683,7 @@ class Cluster:
         """Start `argv` inside the node's network and mount namespaces (same PID namespace as
         the host: it sees every pod's processes), from an empty working directory."""
         workdir = cwd or self.paths.empty
-        full = ["nsenter", f"--target={self.anchor_pid}", "--net", "--mount",
+        full = [*DIE_WITH_PARENT, "nsenter", f"--target={self.anchor_pid}", "--net", "--mount",
                 f"--wd={workdir}", "--", *argv]  # fmt: skip
         out = log.open("ab") if log is not None else subprocess.DEVNULL
         try:
@@ -667,7 +701,7 @@ class Cluster:
 
     def run_in_namespaces(self, argv: Sequence[str], timeout_s: float = 60) -> str:
         """Run `argv` inside the node's namespaces; its output; ClusterError when it fails."""
-        full = ["nsenter", f"--target={self.anchor_pid}", "--net", "--mount",
+        full = [*DIE_WITH_PARENT, "nsenter", f"--target={self.anchor_pid}", "--net", "--mount",
                 f"--wd={self.paths.empty}", "--", *argv]  # fmt: skip
         result = subprocess.run(
             full, check=False, capture_output=True, text=True, timeout=timeout_s, env=_base_env()
@@ -828,6 +862,7 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             "fileCheckFrequency": "60s",
             "registerNode": True,
         }
+        config.update(self.kubelet_overrides)
         (self.paths.root / "kubelet.json").write_text(json.dumps(config))
 
     # -- the kubelet --------------------------------------------------------------------------
@@ -1183,7 +1218,13 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
             *(["--config", str(config_path)] if config is not None else []),
             *args,
         ]  # fmt: skip
-        daemon_env = {**_base_env(), "PYTHONUNBUFFERED": "1", **(env or {})}
+        # The daemon of this checkout, whatever is installed.
+        daemon_env = {
+            **_base_env(),
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": str(REPO),
+            **(env or {}),
+        }
         proc = self.in_namespaces(argv, log=log, env=daemon_env)
         daemon = Daemon(self, proc, log, port, config_path)
         self.daemons.append(daemon)
