@@ -138,15 +138,17 @@ class KubeletTree:
         """The pod container a process is in, from its cgroup file's content; None when it is
         in none. cgroup v2 gives one line `0::<path>`, v1 one line per hierarchy (hybrid hosts
         both); the unified line wins when it names a pod container, else the first v1 line that
-        does. A v1 path relative to a cgroup namespace is refused."""
+        does. In a cgroup namespace of the daemon's own every path is relative to its root (one
+        without `..` lies inside it): the unified one is resolved, a v1 one refused."""
         first: PodContainer | None = None
+        in_own_namespace = self.namespace_root != ""
         for line in content.split(b"\n"):
             parts = line.split(b":", 2)
             if len(parts) != 3:
                 continue
             unified = parts[0] == b"0" and not parts[1]
             path = parts[2].decode("utf-8", "replace")
-            if path == "/.." or path.startswith("/../"):
+            if in_own_namespace or path == "/.." or path.startswith("/../"):
                 resolved = self.resolve(path) if unified else None
                 if resolved is None:
                     continue
@@ -184,6 +186,8 @@ class KubeletTree:
                 return None
             base.pop()
             parts.pop(0)
+        if parts == [""]:
+            parts = []  # the namespace's root itself
         if any(p in ("", ".", "..") for p in parts):
             return None
         return "/" + "/".join(base + parts)
@@ -199,8 +203,11 @@ def detect_layout(own_cgroup: bytes, namespace_root: str | None) -> CgroupLayout
         if len(parts) != 3:
             continue
         path: str | None = parts[2]
-        if path is not None and path.startswith("/.."):
-            path = KubeletTree(namespace_root=namespace_root).resolve(path)
+        if namespace_root != "" or parts[2].startswith("/.."):
+            # In a cgroup namespace of its own, its own path is relative to that namespace (whose
+            # root is known for the unified hierarchy only).
+            unified = parts[0] == "0" and not parts[1]
+            path = KubeletTree(namespace_root=namespace_root).resolve(parts[2]) if unified else None
         if path is None:
             continue
         for driver, marker in ((SYSTEMD, _SYSTEMD_MARKER), (CGROUPFS, _CGROUPFS_MARKER)):

@@ -118,8 +118,16 @@ ns_root = find_namespace_root()
 tree = KubeletTree(CgroupLayout("cgroupfs", root), namespace_root=ns_root)
 resolver = AllocationResolver(Path("/proc"), tree=tree, container_logs=None)
 resolver.resolve(set(pids))
+at_root = KubeletTree(CgroupLayout("cgroupfs", "/"), namespace_root=ns_root)
+inside = AllocationResolver(Path("/proc"), tree=at_root, container_logs=None)
+inside.resolve(set(pids))
 own = [l for l in Path("/proc/self/cgroup").read_text().splitlines() if l.startswith("0::")][0]
-print(json.dumps({"ns_root": ns_root, "own": own, "pods": [resolver.pod_uid_of(p) for p in pids]}))
+print(json.dumps({
+    "ns_root": ns_root,
+    "own": own,
+    "pods": [resolver.pod_uid_of(p) for p in pids],
+    "at_root": [inside.pod_uid_of(p) for p in pids],
+}))
 """
 
 
@@ -134,11 +142,13 @@ def test_real_cgroup_namespace_paths_are_resolved_from_its_root_or_refused(
         real = tree.spawn(f"{root}/kubepods/besteffort/pod{POD_UID}/{cid('main')}")
         # Seen from the daemon's namespace as /../other/pod<uid>/<id>: today's parser took it.
         forged = tree.spawn(f"{root}/other/pod{POD_UID}/{cid('main')}")
-        tree.dir(f"{root}/daemon")
+        # Inside the daemon's own namespace, seen from there as /kubepods/...: a path from that
+        # namespace's root, not the hierarchy's.
+        inside = tree.spawn(f"{root}/daemon/kubepods/besteffort/pod{POD_UID}/{cid('main')}")
         procs = tree.hierarchy / root.lstrip("/") / "daemon" / "cgroup.procs"
         program = tmp_path / "in_namespace.py"
         program.write_text(_IN_NAMESPACE)
-        python = f"{sys.executable} {program} {root} {real} {forged}"
+        python = f"{sys.executable} {program} {root} {real} {forged} {inside}"
         if not mounted:
             python = f"umount {tree.hierarchy} && {python}"
         unshare = "unshare --cgroup" + ("" if mounted else " --mount --propagation private")
@@ -151,10 +161,11 @@ def test_real_cgroup_namespace_paths_are_resolved_from_its_root_or_refused(
         assert seen["own"] == "0::/"  # in a cgroup namespace of its own
         if mounted:
             assert seen["ns_root"] == f"{root}/daemon"
-            assert seen["pods"] == [POD_UID, None]
+            assert seen["pods"] == [POD_UID, None, None]
         else:
             assert seen["ns_root"] is None
-            assert seen["pods"] == [None, None]
+            assert seen["pods"] == [None, None, None]
+        assert seen["at_root"] == [None, None, None]
 
 
 LAYOUTS = {
@@ -183,6 +194,14 @@ def test_the_kubelets_layout_is_read_from_the_daemons_own_container(
 ) -> None:
     layout = detect_layout(own.encode(), "")
     assert (None if layout is None else (layout.driver, layout.root)) == expected
+
+
+def test_in_its_own_cgroup_namespace_the_daemon_reads_its_layout_from_the_namespace_root() -> None:
+    ns_root = "/kubepods/burstable/pod" + POD_UID + "/" + CTR
+    layout = detect_layout(b"0::/\n", ns_root)
+    assert layout is not None
+    assert (layout.driver, layout.root) == ("cgroupfs", "/")
+    assert detect_layout(b"0::/\n", None) is None  # its namespace's root unknown
 
 
 def test_with_the_layout_read_a_path_of_the_other_driver_is_no_pods() -> None:
