@@ -12,13 +12,15 @@ import json
 import statistics
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from deviceplugin.gpu.fake import FakeMigDevice, FakeState
 from tests.blackbox.daemon_harness import gpu
-from tests.e2e.harness import RESOURCE, Cluster, Daemon, pod_manifest, wait_until
+from tests.e2e.harness import RESOURCE, Cluster, ClusterError, Daemon, pod_manifest, wait_until
 from tests.e2e.netns import ApiError
 
 RUNTIME = "fakecri"
@@ -328,6 +330,89 @@ def test_a_kubelet_restart_keeps_claims_and_prepares_new_ones(node: Cluster, dra
     node.wait_running("after")
     node.wait_running("before")
     assert len(spec_files(node)) == 2
+
+
+COMPONENT = Path(__file__).resolve().parents[2] / "daemonset" / "components" / "dra"
+DAEMON_SA = "system:serviceaccount:vgpu-system:vgpu-device-plugin"
+PLURALS = {
+    "ClusterRole": "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+    "ClusterRoleBinding": "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+    "ValidatingAdmissionPolicy": (
+        "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies"
+    ),
+    "ValidatingAdmissionPolicyBinding": (
+        "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings"
+    ),
+}
+
+
+def test_the_admission_policy_holds_the_daemon_to_its_own_nodes_slices(node: Cluster) -> None:
+    """daemonset/components/dra's RBAC and ValidatingAdmissionPolicy on the real API server:
+    the daemon's service account, on node N (the node name its token carries), may write only
+    slices of node N. Its token is stood in for by impersonation with that extra."""
+    docs = [
+        d
+        for f in ("rbac.yaml", "admission-policy.yaml")
+        for d in yaml.safe_load_all((COMPONENT / f).read_text())
+        if d
+    ]
+    for doc in docs:
+        _post(node, PLURALS[doc["kind"]], doc)
+    me = node.node()["metadata"]["name"]
+    manifest = node.paths.root / "vap-slice.json"
+
+    def create_as(node_name: str | None, slice_node: str) -> str:
+        manifest.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "resource.k8s.io/v1",
+                    "kind": "ResourceSlice",
+                    "metadata": {"name": f"vap-{slice_node}"},
+                    "spec": {
+                        "driver": "vap.example.com",
+                        "nodeName": slice_node,
+                        "pool": {"name": slice_node, "generation": 1, "resourceSliceCount": 1},
+                        "devices": [],
+                    },
+                }
+            )
+        )
+        extra = []
+        if node_name is not None:
+            extra = ["--as-user-extra", f"authentication.kubernetes.io/node-name={node_name}"]
+        try:
+            return node.kubectl("--as", DAEMON_SA, *extra, "create", "-f", str(manifest))
+        except ClusterError as e:
+            return str(e)
+
+    try:
+        # The policy takes effect once the API server has loaded it.
+        wait_until(
+            lambda: "may not write" in create_as("other-node", me),
+            timeout_s=30,
+            what="the admission policy in force",
+        )
+        # Made while the policy was not yet loaded, if at all.
+        with contextlib.suppress(ApiError):
+            node.api.delete(f"{RESOURCE_API}/resourceslices/vap-{me}")
+        wait_until(lambda: not [x for x in node.api.get(f"{RESOURCE_API}/resourceslices")["items"]
+                                if x["metadata"]["name"] == f"vap-{me}"], timeout_s=10,
+                   what="the early slice gone")  # fmt: skip
+        assert "may not write ResourceSlices of node " + me in create_as("other-node", me)
+        assert "names no node" in create_as(None, me)
+        assert "created" in create_as(me, me)
+        node.kubectl("--as", DAEMON_SA, "--as-user-extra",
+                     f"authentication.kubernetes.io/node-name={me}",
+                     "delete", "resourceslice", f"vap-{me}")  # fmt: skip
+        # RBAC: claims it may read; pods it may not.
+        can = ["--as", DAEMON_SA, "auth", "can-i"]
+        assert node.kubectl(*can, "get", "resourceclaims").strip() == "yes"
+        with pytest.raises(ClusterError, match="exit 1"):  # can-i answers no
+            node.kubectl(*can, "list", "pods")
+    finally:
+        for doc in reversed(docs):
+            with contextlib.suppress(ApiError):
+                node.api.delete(f"{PLURALS[doc['kind']]}/{doc['metadata']['name']}")
 
 
 def _create_to_running(node: Cluster, make: Any, n: int = 5) -> list[float]:
