@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from deviceplugin import __version__, logs
 from deviceplugin.config import Config
+from deviceplugin.dra.settings import DraSettings, GpuCdi
 from deviceplugin.errors import BackendError, ConfigError, StartupError
 from deviceplugin.kubelet.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
 
@@ -204,8 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kubeconfig",
         metavar="PATH",
         default=_env("VGPU_KUBECONFIG", ""),
-        help="for --config-dir outside a pod: a kubeconfig file (default: the pod's service "
-        "account; env VGPU_KUBECONFIG)",
+        help="for --config-dir and --kubelet-api dra outside a pod: a kubeconfig file for the "
+        "API server (default: the pod's service account; env VGPU_KUBECONFIG)",
     )
     serve.add_argument(
         "--node-features-file",
@@ -244,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the kubelet's --cgroup-root (default: read with the driver, else /; env "
         "VGPU_KUBELET_CGROUP_ROOT)",
     )
+    _add_dra_flags(serve)
     _add_log_flags(serve)
 
     check = sub.add_parser(
@@ -313,6 +315,62 @@ def build_parser() -> argparse.ArgumentParser:
     for command in sub.choices.values():
         command.set_defaults(command_parser=command)
     return parser
+
+
+KUBELET_APIS = ("device-plugin", "dra")
+GPU_CDI = ("nvidia", "device-nodes")
+
+
+def _add_dra_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kubelet-api",
+        metavar="|".join(KUBELET_APIS),
+        type=_one_of(KUBELET_APIS),
+        default=_env("VGPU_KUBELET_API", "device-plugin"),
+        help="how pods get GPUs: device-plugin (slices of an extended resource) or dra (a DRA "
+        "driver: claims ask for memory and compute; docs/dra.md) "
+        "(default: device-plugin; env VGPU_KUBELET_API)",
+    )
+    parser.add_argument(
+        "--kubelet-root-dir",
+        metavar="DIR",
+        default=_env("VGPU_KUBELET_ROOT_DIR", "/var/lib/kubelet"),
+        help="dra: the kubelet's root directory, holding plugins_registry/ and plugins/ "
+        "(default: /var/lib/kubelet; env VGPU_KUBELET_ROOT_DIR)",
+    )
+    parser.add_argument(
+        "--cdi-dir",
+        metavar="DIR",
+        default=_env("VGPU_CDI_DIR", "/var/run/cdi"),
+        help="dra: where the CDI spec of each prepared claim is written "
+        "(default: /var/run/cdi; env VGPU_CDI_DIR)",
+    )
+    parser.add_argument(
+        "--dra-gpu-cdi",
+        metavar="|".join(GPU_CDI),
+        type=_one_of(GPU_CDI),
+        default=_env("VGPU_DRA_GPU_CDI", "nvidia"),
+        help="dra: the GPU itself through NVIDIA's CDI device nvidia.com/gpu=<uuid>, or through "
+        "device nodes in vgpu's own CDI spec (default: nvidia; env VGPU_DRA_GPU_CDI)",
+    )
+
+
+def _dra_settings(args: argparse.Namespace) -> DraSettings | None:
+    """The DRA driver's settings in `--kubelet-api dra` mode, else None; ValueError naming
+    the flag at fault."""
+    if args.kubelet_api != "dra":
+        return None
+    if not args.node_name:
+        raise ValueError(
+            "--kubelet-api dra needs --node-name (or NODE_NAME): the pool it publishes"
+        )
+    return DraSettings(
+        node_name=args.node_name,
+        kubelet_root_dir=Path(args.kubelet_root_dir).absolute(),
+        cdi_dir=Path(args.cdi_dir).absolute(),
+        kubeconfig=Path(args.kubeconfig).absolute() if args.kubeconfig else None,
+        gpu_cdi=GpuCdi(args.dra_gpu_cdi),
+    )
 
 
 def _add_log_flags(parser: argparse.ArgumentParser) -> None:
@@ -407,6 +465,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             log.error("config error source=%s problem=%s", flag, e)
             return EXIT_USAGE
+    try:
+        dra = _dra_settings(args)
+    except ValueError as e:
+        log.error("config error source=--kubelet-api problem=%s", e)
+        return EXIT_USAGE
+    if dra is not None:
+        settings = replace(settings, dra=dra)
     tls_problem = _tls_problem(args)
     if tls_problem:
         log.error("config error source=--metrics-tls-cert problem=%s", tls_problem)

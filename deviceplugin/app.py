@@ -16,18 +16,27 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from deviceplugin import __version__
 from deviceplugin.allocation import mps_defaults
 from deviceplugin.config import Config, MpsConfig
+from deviceplugin.dra.driver import DraDriver
+from deviceplugin.dra.kubeapi import LightkubeApi, load_config
+from deviceplugin.dra.settings import DraSettings
 from deviceplugin.enforcer import Enforcer, PsutilControl, RecordingControl
 from deviceplugin.errors import StartupError
 from deviceplugin.gpu.backend import GpuBackend, open_backend
 from deviceplugin.gpu.mps import MpsControlDaemon
-from deviceplugin.kubelet.checkpoint import CHECKPOINT_FILE, CheckpointReader
+from deviceplugin.kubelet.checkpoint import (
+    CHECKPOINT_FILE,
+    CheckpointEntry,
+    CheckpointReader,
+    DeviceCheckpoint,
+    normalize_pod_uid,
+)
 from deviceplugin.kubelet.lifecycle import PluginLifecycle
 from deviceplugin.kubelet.limits import device_list_problem
 from deviceplugin.kubelet.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
@@ -98,6 +107,8 @@ class DaemonSettings:
     # this daemon's own pod container (either driver at / outside a pod).
     kubelet_cgroup_driver: str = "auto"
     kubelet_cgroup_root: str = ""
+    # `--kubelet-api dra`: served as a DRA driver (deviceplugin.dra) instead of device plugins.
+    dra: DraSettings | None = None
 
 
 class Daemon:
@@ -120,6 +131,7 @@ class Daemon:
         )
         # Made in run(): its duty-cycle thread must not outlive a daemon that never ran.
         self.enforcer: Enforcer | None = None
+        self.dra = self._make_dra(settings)
         self.poller = Poller(
             backend,
             cfg,
@@ -127,7 +139,9 @@ class Daemon:
             self.book,
             node_name=settings.node_name,
             health=self.health,
-            checkpoint=CheckpointReader(
+            checkpoint=_ClaimEvidence(self.dra)
+            if self.dra is not None
+            else CheckpointReader(
                 settings.device_plugin_dir / CHECKPOINT_FILE,
                 lambda: self.resources.known_names,
             ),
@@ -138,6 +152,7 @@ class Daemon:
             resolver=AllocationResolver(
                 layout=kubelet_layout(settings.kubelet_cgroup_driver, settings.kubelet_cgroup_root)
             ),
+            inventory_view=None if self.dra is None else self.dra.inventory_view,
         )
         # One plugin endpoint per resource; the primary one (resourceName) always exists, and
         # `service` and `lifecycle` are its own.
@@ -250,6 +265,26 @@ class Daemon:
         endpoint.append(ResourceEndpoint(resource_name, inventory, service, lifecycle))
         return endpoint[0]
 
+    def _make_dra(self, settings: DaemonSettings) -> DraDriver | None:
+        if settings.dra is None:
+            return None
+        try:
+            api = LightkubeApi(load_config(settings.dra.kubeconfig))
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+        # The driver's name is the config's at start: it names the kubelet sockets.
+        dra = replace(settings.dra, driver_name=settings.config.dra.driver_name)
+        return DraDriver(
+            dra,
+            lambda: self.settings.config,
+            settings.state_dir,
+            self.book,
+            api,
+            snapshot=lambda: self.poller.snapshot,
+            on_claims_changed=lambda: self.poller.allocated(),  # noqa: PLW0108 (made later)
+            pod_resources_socket=settings.pod_resources_socket,
+        )
+
     def reconcile_resources(self) -> None:
         """Bring the plugin endpoints in line with the current inventory: every resource it
         names is served and registered, with its slices; a resource with no slice left (none
@@ -257,6 +292,9 @@ class Daemon:
         inventory (a MIG layout change, a new config) ends here. Slices held under another
         name (a renamed resource) are advertised Unhealthy until the kubelet frees them."""
         inventory = self.inventory.value
+        if self.dra is not None:
+            self.dra.inventory_changed(inventory)
+            return
         self.resources.reconcile(inventory, self.book.held_elsewhere(inventory.by_id))
         self.book.retired = self.resources.retired
 
@@ -389,7 +427,7 @@ class Daemon:
     def health(self) -> DaemonHealth:
         # Registered only when every resource is and holds its stream (a registration that holds
         # no stream counts as none, so /healthz fails in time); unregistered since the earliest.
-        lifecycles = [endpoint.lifecycle for endpoint in self.resources]
+        lifecycles = [] if self.dra is not None else [e.lifecycle for e in self.resources]
         since = [
             t
             for lc in lifecycles
@@ -397,8 +435,11 @@ class Daemon:
             if t > 0 and (not lc.registered or lc.unstable_since_s)
         ]
         unregistered_since_s = min(since, default=0.0)
+        registered = all(lc.registered and not lc.unstable_since_s for lc in lifecycles)
+        if self.dra is not None:
+            registered = self.dra.registered
         return DaemonHealth(
-            registered=all(lc.registered and not lc.unstable_since_s for lc in lifecycles),
+            registered=registered,
             unregistered_since_s=unregistered_since_s,
             unregistered_since_wall_s=(
                 time.time() - (time.monotonic() - unregistered_since_s)
@@ -411,7 +452,7 @@ class Daemon:
             poll_failures_consecutive=self.poller.failures,
             poll_interval_s=self.poller.interval_s,
             polling_idle=self.poller.idle,
-            pod_resources_ok=self.tracker.ok,
+            pod_resources_ok=self.tracker.ok if self.dra is None else self.dra.pod_resources_ok,
             mps=None if self.mps is None else self.mps.status,
         )
 
@@ -447,6 +488,11 @@ class Daemon:
         if pid_namespace:
             log.warning("%s", pid_namespace)
         self.enforcer = await asyncio.to_thread(self._start_enforcer)
+        if self.dra is not None:
+            try:
+                self.dra.recover()
+            except (OSError, ValueError) as e:
+                raise StartupError(str(e)) from e
         try:
             try:
                 await self.poller.poll_once()
@@ -479,7 +525,10 @@ class Daemon:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self.poller.run(stop), name="poll")
                 self._tasks, self._stop = tasks, stop
-                tasks.create_task(self.resources.run(stop), name="plugins")
+                if self.dra is not None:
+                    tasks.create_task(self.dra.run(stop), name="dra")
+                else:
+                    tasks.create_task(self.resources.run(stop), name="plugins")
                 node_config = self.settings.node_config
                 if self.settings.config_path is not None or node_config is not None:
                     reloader = ConfigReloader(
@@ -501,9 +550,10 @@ class Daemon:
                     tasks.create_task(
                         report_hangups_without_a_config(stop, hangup), name="config-reload"
                     )
-                tasks.create_task(
-                    self.tracker.run(stop, self.poller.names_wanted), name="pod-resources"
-                )
+                if self.dra is None:
+                    tasks.create_task(
+                        self.tracker.run(stop, self.poller.names_wanted), name="pod-resources"
+                    )
                 if self.mps is not None:
                     self._supervise_mps(self.mps)
                 if self.node_labels is not None:
@@ -524,6 +574,22 @@ class Daemon:
                 if self.probes is not None:
                     self.probes.stop()
         log.info("stopped")
+
+
+class _ClaimEvidence:
+    """DRA mode's attribution evidence: the prepared claims and the pods they are reserved for,
+    in the shape of the kubelet's device checkpoint."""
+
+    def __init__(self, dra: DraDriver) -> None:
+        self._dra = dra
+
+    def read(self) -> DeviceCheckpoint:
+        return DeviceCheckpoint.of(
+            tuple(
+                CheckpointEntry(normalize_pod_uid(pod), "", allocation, slices, gpus)
+                for pod, allocation, slices, gpus in self._dra.claim_owners()
+            )
+        )
 
 
 def _set_on_done(event: asyncio.Event, _: asyncio.Future[Any]) -> None:

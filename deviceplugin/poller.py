@@ -21,13 +21,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from deviceplugin.config import Config
 from deviceplugin.errors import BackendError
 from deviceplugin.gpu.backend import GpuBackend, no_wake
 from deviceplugin.incremental import InventoryCache
-from deviceplugin.kubelet.checkpoint import CheckpointReader
+from deviceplugin.kubelet.checkpoint import DeviceCheckpoint
 from deviceplugin.kubelet.limits import DeviceListTooLargeError, device_list_problem
 from deviceplugin.model import (
     AllocationRecord,
@@ -158,6 +158,13 @@ def _set_exception(future: asyncio.Future[Any], error: BaseException) -> None:
         future.set_exception(error)
 
 
+class CheckpointSource(Protocol):
+    """Who holds which allocation, as attribution evidence: the kubelet's device checkpoint
+    (`CheckpointReader`), or in DRA mode the prepared claims and their pods."""
+
+    def read(self) -> DeviceCheckpoint: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Tick:
     """What one poll produced, off the event loop."""
@@ -185,12 +192,13 @@ class Poller:
         node_name: str = "",
         health: Callable[[], DaemonHealth] = DaemonHealth,
         resolver: AllocationResolver | None = None,
-        checkpoint: CheckpointReader | None = None,
+        checkpoint: CheckpointSource | None = None,
         enforce: Callable[[NodeSnapshot], NodeSnapshot] = lambda snapshot: snapshot,
         on_poll_duration: Callable[[float], None] = lambda seconds: None,
         timeout_s: float | None = None,
         on_inventory: Callable[[Inventory], None] = lambda inventory: None,
         trust_host_processes: bool = False,
+        inventory_view: Callable[[Inventory], Inventory] | None = None,
     ) -> None:
         self._backend = backend
         self._config = config
@@ -215,6 +223,8 @@ class Poller:
         self._enforce = enforce
         self._on_poll_duration = on_poll_duration
         self._on_inventory = on_inventory
+        # DRA mode: the built inventory as the prepared claims make it (deviceplugin.dra).
+        self._inventory_view = inventory_view
         self._interval_s = config.enforcement.poll_interval_s
         self._idle_interval_s = idle_interval_s(config)
         # True after a poll that saw no GPU process while no slice was allocated: the next one
@@ -253,11 +263,14 @@ class Poller:
         if problem is not None:
             raise DeviceListTooLargeError(problem)
         # Held slices that a new plan or a MIG layout change dropped stay, Unhealthy, until freed.
+        built = self._inventories.build(
+            reading, cfg.slicing, mig=cfg.mig, resource_name=cfg.resource_name
+        )
+        if self._inventory_view is not None:
+            built = self._inventory_view(built)
         inventory = keep_held(
             self._inventory.value,
-            self._inventories.build(
-                reading, cfg.slicing, mig=cfg.mig, resource_name=cfg.resource_name
-            ),
+            built,
             (slice_id for record in allocations for slice_id in record.slice_ids),
         )
         pids = {p.pid for gpu in reading.gpus for p in gpu.processes}

@@ -131,4 +131,15 @@ mig:
   # {{match: {{profile: "1g.10gb"}}, replicas: 2}}. Memory limits are enforced per MIG device; NVML
   # measures no utilisation per MIG device, so compute shares are not enforced on them.
   strategy: {d.mig.strategy.value}
+
+dra:
+  # DRA mode only (serve --kubelet-api dra; docs/dra.md). The driver's name, and what a claim may
+  # ask of one GPU's capacities: memory in bytes, compute in percent (100 = the whole GPU). The
+  # scheduler rounds a request up to min + a multiple of step; a claim naming no amount gets
+  # `default`, or one slice's worth of that GPU when there is none (as nvidia.com/vgpu: 1 does).
+  driverName: {d.dra.driver_name}
+  memory:
+    min: {format_size(d.dra.memory_min_bytes)}
+    step: {format_size(d.dra.memory_step_bytes)}
+  compute: {{min: {d.dra.compute_min}, step: {d.dra.compute_step}}}
 """

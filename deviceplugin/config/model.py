@@ -161,6 +161,27 @@ NFD_FEATURE_NAME = "vgpu"
 NFD_FEATURE_FILE = f"{NFD_FEATURES_DIR}/{NFD_FEATURE_NAME}"
 
 
+DEFAULT_DRA_DRIVER_NAME = "vgpu.dev"
+DEFAULT_DRA_MEMORY_MIN_BYTES = 256 * 1024**2
+DEFAULT_DRA_MEMORY_STEP_BYTES = 256 * 1024**2
+
+
+@dataclass(frozen=True, slots=True)
+class DraConfig:
+    """`dra`: the DRA driver's name and its request policies (docs/dra.md): what a claim may ask
+    of one device's `memory` and `compute` (100 = the whole device). A default of None gives a
+    claim that names no amount one slice's worth of the device (its memory / replicas, 100 /
+    replicas), as `nvidia.com/vgpu: 1` gets."""
+
+    driver_name: str = DEFAULT_DRA_DRIVER_NAME
+    memory_min_bytes: int = DEFAULT_DRA_MEMORY_MIN_BYTES
+    memory_step_bytes: int = DEFAULT_DRA_MEMORY_STEP_BYTES
+    memory_default_bytes: int | None = None
+    compute_min: int = 1
+    compute_step: int = 1
+    compute_default: int | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class NodeLabelsConfig:
     """`nodeLabels.file`: the name of the feature file the daemon keeps for node feature
@@ -250,6 +271,7 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     node_labels: NodeLabelsConfig = field(default_factory=NodeLabelsConfig)
     mig: MigConfig = field(default_factory=MigConfig)
+    dra: DraConfig = field(default_factory=DraConfig)
     # Non-fatal findings, e.g. NVIDIA keys that parse but that vgpu does not act on.
     warnings: tuple[str, ...] = field(default=(), compare=False)
     # The format the file was written in (check-config says what vgpu adds to NVIDIA's meaning).

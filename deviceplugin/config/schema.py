@@ -105,6 +105,56 @@ def _size(description: str, minimum_bytes: int = 1, zero: bool = False) -> Schem
     return schema
 
 
+def _dra_section(d: Any) -> Schema:
+    """`dra`: the DRA driver (docs/dra.md)."""
+
+    def percent(description: str, default: int | None) -> Schema:
+        schema: Schema = {
+            "description": description,
+            "type": "integer",
+            "minimum": 1,
+            "maximum": 100,
+        }
+        if default is not None:
+            schema["default"] = default
+        return schema
+
+    return _section(
+        "DRA mode (serve --kubelet-api dra): the driver's name and what a claim may ask of one"
+        " device's capacities.",
+        {
+            "driverName": {
+                "description": "The DRA driver's name (a DNS subdomain).",
+                "type": "string",
+                "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+                "default": d.dra.driver_name,
+            },
+            "memory": _section(
+                "Request policy of a device's memory.",
+                {
+                    "min": _size("The smallest amount a claim gets."),
+                    "step": _size("Amounts are rounded up to min + a multiple of this."),
+                    "default": _size(
+                        "What a claim naming no memory gets; absent: one slice's memory."
+                    ),
+                },
+            ),
+            "compute": _section(
+                "Request policy of a device's compute, in percent of the device.",
+                {
+                    "min": percent("The smallest share a claim gets.", d.dra.compute_min),
+                    "step": percent(
+                        "Shares are rounded up to min + a multiple of this.", d.dra.compute_step
+                    ),
+                    "default": percent(
+                        "What a claim naming no compute gets; absent: one slice's share.", None
+                    ),
+                },
+            ),
+        },
+    )
+
+
 def _choice(description: str, options: tuple[str, ...], default: str) -> Schema:
     return {"description": description, "enum": list(options), "default": default}
 
@@ -369,6 +419,7 @@ def _vgpu_schema() -> Schema:
             "health": health,
             "nodeLabels": node_labels,
             "mig": mig,
+            "dra": _dra_section(d),
         },
     )
 

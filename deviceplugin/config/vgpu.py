@@ -5,6 +5,7 @@ Every problem is recorded on the _Reader with its key path; parse_config raises 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 
 from deviceplugin.config.model import (
@@ -21,6 +22,7 @@ from deviceplugin.config.model import (
     ComputeAction,
     ComputeEnforcement,
     Config,
+    DraConfig,
     EnforcementConfig,
     GpuMatch,
     HealthConfig,
@@ -63,8 +65,13 @@ _TOP_KEYS = (
     "health",
     "nodeLabels",
     "mig",
+    "dra",
 )
 _NODE_LABELS_KEYS = ("file", "path")
+_DRA_KEYS = ("driverName", "memory", "compute")
+# A DRA driver's name: a DNS subdomain (the kubelet's plugin name, a ResourceSlice's driver).
+_DRIVER_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_DRA_AMOUNT_KEYS = ("min", "step", "default")
 _SLICING_KEYS = ("replicas", "memoryPerSlice", "overrides")
 _OVERRIDE_KEYS = ("match", "replicas", "memoryPerSlice")
 _MATCH_KEYS = ("model", "index", "uuid", "profile")
@@ -341,6 +348,48 @@ def _node_labels(r: _Reader, value: object) -> NodeLabelsConfig:
     return NodeLabelsConfig(file=name, legacy_directory=directory or "/")
 
 
+def _dra(r: _Reader, value: object) -> DraConfig:
+    section = r.section(value, "dra", _DRA_KEYS)
+    d = DraConfig()
+    driver = d.driver_name
+    if "driverName" in section:
+        name = r.string(section["driverName"], "dra.driverName")
+        if name is not None and not _DRIVER_NAME.fullmatch(name):
+            r.error("dra.driverName", f"{_show(name)} is not a DNS subdomain like vgpu.dev")
+        elif name is not None:
+            driver = name
+    memory = r.section(section.get("memory"), "dra.memory", _DRA_AMOUNT_KEYS)
+    sizes: dict[str, int | None] = {
+        "min": d.memory_min_bytes,
+        "step": d.memory_step_bytes,
+        "default": d.memory_default_bytes,
+    }
+    for key in _DRA_AMOUNT_KEYS:
+        if key in memory:
+            size = r.size(memory[key], f"dra.memory.{key}")
+            if size == 0:
+                r.error(f"dra.memory.{key}", "is 0; give an amount such as 256Mi")
+            sizes[key] = size or sizes[key]
+    compute = r.section(section.get("compute"), "dra.compute", _DRA_AMOUNT_KEYS)
+    percents: dict[str, int | None] = {
+        "min": d.compute_min,
+        "step": d.compute_step,
+        "default": d.compute_default,
+    }
+    for key in _DRA_AMOUNT_KEYS:
+        if key in compute:
+            percents[key] = r.integer(compute[key], f"dra.compute.{key}", 1, 100) or percents[key]
+    return DraConfig(
+        driver_name=driver,
+        memory_min_bytes=sizes["min"] or d.memory_min_bytes,
+        memory_step_bytes=sizes["step"] or d.memory_step_bytes,
+        memory_default_bytes=sizes["default"],
+        compute_min=percents["min"] or d.compute_min,
+        compute_step=percents["step"] or d.compute_step,
+        compute_default=percents["default"],
+    )
+
+
 def _health(r: _Reader, value: object) -> HealthConfig:
     path = "health"
     section = r.section(value, path, _HEALTH_KEYS)
@@ -430,4 +479,5 @@ def _parse_vgpu(r: _Reader, data: object) -> Config:
         health=_health(r, top.get("health")),
         node_labels=_node_labels(r, top.get("nodeLabels")),
         mig=_mig(r, top.get("mig")),
+        dra=_dra(r, top.get("dra")),
     )

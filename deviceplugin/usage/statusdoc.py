@@ -151,6 +151,9 @@ def _allocation(a: AllocationRecord) -> dict[str, Any]:
         "retired": a.retired_resource,
         # A finished init container's, whose devices the pod still holds.
         "init_container": a.init_container,
+        # Where it came from (device-plugin | dra) and, for a DRA claim, its namespace/name.
+        "source": a.source,
+        "claim": a.claim,
         "allocated_at": rfc3339(a.allocated_at_s) if a.allocated_at_s > 0 else None,
         "allocated_at_s": a.allocated_at_s,
     }

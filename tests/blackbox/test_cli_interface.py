@@ -79,6 +79,10 @@ def test_serve_help_shows_every_default_and_its_environment_variable() -> None:
         "--kubelet-cgroup-root": "VGPU_KUBELET_CGROUP_ROOT",
         "--log-format": "VGPU_LOG_FORMAT",
         "--log-level": "VGPU_LOG_LEVEL",
+        "--kubelet-api": "VGPU_KUBELET_API",
+        "--kubelet-root-dir": "VGPU_KUBELET_ROOT_DIR",
+        "--cdi-dir": "VGPU_CDI_DIR",
+        "--dra-gpu-cdi": "VGPU_DRA_GPU_CDI",
     }
     assert expected.keys() <= options.keys(), options.keys()
     for option, help_line in options.items():

@@ -741,6 +741,11 @@ def test_default_config_yaml_shows_every_setting() -> None:
         "health.hangTimeout",
         "nodeLabels.file",
         "mig.strategy",
+        "dra.driverName",
+        "dra.memory.min",
+        "dra.memory.step",
+        "dra.compute.min",
+        "dra.compute.step",
     }
 
 

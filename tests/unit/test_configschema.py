@@ -166,6 +166,12 @@ def samples(path: Path, schema: dict[str, Any]) -> tuple[list[object], list[obje
     if path == ("nodeLabels", "path"):
         good += ["", "/etc/kubernetes/node-feature-discovery/features.d/vgpu"]
         bad += ["features.d/vgpu", 5, None]
+    if path == ("dra", "driverName"):
+        good += ["vgpu.dev", "gpu.example.com"]
+        bad += ["Not_A_Name", "", "vgpu.dev.", 5]
+    if path[:2] == ("dra", "memory"):  # a size, more than 0
+        good += ["256Mi", "1Gi", 1048576]
+        bad += ["10Q", "Gi", -1, 0, True]
     if path[-1] == "overrides":
         good += [[], None, [OVERRIDE]]
         bad += [[{"replicas": 2}], [{"match": {}, "replicas": 2}], [{"match": {"index": 0}}]]
@@ -262,10 +268,14 @@ def example_configs() -> list[tuple[str, object]]:
         if path.is_relative_to(CHART):
             # A values file's `config:` map becomes the daemon's config file.
             values = yaml.safe_load(path.read_text())
-            if isinstance(values, dict) and values.get("config"):
-                examples.append(
-                    (f"{path.relative_to(ROOT)} config", yaml.safe_dump(values["config"]))
-                )
+            config = values.get("config") if isinstance(values, dict) else None
+            if isinstance(config, dict) and isinstance(config.get("map"), dict):
+                # NVIDIA's chart knobs: named configs, each a file's content (or a map).
+                for key, named in config["map"].items():
+                    text = named if isinstance(named, str) else yaml.safe_dump(named)
+                    examples.append((f"{path.relative_to(ROOT)} config.map.{key}", text))
+            elif config:
+                examples.append((f"{path.relative_to(ROOT)} config", yaml.safe_dump(config)))
             continue
         for doc in yaml.safe_load_all(path.read_text()):
             if isinstance(doc, dict) and "version" in doc and "kind" not in doc:

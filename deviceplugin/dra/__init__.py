@@ -1,0 +1,13 @@
+"""vgpu as a DRA driver (docs/dra.md): the same daemon and enforcement, served to the kubelet
+through Dynamic Resource Allocation instead of the device-plugin API.
+
+- `slices`: the node's ResourceSlice, one device per GPU (and MIG device) with consumable
+  `memory` and `compute` (pure).
+- `claims`: a ResourceClaim's allocation for this driver, read into a prepared claim, and what
+  its containers get (pure).
+- `cdi`: the CDI spec of a prepared claim, written and removed without following a symlink.
+- `store`: the prepared claims, checkpointed in the state directory.
+- `kubeapi`: the API server, through lightkube's async client.
+- `grpcserver`: the plugin-registration and dra.v1/v1beta1 gRPC services.
+- `driver`: the parts put together, run by the daemon in `--kubelet-api dra` mode.
+"""

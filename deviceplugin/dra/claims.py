@@ -1,0 +1,382 @@
+"""A ResourceClaim's allocation for this driver, and what the claim's containers get (pure).
+
+The scheduler writes the allocation into the claim's status: per request a result naming the
+driver, the pool (this node), the device, and with consumable capacity the `consumedCapacity`
+(memory, compute) and a `shareID`. Prepare reads it once, here, into a `PreparedClaim`; from then
+on the claim is an allocation like a device-plugin one:
+
+- memory limit on a GPU = the memory the claim consumed on it;
+- compute share on a GPU = the compute it consumed / 100;
+- `VGPU_ALLOCATION_ID` = the first 16 hex digits of the SHA-256 of `<GPU-UUID>::<claim UID>`
+  for each of its GPUs, sorted and joined with commas: recomputable from the API server;
+- the environment of docs/design.md §3, with those limits.
+
+A result without `consumedCapacity` (a device allocated whole) consumes the whole device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from deviceplugin.allocation import (
+    CONTROL_DEVICE_NODES,
+    ENV_ALLOCATION_ID,
+    ENV_COMPUTE_SHARE_PERCENT_PREFIX,
+    ENV_MEMORY_LIMIT_MIB_PREFIX,
+    ENV_MPS_ACTIVE_THREAD_PERCENTAGE,
+    ENV_MPS_PINNED_DEVICE_MEM_LIMIT,
+    ENV_MPS_PIPE_DIRECTORY,
+    ENV_VISIBLE_DEVICES,
+    GPU_DEVICE_NODE_PREFIX,
+    framework_hints,
+    mps_pipe_directory,
+)
+from deviceplugin.config import AllocationConfig, MpsConfig
+from deviceplugin.dra.slices import device_name, device_plans
+from deviceplugin.model import (
+    SOURCE_DRA,
+    AllocationRecord,
+    GpuPlan,
+    Inventory,
+    Slice,
+    SliceId,
+    allocation_id,
+)
+
+MIB = 1 << 20
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DECIMAL = {"n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1)}
+_DECIMAL.update({"k": Decimal(10**3), "M": Decimal(10**6), "G": Decimal(10**9)})
+_DECIMAL.update({"T": Decimal(10**12), "P": Decimal(10**15), "E": Decimal(10**18)})
+
+
+class ClaimError(ValueError):
+    """A claim this driver cannot prepare; the message names the claim and what is wrong."""
+
+
+def parse_quantity(text: str) -> Decimal:
+    """A Kubernetes quantity (`15Gi`, `25`, `500m`, `1e3`) as a Decimal; ValueError if not one."""
+    value = text.strip()
+    for suffix, factor in _BINARY.items():
+        if value.endswith(suffix):
+            return _number(value[: -len(suffix)], text) * factor
+    if value[-1:] in _DECIMAL and value[-1:] != "":
+        return _number(value[:-1], text) * _DECIMAL[value[-1]]
+    return _number(value, text)
+
+
+def _number(digits: str, text: str) -> Decimal:
+    try:
+        number = Decimal(digits)
+    except InvalidOperation:
+        raise ValueError(f"{text!r} is not a quantity") from None
+    if not number.is_finite() or number < 0:
+        raise ValueError(f"{text!r} is not a quantity")
+    return number
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimDevice:
+    """One allocation result of a claim on one of this node's devices."""
+
+    request: str
+    device: str
+    gpu_uuid: str
+    gpu_index: int
+    minor: int
+    memory_total_bytes: int
+    memory_bytes: int
+    compute_percent: float
+    share_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedClaim:
+    """A claim prepared on this node: what was granted, and the CDI devices handed back."""
+
+    uid: str
+    namespace: str
+    name: str
+    devices: tuple[ClaimDevice, ...]
+    # (name, uid) of the pods the claim is reserved for.
+    pods: tuple[tuple[str, str], ...] = ()
+    cdi_ids: tuple[str, ...] = ()
+    prepared_at_s: float = 0.0
+
+    @property
+    def allocation_id(self) -> str:
+        return allocation_id(f"{uuid}::{self.uid}" for uuid in self.gpu_uuids)
+
+    @property
+    def gpu_uuids(self) -> tuple[str, ...]:
+        """Its distinct GPUs (or MIG devices), in index order."""
+        seen: dict[str, tuple[int, str]] = {}
+        for d in self.devices:
+            seen.setdefault(d.gpu_uuid, (d.gpu_index, d.gpu_uuid))
+        return tuple(uuid for _, uuid in sorted(seen.values()))
+
+    def per_gpu(self) -> list[tuple[ClaimDevice, int, float]]:
+        """(first result, memory bytes, compute percent) per GPU, in index order: a claim may
+        hold several shares of one device (an extended-resource count, two requests)."""
+        totals: dict[str, tuple[ClaimDevice, int, float]] = {}
+        for d in self.devices:
+            first, memory, compute = totals.get(d.gpu_uuid, (d, 0, 0.0))
+            totals[d.gpu_uuid] = (first, memory + d.memory_bytes, compute + d.compute_percent)
+        return [totals[uuid] for uuid in self.gpu_uuids]
+
+
+def _get(obj: Mapping[str, Any], *path: str) -> Any:
+    value: Any = obj
+    for key in path:
+        if not isinstance(value, Mapping):
+            return None
+        value = value.get(key)
+    return value
+
+
+def plans_by_device(inventory: Inventory) -> dict[str, GpuPlan]:
+    return {device_name(p): p for p in device_plans(inventory)}
+
+
+def read_claim(
+    claim: Mapping[str, Any],
+    *,
+    driver_name: str,
+    node_name: str,
+    plans: Mapping[str, GpuPlan],
+    now_s: float = 0.0,
+) -> PreparedClaim:
+    """The claim's allocation on this node's devices. Raises ClaimError naming what is wrong."""
+    namespace = str(_get(claim, "metadata", "namespace") or "")
+    name = str(_get(claim, "metadata", "name") or "")
+    uid = str(_get(claim, "metadata", "uid") or "")
+    label = f"ResourceClaim {namespace}/{name}"
+    results = _get(claim, "status", "allocation", "devices", "results")
+    if not isinstance(results, list):
+        raise ClaimError(f"{label} is not allocated: the scheduler has not written its allocation")
+    devices: list[ClaimDevice] = []
+    for result in results:
+        if not isinstance(result, Mapping) or result.get("driver") != driver_name:
+            continue
+        device = str(result.get("device") or "")
+        if result.get("pool") != node_name:
+            raise ClaimError(
+                f"{label}: device {device!r} is in pool {result.get('pool')!r}, not this node's "
+                f"pool {node_name!r}"
+            )
+        plan = plans.get(device)
+        if plan is None:
+            raise ClaimError(
+                f"{label}: device {device!r} is not published by this node "
+                f"(it has {', '.join(sorted(plans)) or 'no device'}); its GPU may be gone"
+            )
+        devices.append(_claim_device(label, result, device, plan))
+    if not devices:
+        raise ClaimError(f"{label} holds no device of driver {driver_name}")
+    pods = tuple(
+        (str(ref.get("name", "")), str(ref.get("uid", "")))
+        for ref in _get(claim, "status", "reservedFor") or ()
+        if isinstance(ref, Mapping) and ref.get("resource") == "pods"
+    )
+    return PreparedClaim(uid, namespace, name, tuple(devices), pods, prepared_at_s=now_s)
+
+
+def _claim_device(label: str, result: Mapping[str, Any], device: str, plan: GpuPlan) -> ClaimDevice:
+    consumed = result.get("consumedCapacity") or {}
+    total = plan.gpu.memory_total_bytes
+    try:
+        memory = (
+            math.ceil(parse_quantity(str(consumed["memory"]))) if "memory" in consumed else total
+        )
+        compute = (
+            float(parse_quantity(str(consumed["compute"]))) if "compute" in consumed else 100.0
+        )
+    except ValueError as e:
+        raise ClaimError(f"{label}: consumed capacity of device {device!r}: {e}") from None
+    return ClaimDevice(
+        request=str(result.get("request", "")),
+        device=device,
+        gpu_uuid=plan.gpu.uuid,
+        gpu_index=plan.gpu.index,
+        minor=plan.gpu.minor,
+        memory_total_bytes=total,
+        memory_bytes=min(memory, total),
+        compute_percent=min(compute, 100.0),
+        share_id=str(result.get("shareID") or ""),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerEdits:
+    """What a prepared claim's containers get: the CDI spec's container edits."""
+
+    env: Mapping[str, str]
+    # (host path, container path, read-only)
+    mounts: tuple[tuple[str, str, bool], ...] = ()
+    device_nodes: tuple[str, ...] = ()
+
+
+def claim_edits(
+    claim: PreparedClaim, cfg: AllocationConfig, mps: MpsConfig, *, device_nodes: bool
+) -> ContainerEdits:
+    """The docs/design.md §3 environment for a claim, with its consumed amounts as limits."""
+    per_gpu = claim.per_gpu()
+    env: dict[str, str] = {
+        ENV_VISIBLE_DEVICES: ",".join(d.gpu_uuid for d, _, _ in per_gpu),
+        ENV_ALLOCATION_ID: claim.allocation_id,
+    }
+    memory_mib = [memory // MIB for _, memory, _ in per_gpu]
+    percents = [int(compute) for _, _, compute in per_gpu]
+    for ordinal, (mib, percent) in enumerate(zip(memory_mib, percents, strict=True)):
+        env[f"{ENV_MEMORY_LIMIT_MIB_PREFIX}{ordinal}"] = str(mib)
+        env[f"{ENV_COMPUTE_SHARE_PERCENT_PREFIX}{ordinal}"] = str(percent)
+    mounts: list[tuple[str, str, bool]] = []
+    if mps.enabled:
+        env[ENV_MPS_PINNED_DEVICE_MEM_LIMIT] = ",".join(
+            f"{ordinal}={mib}M" for ordinal, mib in enumerate(memory_mib)
+        )
+        env[ENV_MPS_ACTIVE_THREAD_PERCENTAGE] = str(max(1, min(percents)))
+        pipe = mps_pipe_directory(mps.root)
+        env[ENV_MPS_PIPE_DIRECTORY] = pipe
+        mounts.append((pipe, pipe, False))
+    if cfg.framework_hints:
+        env.update(
+            framework_hints(
+                [memory for _, memory, _ in per_gpu],
+                [d.memory_total_bytes for d, _, _ in per_gpu],
+                cfg.context_reserve_bytes,
+            )
+        )
+    nodes: tuple[str, ...] = ()
+    if device_nodes:
+        nodes = (
+            *CONTROL_DEVICE_NODES,
+            *(f"{GPU_DEVICE_NODE_PREFIX}{d.minor}" for d, _, _ in per_gpu),
+        )
+    return ContainerEdits(env, tuple(mounts), nodes)
+
+
+def claim_slices(claim: PreparedClaim, healthy: bool = True) -> list[Slice]:
+    """The claim as slices of its GPUs, one per GPU with the claim's memory and compute: how the
+    snapshot and the enforcer, which count in slices, see a prepared claim."""
+    n = int(claim.allocation_id[:12], 16)
+    return [
+        Slice(
+            id=SliceId(d.gpu_uuid, n),
+            gpu_index=d.gpu_index,
+            numa_node=None,
+            memory_limit_bytes=memory,
+            compute_share_ratio=compute / 100.0,
+            healthy=healthy,
+            resource_name=f"claim:{claim.namespace}/{claim.name}",
+        )
+        for d, memory, compute in claim.per_gpu()
+    ]
+
+
+def claim_record(claim: PreparedClaim, container: str = "") -> AllocationRecord:
+    """The claim in the allocation book: its pod's names (the container where pod-resources
+    has named it; several containers sharing a claim are joined with commas), its slices."""
+    pod = claim.pods[0][0] if claim.pods else ""
+    return AllocationRecord(
+        allocation_id=claim.allocation_id,
+        slice_ids=tuple(s.device_id for s in claim_slices(claim)),
+        allocated_at_s=claim.prepared_at_s,
+        namespace=claim.namespace,
+        pod=pod,
+        container=container,
+        source=SOURCE_DRA,
+        claim=f"{claim.namespace}/{claim.name}",
+    )
+
+
+def inventory_with_claims(inventory: Inventory, claims: Iterable[PreparedClaim]) -> Inventory:
+    """The poll's inventory as DRA mode sees it: the plans, and one slice per prepared claim
+    and GPU (no device-plugin slices: nothing is advertised that way)."""
+    known = {p.gpu.uuid for p in inventory.plans}
+    healthy = {s.id.gpu_uuid for s in inventory.slices if s.healthy}
+    slices = [s for claim in claims for s in claim_slices(claim) if s.id.gpu_uuid in known]
+    return Inventory.of(
+        inventory.plans,
+        (s if s.id.gpu_uuid in healthy else _unhealthy(s) for s in slices),
+    )
+
+
+def _unhealthy(s: Slice) -> Slice:
+    return Slice(
+        s.id,
+        s.gpu_index,
+        s.numa_node,
+        s.memory_limit_bytes,
+        s.compute_share_ratio,
+        False,
+        s.resource_name,
+    )
+
+
+def claims_to_json(claims: Sequence[PreparedClaim]) -> list[dict[str, Any]]:
+    return [
+        {
+            "uid": c.uid,
+            "namespace": c.namespace,
+            "name": c.name,
+            "pods": [list(p) for p in c.pods],
+            "cdi_ids": list(c.cdi_ids),
+            "prepared_at_s": c.prepared_at_s,
+            "devices": [
+                {
+                    "request": d.request,
+                    "device": d.device,
+                    "gpu_uuid": d.gpu_uuid,
+                    "gpu_index": d.gpu_index,
+                    "minor": d.minor,
+                    "memory_total_bytes": d.memory_total_bytes,
+                    "memory_bytes": d.memory_bytes,
+                    "compute_percent": d.compute_percent,
+                    "share_id": d.share_id,
+                }
+                for d in c.devices
+            ],
+        }
+        for c in claims
+    ]
+
+
+def claims_from_json(data: object) -> list[PreparedClaim]:
+    """The checkpoint's claims; ValueError naming what is wrong."""
+    if not isinstance(data, list):
+        raise ValueError("the checkpoint is not a list of claims")
+    claims: list[PreparedClaim] = []
+    for item in data:
+        try:
+            claims.append(
+                PreparedClaim(
+                    uid=str(item["uid"]),
+                    namespace=str(item["namespace"]),
+                    name=str(item["name"]),
+                    pods=tuple((str(p[0]), str(p[1])) for p in item.get("pods", ())),
+                    cdi_ids=tuple(str(i) for i in item.get("cdi_ids", ())),
+                    prepared_at_s=float(item.get("prepared_at_s", 0.0)),
+                    devices=tuple(
+                        ClaimDevice(
+                            request=str(d["request"]),
+                            device=str(d["device"]),
+                            gpu_uuid=str(d["gpu_uuid"]),
+                            gpu_index=int(d["gpu_index"]),
+                            minor=int(d["minor"]),
+                            memory_total_bytes=int(d["memory_total_bytes"]),
+                            memory_bytes=int(d["memory_bytes"]),
+                            compute_percent=float(d["compute_percent"]),
+                            share_id=str(d.get("share_id", "")),
+                        )
+                        for d in item["devices"]
+                    ),
+                )
+            )
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise ValueError(f"a claim in the checkpoint is malformed: {e!r}") from None
+    return claims

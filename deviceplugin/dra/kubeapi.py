@@ -1,0 +1,136 @@
+"""The API server, as the DRA driver needs it: its node's ResourceSlice, claims, its Node.
+
+`KubeApi` is what the driver calls; `LightkubeApi` speaks it through lightkube's async client
+(docs/kubernetes-api.md says why lightkube). Objects cross this boundary as plain dicts in the
+API's own JSON shape, so that the pure modules (`slices`, `claims`) know no client library.
+Every call raises `ApiCallError` naming the object and the server's answer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx2
+from lightkube import ApiError, AsyncClient, KubeConfig
+from lightkube.core.exceptions import ConfigError as KubeConfigError
+from lightkube.resources.core_v1 import Node
+from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
+
+FIELD_MANAGER = "vgpu"
+
+# httpx logs every request at INFO: the driver logs what it did itself.
+logging.getLogger("httpx2").setLevel(logging.WARNING)
+
+
+class ApiCallError(Exception):
+    """An API call that failed; `status` is the HTTP status (0: no answer)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class KubeApi(Protocol):
+    async def get_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
+    async def get_node(self, name: str) -> dict[str, Any]: ...
+    async def list_slices(self, node_name: str, driver_name: str) -> list[dict[str, Any]]: ...
+    async def create_slice(self, obj: dict[str, Any]) -> dict[str, Any]: ...
+    async def replace_slice(self, obj: dict[str, Any]) -> dict[str, Any]: ...
+    async def delete_slice(self, name: str) -> None: ...
+    def watch_slices(self, node_name: str, driver_name: str) -> AsyncIterator[tuple[str, str]]: ...
+    async def close(self) -> None: ...
+
+
+def load_config(kubeconfig: Path | None) -> KubeConfig:
+    """A kubeconfig file, or the pod's service account; StartupError-worthy ValueError if
+    neither can be read."""
+    try:
+        if kubeconfig is not None:
+            return KubeConfig.from_file(kubeconfig)
+        return KubeConfig.from_service_account()
+    except (OSError, KubeConfigError, ValueError, KeyError) as e:
+        where = str(kubeconfig) if kubeconfig else "the pod's service account"
+        raise ValueError(
+            f"cannot read the API server's address and credentials from {where}: {e}; "
+            "set --kubeconfig or run in a pod with a service account"
+        ) from None
+
+
+class LightkubeApi:
+    def __init__(self, config: KubeConfig) -> None:
+        # trust_env=False: no proxy from the environment; the API server is reached directly.
+        self._client = AsyncClient(config, field_manager=FIELD_MANAGER, trust_env=False)
+
+    async def _call(self, what: str, call: Any) -> Any:
+        try:
+            return await call
+        except ApiError as e:
+            code = int(e.status.code or 0)
+            raise ApiCallError(
+                f"{what}: {e.status.reason or ''} {e.status.message}", code
+            ) from None
+        except httpx2.HTTPError as e:
+            raise ApiCallError(f"{what}: API server not answering: {e}") from None
+
+    async def get_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        claim = await self._call(
+            f"get ResourceClaim {namespace}/{name}",
+            self._client.get(ResourceClaim, name, namespace=namespace),
+        )
+        return dict(claim.to_dict())
+
+    async def get_node(self, name: str) -> dict[str, Any]:
+        node = await self._call(f"get Node {name}", self._client.get(Node, name))
+        return dict(node.to_dict())
+
+    async def list_slices(self, node_name: str, driver_name: str) -> list[dict[str, Any]]:
+        async def collect() -> list[dict[str, Any]]:
+            return [
+                dict(s.to_dict())
+                async for s in self._client.list(
+                    ResourceSlice, fields={"spec.nodeName": node_name, "spec.driver": driver_name}
+                )
+            ]
+
+        result: list[dict[str, Any]] = await self._call("list ResourceSlices", collect())
+        return result
+
+    async def create_slice(self, obj: dict[str, Any]) -> dict[str, Any]:
+        name = obj["metadata"]["name"]
+        created = await self._call(
+            f"create ResourceSlice {name}", self._client.create(ResourceSlice.from_dict(obj))
+        )
+        return dict(created.to_dict())
+
+    async def replace_slice(self, obj: dict[str, Any]) -> dict[str, Any]:
+        name = obj["metadata"]["name"]
+        replaced = await self._call(
+            f"update ResourceSlice {name}", self._client.replace(ResourceSlice.from_dict(obj))
+        )
+        return dict(replaced.to_dict())
+
+    async def delete_slice(self, name: str) -> None:
+        await self._call(f"delete ResourceSlice {name}", self._client.delete(ResourceSlice, name))
+
+    async def watch_slices(
+        self, node_name: str, driver_name: str
+    ) -> AsyncIterator[tuple[str, str]]:
+        """(event type, slice name) for every change of this node's slices of the driver; ends
+        (ApiCallError) when the watch breaks."""
+        fields: dict[str, Any] = {"spec.nodeName": node_name, "spec.driver": driver_name}
+        try:
+            async for kind, obj in self._client.watch(ResourceSlice, fields=fields):
+                name = obj.metadata.name if obj.metadata is not None else None
+                yield kind, str(name or "")
+        except ApiError as e:
+            raise ApiCallError(
+                f"watch ResourceSlices: {e.status.message}", int(e.status.code or 0)
+            ) from None
+        except httpx2.HTTPError as e:
+            raise ApiCallError(f"watch ResourceSlices: API server not answering: {e}") from None
+
+    async def close(self) -> None:
+        await self._client.close()

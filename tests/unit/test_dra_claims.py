@@ -1,0 +1,238 @@
+"""A claim's allocation read into a prepared claim, its CDI spec, and the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deviceplugin.config import AllocationConfig, MpsConfig, SlicingConfig
+from deviceplugin.dra import cdi
+from deviceplugin.dra.claims import (
+    ClaimError,
+    claim_edits,
+    claim_slices,
+    inventory_with_claims,
+    parse_quantity,
+    plans_by_device,
+    read_claim,
+)
+from deviceplugin.dra.store import ClaimStore
+from deviceplugin.model import GpuInfo, GpuReading, NodeReading
+from deviceplugin.slicing import build_inventory
+
+GIB = 1 << 30
+NODE = "node-a"
+GPU0 = GpuInfo("GPU-aaaa", 0, "NVIDIA A100-PCIE-40GB", 40 * GIB, minor=0)
+GPU1 = GpuInfo("GPU-bbbb", 1, "NVIDIA L4", 24 * GIB, minor=3)
+INVENTORY = build_inventory(NodeReading(0.0, (GpuReading(GPU0), GpuReading(GPU1))), SlicingConfig())
+PLANS = plans_by_device(INVENTORY)
+
+
+def _claim(*results: dict[str, Any], uid: str = "uid-1") -> dict[str, Any]:
+    return {
+        "metadata": {"namespace": "ml", "name": "train", "uid": uid},
+        "status": {
+            "allocation": {
+                "devices": {"results": [{"driver": "vgpu.dev", "pool": NODE, **r} for r in results]}
+            },
+            "reservedFor": [{"resource": "pods", "name": "trainer-0", "uid": "p-1"}],
+        },
+    }
+
+
+def _read(claim: dict[str, Any]) -> Any:
+    return read_claim(claim, driver_name="vgpu.dev", node_name=NODE, plans=PLANS)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("15Gi", 15 * GIB), ("25", 25), ("1500m", 1.5), ("1e3", 1000), ("2G", 2 * 10**9)],
+)
+def test_quantities(text: str, value: float) -> None:
+    assert parse_quantity(text) == value
+
+
+def test_bad_quantity_is_named() -> None:
+    with pytest.raises(ValueError, match="'12 bananas'"):
+        parse_quantity("12 bananas")
+
+
+def test_consumed_capacity_becomes_the_limits_and_the_env() -> None:
+    claim = _read(
+        _claim(
+            {
+                "request": "gpu",
+                "device": "gpu-0",
+                "consumedCapacity": {"memory": "15Gi", "compute": "30"},
+                "shareID": "s1",
+            }
+        )
+    )
+    assert claim.pods == (("trainer-0", "p-1"),)
+    (d,) = claim.devices
+    assert (d.gpu_uuid, d.memory_bytes, d.compute_percent, d.share_id) == (
+        "GPU-aaaa",
+        15 * GIB,
+        30.0,
+        "s1",
+    )
+    edits = claim_edits(claim, AllocationConfig(), MpsConfig(), device_nodes=False)
+    env = edits.env
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-aaaa"
+    assert env["VGPU_MEMORY_LIMIT_MIB_0"] == "15360"
+    assert env["VGPU_COMPUTE_SHARE_PERCENT_0"] == "30"
+    assert env["VGPU_ALLOCATION_ID"] == claim.allocation_id
+    assert len(claim.allocation_id) == 16
+    # (15Gi - 512Mi reserve) / 40Gi, rounded down to hundredths.
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.36"
+    assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
+    assert edits.device_nodes == ()
+    (s,) = claim_slices(claim)
+    assert (s.memory_limit_bytes, s.compute_share_ratio) == (15 * GIB, 0.3)
+
+
+def test_two_shares_of_one_gpu_add_up_and_two_gpus_get_two_ordinals() -> None:
+    claim = _read(
+        _claim(
+            {
+                "request": "a",
+                "device": "gpu-1",
+                "consumedCapacity": {"memory": "4Gi", "compute": "10"},
+            },
+            {
+                "request": "b",
+                "device": "gpu-0",
+                "consumedCapacity": {"memory": "8Gi", "compute": "20"},
+            },
+            {
+                "request": "c",
+                "device": "gpu-0",
+                "consumedCapacity": {"memory": "2Gi", "compute": "5"},
+            },
+        )
+    )
+    env = claim_edits(claim, AllocationConfig(), MpsConfig(enabled=True), device_nodes=True).env
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-aaaa,GPU-bbbb"
+    assert env["VGPU_MEMORY_LIMIT_MIB_0"] == str(10 * 1024)
+    assert env["VGPU_COMPUTE_SHARE_PERCENT_0"] == "25"
+    assert env["VGPU_MEMORY_LIMIT_MIB_1"] == str(4 * 1024)
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=10240M,1=4096M"
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "10"
+    nodes = claim_edits(claim, AllocationConfig(), MpsConfig(), device_nodes=True).device_nodes
+    assert nodes[-2:] == ("/dev/nvidia0", "/dev/nvidia3")
+
+
+def test_a_whole_device_without_consumed_capacity() -> None:
+    claim = _read(_claim({"request": "gpu", "device": "gpu-1"}))
+    (d,) = claim.devices
+    assert (d.memory_bytes, d.compute_percent) == (24 * GIB, 100.0)
+
+
+@pytest.mark.parametrize(
+    ("claim", "message"),
+    [
+        ({"metadata": {"namespace": "ml", "name": "train"}}, "is not allocated"),
+        (_claim({"request": "g", "device": "gpu-7"}), "'gpu-7' is not published by this node"),
+        (_claim({"request": "g", "device": "gpu-0", "pool": "node-b"}), "not this node's pool"),
+        (
+            _claim({"request": "g", "device": "gpu-0", "consumedCapacity": {"memory": "x"}}),
+            "'x' is not a quantity",
+        ),
+        (
+            _claim({"request": "g", "device": "gpu-0", "driver": "gpu.nvidia.com"}),
+            "holds no device of driver vgpu.dev",
+        ),
+    ],
+)
+def test_claims_that_cannot_be_prepared_say_why(claim: dict[str, Any], message: str) -> None:
+    with pytest.raises(ClaimError, match=message):
+        _read(claim)
+
+
+def test_the_inventory_holds_one_slice_per_claim_and_gpu() -> None:
+    claim = _read(
+        _claim(
+            {
+                "request": "g",
+                "device": "gpu-0",
+                "consumedCapacity": {"memory": "1Gi", "compute": "5"},
+            }
+        )
+    )
+    view = inventory_with_claims(INVENTORY, [claim])
+    assert view.plans == INVENTORY.plans
+    assert [(s.id.gpu_uuid, s.memory_limit_bytes) for s in view.slices] == [("GPU-aaaa", GIB)]
+
+
+def test_cdi_spec_is_owner_only_replaced_whole_and_never_through_a_symlink(tmp_path: Path) -> None:
+    claim = _read(
+        _claim(
+            {
+                "request": "g",
+                "device": "gpu-0",
+                "consumedCapacity": {"memory": "1Gi", "compute": "5"},
+            }
+        )
+    )
+    edits = claim_edits(claim, AllocationConfig(), MpsConfig(), device_nodes=True)
+    cdi_dir = tmp_path / "cdi"
+    path = cdi.write_spec(cdi_dir, "vgpu.dev", claim, edits)
+    assert path.name == "vgpu.dev-claim_uid-1.json"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    doc = json.loads(path.read_text())
+    assert doc["kind"] == "vgpu.dev/claim"
+    assert doc["devices"][0]["name"] == "uid-1"
+    assert {"path": "/dev/nvidia0"} in doc["devices"][0]["containerEdits"]["deviceNodes"]
+    assert cdi.cdi_ids("vgpu.dev", claim, nvidia=True) == (
+        "vgpu.dev/claim=uid-1",
+        "nvidia.com/gpu=GPU-aaaa",
+    )
+    assert cdi.spec_claim_uids(cdi_dir, "vgpu.dev") == ["uid-1"]
+    # A symlink planted at the spec's name is replaced, its target left alone.
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    path.unlink()
+    path.symlink_to(victim)
+    cdi.write_spec(cdi_dir, "vgpu.dev", claim, edits)
+    assert victim.read_text() == "keep"
+    assert not path.is_symlink()
+    assert cdi.remove_spec(cdi_dir, "vgpu.dev", "uid-1")
+    assert not cdi.remove_spec(cdi_dir, "vgpu.dev", "uid-1")
+    assert sorted(os.listdir(cdi_dir)) == []
+    # A CDI directory that is a symlink is refused.
+    link = tmp_path / "cdi-link"
+    link.symlink_to(cdi_dir)
+    with pytest.raises(NotADirectoryError):
+        cdi.write_spec(link, "vgpu.dev", claim, edits)
+
+
+def test_the_checkpoint_keeps_prepared_claims_across_a_restart(tmp_path: Path) -> None:
+    claim = _read(
+        _claim(
+            {
+                "request": "g",
+                "device": "gpu-0",
+                "consumedCapacity": {"memory": "3Gi", "compute": "7"},
+            }
+        )
+    )
+    store = ClaimStore(tmp_path)
+    store.put(claim)
+    again = ClaimStore(tmp_path)
+    again.load()
+    assert again.get("uid-1") == claim
+    assert again.remove("uid-1")
+    third = ClaimStore(tmp_path)
+    third.load()
+    assert len(third) == 0
+
+
+def test_a_malformed_checkpoint_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    (tmp_path / "dra-claims.json").write_text('{"version": 1, "claims": [{"uid": 3}]}')
+    with pytest.raises(ValueError, match=r"dra-claims\.json is unreadable"):
+        ClaimStore(tmp_path).load()

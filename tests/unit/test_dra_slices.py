@@ -1,0 +1,154 @@
+"""The node's ResourceSlice: what the scheduler sees of each GPU and MIG device."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from deviceplugin.config import MigConfig, MigStrategy, SlicingConfig
+from deviceplugin.config.model import SliceRule
+from deviceplugin.dra.settings import RequestPolicy
+from deviceplugin.dra.slices import build_devices, build_slice, slice_name
+from deviceplugin.model import GpuInfo, GpuReading, Inventory, NodeReading
+from deviceplugin.slicing import build_inventory
+
+GIB = 1 << 30
+
+
+def _gpu(index: int, memory_gib: int = 40, **kw: object) -> GpuInfo:
+    return GpuInfo(
+        uuid=f"GPU-{index:04d}",
+        index=index,
+        name="NVIDIA A100-SXM4-40GB",
+        memory_total_bytes=memory_gib * GIB,
+        minor=index,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _inventory(*readings: GpuReading, mig: MigConfig | None = None, replicas: int = 4) -> Inventory:
+    return build_inventory(
+        NodeReading(0.0, tuple(readings)),
+        SlicingConfig(default=SliceRule(replicas=replicas)),
+        mig=mig,
+    )
+
+
+def test_one_device_per_gpu_with_both_capacities_and_one_slice_as_default() -> None:
+    inventory = _inventory(GpuReading(_gpu(0)), GpuReading(_gpu(1)))
+    devices = build_devices(inventory, RequestPolicy(), "vgpu.dev")
+    assert [d["name"] for d in devices] == ["gpu-0", "gpu-1"]
+    d = devices[0]
+    assert d["allowMultipleAllocations"] is True
+    assert d["attributes"] == {
+        "uuid": {"string": "GPU-0000"},
+        "index": {"int": 0},
+        "productName": {"string": "NVIDIA A100-SXM4-40GB"},
+        "type": {"string": "gpu"},
+    }
+    memory = d["capacity"]["memory"]
+    assert memory["value"] == str(40 * GIB)
+    # A claim naming no memory gets one device-plugin slice's worth: 40Gi / 4.
+    assert memory["requestPolicy"]["default"] == str(10 * GIB)
+    assert memory["requestPolicy"]["validRange"]["step"] == str(256 << 20)
+    compute = d["capacity"]["compute"]
+    assert compute["value"] == "100"
+    assert compute["requestPolicy"]["default"] == "25"
+    assert "taints" not in d
+
+
+def test_default_lands_on_the_step_grid() -> None:
+    # 39.9 GiB / 3 is not a multiple of 256 MiB: the default is rounded down onto the grid
+    # (the API server refuses a default the range does not allow).
+    odd = replace(_gpu(0), memory_total_bytes=40_000 << 20)
+    devices = build_devices(_inventory(GpuReading(odd), replicas=3), RequestPolicy(), "vgpu.dev")
+    default = int(devices[0]["capacity"]["memory"]["requestPolicy"]["default"])
+    step = 256 << 20
+    assert default % step == 0
+    assert (40_000 << 20) // 3 - step < default <= (40_000 << 20) // 3
+    assert devices[0]["capacity"]["compute"]["requestPolicy"]["default"] == "33"
+
+
+def test_unhealthy_gpu_is_tainted_noschedule_and_a_lost_one_noexecute() -> None:
+    inventory = _inventory(
+        GpuReading(_gpu(0), healthy=False, health_reason="Xid 48: double-bit ECC error"),
+        GpuReading(_gpu(1), healthy=False, health_reason="Xid 79: GPU has fallen off the bus"),
+        GpuReading(_gpu(2)),
+    )
+    reasons = {
+        "GPU-0000": "Xid 48: double-bit ECC error",
+        "GPU-0001": "Xid 79: GPU has fallen off the bus",
+    }
+    devices = build_devices(inventory, RequestPolicy(), "vgpu.dev", reasons)
+    assert devices[0]["taints"] == [{"key": "vgpu.dev/unhealthy", "effect": "NoSchedule"}]
+    assert devices[1]["taints"] == [{"key": "vgpu.dev/lost", "effect": "NoExecute"}]
+    assert "taints" not in devices[2]
+
+
+def test_mig_devices_are_devices_when_the_strategy_is_not_none() -> None:
+    parent = _gpu(0, 80, mig_enabled=True)
+    mig = _gpu(
+        0,
+        40,
+        parent_uuid="GPU-0000",
+        mig_profile="3g.40gb",
+        gpu_instance_id=1,
+        compute_instance_id=0,
+    )
+    mig = replace(mig, uuid="MIG-1")
+    reading = (GpuReading(parent), GpuReading(mig))
+    none = build_devices(_inventory(*reading, mig=MigConfig()), RequestPolicy(), "vgpu.dev")
+    assert none == []
+    single = build_devices(
+        _inventory(*reading, mig=MigConfig(strategy=MigStrategy.SINGLE)),
+        RequestPolicy(),
+        "vgpu.dev",
+    )
+    assert [d["name"] for d in single] == ["gpu-0-mig-1-0"]
+    attrs = single[0]["attributes"]
+    assert attrs["type"] == {"string": "mig"}
+    assert attrs["migProfile"] == {"string": "3g.40gb"}
+    assert attrs["parentUUID"] == {"string": "GPU-0000"}
+    assert single[0]["capacity"]["memory"]["value"] == str(40 * GIB)
+
+
+def test_slice_is_the_nodes_pool_owned_by_its_node() -> None:
+    obj = build_slice("Node-1", "vgpu.dev", [], 3, {"name": "Node-1", "uid": "u-1"})
+    assert obj["metadata"]["name"] == slice_name("Node-1", "vgpu.dev") == "node-1-vgpu.dev"
+    assert obj["spec"]["pool"] == {"name": "Node-1", "generation": 3, "resourceSliceCount": 1}
+    assert obj["spec"]["nodeName"] == "Node-1"
+    assert obj["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+
+
+def test_request_policies_come_from_the_config() -> None:
+    from deviceplugin.config.load import config_from_bytes
+    from deviceplugin.dra.settings import RequestPolicy
+
+    cfg = config_from_bytes(
+        b"dra:\n  driverName: gpu.example.com\n"
+        b"  memory: {min: 1Gi, step: 512Mi, default: 4Gi}\n"
+        b"  compute: {min: 5, step: 5, default: 10}\n",
+        "test",
+    )
+    assert cfg.dra.driver_name == "gpu.example.com"
+    (d,) = build_devices(_inventory(GpuReading(_gpu(0))), RequestPolicy.of(cfg.dra), "x")
+    memory = d["capacity"]["memory"]["requestPolicy"]
+    assert memory == {
+        "default": str(4 * GIB),
+        "validRange": {"min": str(GIB), "max": str(40 * GIB), "step": str(512 << 20)},
+    }
+    compute = d["capacity"]["compute"]["requestPolicy"]
+    assert compute == {"default": "10", "validRange": {"min": "5", "max": "100", "step": "5"}}
+
+
+def test_bad_dra_config_is_refused_naming_the_key() -> None:
+    import pytest
+
+    from deviceplugin.config.load import config_from_bytes
+    from deviceplugin.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        config_from_bytes(b"dra: {driverName: Not_A_Name, compute: {step: 0}, colour: red}", "t")
+    problems = " ".join(e.value.problems)
+    assert "dra.driverName" in problems
+    assert "dra.compute.step" in problems
+    assert "dra.colour" in problems or "colour" in problems
