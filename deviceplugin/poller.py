@@ -205,7 +205,8 @@ class Poller:
         self._inventory = inventory
         self._book = book
         self._health = health
-        self._resolver = resolver or AllocationResolver()
+        # `is None`, not `or`: a resolver that holds no PID yet has a length of 0.
+        self._resolver = resolver if resolver is not None else AllocationResolver()
         # Whether a container of the last snapshot checked has no name yet, and that snapshot's
         # containers.
         self._unnamed = False

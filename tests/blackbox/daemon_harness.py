@@ -109,10 +109,16 @@ async def running_daemon(
     pod_resources_socket: Path | None = None,
     trust_host_processes: bool = True,
     backend: GpuBackend | None = None,
+    kubelet_cgroup_root: str = "",
 ) -> AsyncIterator[Daemon]:
     """Run a daemon until the block ends (on `backend`, default: the node's fake GPUs, closed at
-    the end either way); fail the test if it died on its own."""
+    the end either way); fail the test if it died on its own. `kubelet_cgroup_root`: the
+    kubelet's cgroupfs root the daemon is told (`--kubelet-cgroup-root`), when given."""
     settings = dataclasses.replace(node.settings(config), trust_host_processes=trust_host_processes)
+    if kubelet_cgroup_root:
+        settings = dataclasses.replace(
+            settings, kubelet_cgroup_driver="cgroupfs", kubelet_cgroup_root=kubelet_cgroup_root
+        )
     if pod_resources_socket is not None:
         settings = dataclasses.replace(settings, pod_resources_socket=pod_resources_socket)
     if backend is None:

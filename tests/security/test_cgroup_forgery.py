@@ -275,6 +275,54 @@ async def test_real_cgroups_a_forged_pod_cgroup_gets_the_daemon_to_kill_nothing(
         assert [p.pid for p in usage.processes] == [victim]
 
 
+async def test_real_cgroups_the_daemon_charges_and_enforces_under_the_kubelet_root_it_is_given(
+    node: Node, workloads: Workloads, pod_cgroups: RealPodCgroups
+) -> None:
+    """The whole daemon told the kubelet's cgroup root (`--kubelet-cgroup-driver cgroupfs
+    --kubelet-cgroup-root /<root>`, as on a node whose kubelet runs with `cgroupRoot`): a pod's
+    process in `/<root>/kubepods/besteffort/pod<uid>/<container ID>` is charged to its
+    container, and killed once over its limit (the signal-time check reads the same layout)."""
+    config = Config(
+        enforcement=EnforcementConfig(
+            poll_interval_s=0.05, memory=MemoryEnforcement(grace_period_s=0.2)
+        )
+    )
+    tag = uuid.uuid4().hex[:12]
+    root = f"/vgpu-test-{tag}"
+    async with running_daemon(
+        node, config, trust_host_processes=False, kubelet_cgroup_root=root
+    ) as daemon:
+        await registered(node, 8)
+        pod = await node.sim.admit_pod("greedy", [("main", 1)])
+        grant = pod.containers[0]
+        gpu = next(g for g in TWO_GPUS if g.uuid in grant.envs["NVIDIA_VISIBLE_DEVICES"])
+        limit = gpu.memory_total_bytes // 4
+        path = root + cgroupfs(pod.uid, f"main{tag}")
+        main = pod_cgroups.spawn(workloads, path, grant.envs)
+        await eventually(lambda: in_cgroup(main, path), 5)
+
+        def write(used: int) -> None:
+            node.write_gpus(
+                [
+                    with_processes(g, FakeProcess(main, used, 10)) if g is gpu else g
+                    for g in TWO_GPUS
+                ]
+            )
+
+        def charged() -> int | None:
+            snap = daemon.poller.snapshot
+            for c in snap.containers if snap is not None else ():
+                ours = c.allocation_id == allocation_id(grant.device_ids)
+                if ours and [p.pid for p in c.processes] == [main]:
+                    return c.memory_used_bytes
+            return None
+
+        write(GiB)
+        await eventually(lambda: charged() == GiB, 10, "the pod's process charged to it")
+        write(limit + GiB)
+        await eventually(lambda: not alive(main), 10, "the pod's process over its limit killed")
+
+
 def test_a_kubelet_cgroup_root_set_on_the_command_line_is_where_pods_are() -> None:
     with subtree(2) as tree:
         pod = tree.spawn(f"{tree.name}/kubepods/besteffort/pod{POD_UID}/{cid('main')}")

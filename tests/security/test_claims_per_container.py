@@ -13,7 +13,7 @@ from deviceplugin.kubelet.checkpoint import parse_checkpoint
 from deviceplugin.model import DaemonHealth, NodeSnapshot, ProcessSample
 from deviceplugin.usage.attribution import AttributionEvidence, SnapshotBuilder
 from deviceplugin.usage.cgroups import CgroupLayout, KubeletTree
-from deviceplugin.usage.containerlogs import ContainerLogIndex
+from deviceplugin.usage.containerlogs import ContainerLogIndex, parse_links
 from deviceplugin.usage.procs import AllocationResolver
 from tests.blackbox.daemon_harness import GiB
 from tests.security.cgroup_support import cid, subtree
@@ -125,3 +125,25 @@ def test_real_cgroups_a_sidecar_with_a_copied_id_kills_nothing(
         assert [p.pid for p in usage.processes] == [main]
         assert [p.pid for p in snapshot.gpus[0].misattributed] == [sidecar]
         assert kills(snapshot) == []
+
+
+def test_the_kubelets_own_container_log_links_name_their_containers() -> None:
+    """Links exactly as a v1.36 kubelet with containerd made them in /var/log/containers."""
+    links = {
+        "large_default_main-dabb738cd5602eb15c7e6fa3632ec94b6ad98ebcf47bc155eb2f76820ce5365e.log": (
+            "/var/log/pods/default_large_80196a4c-5190-4580-8165-f45fca71d176/main/0.log"
+        ),
+        "small_default_main-346975af325e0b40aca539eac5cf6b0ca5311b58db845186618ebe6d845e8617.log": (
+            "/var/log/pods/default_small_6351d021-9d83-4fef-84c8-2fb16570f56c/main/0.log"
+        ),
+    }
+    assert parse_links(links) == {
+        "dabb738cd5602eb15c7e6fa3632ec94b6ad98ebcf47bc155eb2f76820ce5365e": (
+            "80196a4c-5190-4580-8165-f45fca71d176",
+            "main",
+        ),
+        "346975af325e0b40aca539eac5cf6b0ca5311b58db845186618ebe6d845e8617": (
+            "6351d021-9d83-4fef-84c8-2fb16570f56c",
+            "main",
+        ),
+    }
