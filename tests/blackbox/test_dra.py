@@ -59,8 +59,9 @@ def api() -> Iterator[FakeApiServer]:
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Node:
-    return Node(tmp_path, [GPU0, GPU1])
+def node(short_tmp: Path) -> Node:
+    # A short directory: the kubelet's socket paths under it must fit a Unix socket address.
+    return Node(short_tmp, [GPU0, GPU1])
 
 
 def _dra(node: Node, api: FakeApiServer) -> DraSettings:
