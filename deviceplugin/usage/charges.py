@@ -6,7 +6,8 @@ predictable. Given evidence (the pod and container cgroup of each process, and t
 device checkpoint), `attribute` decides per process which allocation, if any, it belongs to, and
 whether its claim is refused ("misattributed"). Without a readable checkpoint every claim stands.
 Otherwise:
-1. A claim (the process's own `VGPU_ALLOCATION_ID`, or its nearest ancestor's) that the
+1. A claim (the process's own, or its nearest ancestor's: for a process on device U,
+   `VGPU_ALLOCATION_ID_<U>` where that environment sets it, else `VGPU_ALLOCATION_ID`) that the
    checkpoint records for the process's own pod stands; where the kubelet's container names
    are known (its container log links, `usage.containerlogs`), only from the very container the
    checkpoint records it for: a claim from another container of the pod (a sidecar that copied
@@ -31,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Hashable, Mapping, Sequence
 
+from deviceplugin.allocation import device_env_suffix
 from deviceplugin.kubelet.checkpoint import DeviceCheckpoint
 from deviceplugin.model import (
     AllocationRecord,
@@ -38,6 +40,7 @@ from deviceplugin.model import (
     Inventory,
     ProcessSample,
 )
+from deviceplugin.usage.claims import Claim, DeviceClaims
 
 
 def ratio_of(percent: float) -> float:
@@ -161,7 +164,7 @@ def charge_processes(
     gpus: Sequence[GpuReading],
     inventory: Inventory,
     allocations: Sequence[AllocationRecord],
-    pid_allocation: Mapping[int, str | None],
+    pid_allocation: Mapping[int, Claim],
     *,
     wall_s: float,
     checked: AttributionEvidence | None,
@@ -250,9 +253,16 @@ def charge_processes(
     claim_of = pid_allocation.get
     for gpu in gpus:
         uuid = gpu.info.uuid
+        suffix: str | None = None
         for process in gpu.processes:
             pid = process.pid
-            found = claim_of(pid)
+            claim = claim_of(pid)
+            if isinstance(claim, DeviceClaims):
+                if suffix is None:
+                    suffix = device_env_suffix(uuid)
+                found = claim.on(suffix)
+            else:
+                found = claim
             if checked is not None:
                 pod_uid = checked.pod_uid_of(pid)
                 container = checked.container_of(pid) if checked.containers_known else None
