@@ -91,4 +91,3 @@ async def test_a_process_on_the_mig_slice_of_a_two_resource_container_is_held_to
     finally:
         workloads.close()
         await node.sim.stop()
-
