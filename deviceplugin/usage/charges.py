@@ -20,6 +20,10 @@ Otherwise:
    it shares its container cgroup with a process whose claim stood, and then to that process's
    allocation. Otherwise it is its pod's unattributed use (`GpuUsage.unattributed_pods`): it
    counts on its GPU and never makes the enforcer act on another process.
+5. A claim that stood for an allocation holding no slice of the process's GPU is charged to
+   the one allocation of the same container (by the checkpoint) that holds slices of that GPU:
+   a container holding slices of several resources cannot move its use on one device to an
+   allocation with no limit there by naming its other allocation in its environment.
 
 So a process can neither charge its GPU use to another pod's container (nor get that container's
 processes killed or throttled for it) by copying its ID, nor push its own pod's GPU container over
@@ -109,6 +113,27 @@ def attribute(
             if container in checkpoint.pod_of(claim):
                 return claim, False
     return None, claim is not None
+
+
+def _holder_on(
+    claim: str,
+    pod_uid: str,
+    gpu_uuid: str,
+    checkpoint: DeviceCheckpoint,
+    held_on: frozenset[tuple[str, str]],
+) -> str:
+    """Rule 5: for a claim that stood but holds nothing of `gpu_uuid`, the one allocation of
+    the same container (by the checkpoint) that holds slices of it; else the claim itself."""
+    holders = checkpoint.pod_gpu_allocations.get((pod_uid, gpu_uuid))
+    if not holders:
+        return claim
+    containers = set(checkpoint.pod_of(claim))
+    found = [
+        a
+        for a in holders
+        if a != claim and (a, gpu_uuid) in held_on and containers.intersection(checkpoint.pod_of(a))
+    ]
+    return found[0] if len(found) == 1 else claim
 
 
 def confirmed(record: AllocationRecord, wall_s: float) -> bool:
@@ -217,6 +242,8 @@ def charge_processes(
             acc.slices += share.slices
             acc.memory_limit_bytes += share.memory_limit_bytes
             acc.compute_share_ratio += share.compute_share_ratio
+    # (allocation, GPU) pairs whose allocation holds slices of that GPU.
+    held_on = frozenset(accumulators)
     slices_allocated = dict.fromkeys(gpu_by_uuid, 0)
     for slice_id in held_healthy:
         slices_allocated[by_id[slice_id].id.gpu_uuid] += 1
@@ -269,6 +296,8 @@ def charge_processes(
                 found, refused = attribute(found, pod_uid, uuid, checked, container)
                 if refused:
                     misattributed[uuid].append(process)
+                elif found is not None and pod_uid is not None and (found, uuid) not in held_on:
+                    found = _holder_on(found, pod_uid, uuid, checked.checkpoint, held_on)
                 if pod_uid is not None:
                     cgroup = checked.cgroup_of(pid)
                     if found is None:

@@ -71,12 +71,17 @@ class FakeProc:
         (d / "cgroup").write_text(cgroup)
 
 
-def checkpoint_blob() -> bytes:
+# A second container of the victim's pod, with a slice of GPU 1.
+SIDE = record(sid(UUID1, 2), namespace="ml", pod="victim", container="side")
+
+
+def checkpoint_blob(*, side: bool = False) -> bytes:
     holders = [
         (POD_UID, "main", "example.com/a", ON0.slice_ids),
-        (POD_UID, "main", "example.com/b", ON1.slice_ids),
         (OTHER_POD_UID, "main", "example.com/b", THEIRS.slice_ids),
     ]
+    holders.append((POD_UID, "side", "example.com/b", SIDE.slice_ids) if side else
+                   (POD_UID, "main", "example.com/b", ON1.slice_ids))  # fmt: skip
     entries = [
         {
             "PodUID": pod,
@@ -96,12 +101,13 @@ def attributed(
     gpu1: list[ProcessSample],
     *,
     containers: dict[str, tuple[str, str]] | None = None,
+    side: bool = False,
 ) -> NodeSnapshot:
     """The snapshot of the whole attribution path; `containers` (container runtime ID -> (pod
     UID, name)) stands for the kubelet's container log links, where given."""
     resolver = AllocationResolver(proc.root, container_logs=None)
     claims = resolver.resolve(p.pid for p in [*gpu0, *gpu1])
-    checkpoint = parse_checkpoint(checkpoint_blob(), None)
+    checkpoint = parse_checkpoint(checkpoint_blob(side=side), None)
     assert checkpoint.readable
     container_of: Callable[[int], tuple[str, str] | None]
     if containers is None:
@@ -123,7 +129,7 @@ def attributed(
     snapshot, _ = SnapshotBuilder("n", 5.0).build(
         reading(gpu0=gpu0, gpu1=gpu1),
         INVENTORY,
-        [ON0, ON1, THEIRS],
+        [ON0, SIDE, THEIRS] if side else [ON0, ON1, THEIRS],
         claims,
         now_s=10.0,
         wall_s=1_700_000_000.0,
@@ -223,6 +229,44 @@ def test_a_forged_per_device_key_from_another_container_of_the_pod_is_refused(
     )
     assert charged(snapshot) == {(ON1.allocation_id, UUID1): [101]}
     assert [p.pid for p in snapshot.gpus[1].misattributed] == [102]
+    assert kills(snapshot) == []
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        environ(ON0.allocation_id),  # made before per-device keys
+        environ(ON0.allocation_id, **{UUID1: ON0.allocation_id}),  # its other allocation named
+    ],
+    ids=["no-per-device-key", "own-other-allocation"],
+)
+def test_a_claim_of_the_containers_other_allocation_is_charged_to_the_one_on_that_gpu(
+    tmp_path: Path, env: bytes
+) -> None:
+    """A container cannot move its use on one device to its other allocation, which has no limit
+    there: the claim stands, and is charged to the container's allocation on that device."""
+    proc = FakeProc(tmp_path)
+    proc.add(102, v2(cgroupfs(POD_UID, "main")), env)  # GPU 1: 25 of its 20 GiB
+    snapshot = attributed(proc, [], [ProcessSample(102, 25 * GiB, 10.0)])
+    assert charged(snapshot) == {(ON1.allocation_id, UUID1): [102]}
+    assert [(k.pid, k.allocation_id) for k in kills(snapshot)] == [(102, ON1.allocation_id)]
+
+
+def test_a_claim_is_never_moved_to_another_containers_allocation(tmp_path: Path) -> None:
+    proc = FakeProc(tmp_path)
+    # The main container holds GPU 0 only; its pod's other container holds a slice of GPU 1.
+    proc.add(102, v2(cgroupfs(POD_UID, "main")), environ(ON0.allocation_id))
+    proc.add(103, v2(cgroupfs(POD_UID, "side")), environ(SIDE.allocation_id))
+    snapshot = attributed(
+        proc,
+        [],
+        [ProcessSample(102, 25 * GiB, 10.0), ProcessSample(103, 1 * GiB, 10.0)],
+        side=True,
+    )
+    assert charged(snapshot) == {
+        (ON0.allocation_id, UUID1): [102],
+        (SIDE.allocation_id, UUID1): [103],
+    }
     assert kills(snapshot) == []
 
 
