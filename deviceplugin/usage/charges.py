@@ -18,8 +18,10 @@ Otherwise:
 3. A claim of an allocation the process's pod does not hold is refused.
 4. A process of a pod whose claim did not stand (none, invalid or refused) is charged only when
    it shares its container cgroup with a process whose claim stood, and then to that process's
-   allocation. Otherwise it is its pod's unattributed use (`GpuUsage.unattributed_pods`): it
-   counts on its GPU and never makes the enforcer act on another process.
+   allocation (where that container's claims stood for several, the one holding slices of the
+   process's GPU; rule 5 applies to it). Otherwise it is its pod's unattributed use
+   (`GpuUsage.unattributed_pods`): it counts on its GPU and never makes the enforcer act on
+   another process.
 5. A claim that stood for an allocation holding no slice of the process's GPU is charged to
    the one allocation of the same container (by the checkpoint) that holds slices of that GPU:
    a container holding slices of several resources cannot move its use on one device to an
@@ -308,8 +310,15 @@ def charge_processes(
             charge(uuid, process, found)
     for uuid, process, pod_uid, cgroup in pending:
         sharing = cgroup_allocations.get(cgroup, set()) if cgroup is not None else set()
-        if len(sharing) == 1:
-            charge(uuid, process, next(iter(sharing)))
+        if len(sharing) > 1:
+            # A container holding several allocations (slices of several resources): the one
+            # that holds this GPU.
+            sharing = {a for a in sharing if (a, uuid) in held_on}
+        if len(sharing) == 1 and checked is not None:
+            found = next(iter(sharing))
+            if (found, uuid) not in held_on:
+                found = _holder_on(found, pod_uid, uuid, checked.checkpoint, held_on)
+            charge(uuid, process, found)
         else:
             unattributed_pods[uuid].append((process.pid, pod_uid))
             charge(uuid, process, None)

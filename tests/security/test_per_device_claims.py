@@ -252,6 +252,28 @@ def test_a_claim_of_the_containers_other_allocation_is_charged_to_the_one_on_tha
     assert [(k.pid, k.allocation_id) for k in kills(snapshot)] == [(102, ON1.allocation_id)]
 
 
+@pytest.mark.parametrize(
+    "gpu0_only", [True, False], ids=["claim-on-gpu0-only", "claims-on-both-gpus"]
+)
+def test_an_unclaimed_process_of_a_two_resource_container_is_charged_on_its_gpu(
+    tmp_path: Path, gpu0_only: bool
+) -> None:
+    """The container-cgroup rule for a process that carries no claim (its environment cleared,
+    no claiming ancestor): in a container holding two allocations it is charged to the one on
+    its GPU."""
+    proc = FakeProc(tmp_path)
+    proc.add(101, v2(cgroupfs(POD_UID, "main")), both_keys())  # GPU 0
+    proc.add(102, v2(cgroupfs(POD_UID, "main")), both_keys())  # GPU 1, when on both
+    proc.add(103, v2(cgroupfs(POD_UID, "main")), b"")  # GPU 1: 25 of its 20 GiB with 102's
+    gpu1 = [ProcessSample(103, 25 * GiB, 10.0)]
+    if not gpu0_only:
+        gpu1.insert(0, ProcessSample(102, 0, 10.0))
+    snapshot = attributed(proc, [ProcessSample(101, GiB, 10.0)], gpu1)
+    assert charged(snapshot)[(ON1.allocation_id, UUID1)] == [p.pid for p in gpu1]
+    assert snapshot.gpus[1].unattributed_pods == ()
+    assert [(k.pid, k.allocation_id) for k in kills(snapshot)] == [(103, ON1.allocation_id)]
+
+
 def test_a_claim_is_never_moved_to_another_containers_allocation(tmp_path: Path) -> None:
     proc = FakeProc(tmp_path)
     # The main container holds GPU 0 only; its pod's other container holds a slice of GPU 1.
