@@ -45,11 +45,14 @@ from deviceplugin.usage.charges import (
     confirmed,
     ratio_of,
 )
+from deviceplugin.usage.claims import Claim, DeviceClaims
 from deviceplugin.usage.window import UtilizationWindow
 
 __all__ = [
     "UNCONFIRMED_AFTER_S",
     "AttributionEvidence",
+    "Claim",
+    "DeviceClaims",
     "SnapshotBuilder",
     "attribute",
     "mark_stale",
@@ -94,7 +97,7 @@ class SnapshotBuilder:
         reading: NodeReading,
         inventory: Inventory,
         allocations: Sequence[AllocationRecord],
-        pid_allocation: Mapping[int, str | None],
+        pid_allocation: Mapping[int, Claim],
         *,
         now_s: float,
         wall_s: float,
@@ -108,8 +111,9 @@ class SnapshotBuilder:
 
         `now_s` is the monotonic time of the reading, `previous_reading_s` that of the one before
         (None on the first build: this reading then covers no time and averages to 0.0); `wall_s`
-        becomes `taken_at_s`. `pid_allocation` maps a process's PID to the allocation ID found in
-        its environment (its claim); a PID it does not list counts as None. Without `evidence`
+        becomes `taken_at_s`. `pid_allocation` maps a process's PID to the allocation IDs found
+        in its environment (its claim; `DeviceClaims` where it names some per device); a PID it
+        does not list counts as None. Without `evidence`
         every claim stands; with it, `attribute` decides."""
         duration_s = 0.0 if previous_reading_s is None else max(now_s - previous_reading_s, 0.0)
         gpus = sorted(reading.gpus, key=lambda g: g.info.index)
@@ -202,7 +206,7 @@ class SnapshotBuilder:
         gpus: Sequence[GpuReading],
         inventory: Inventory,
         allocations: Sequence[AllocationRecord],
-        pid_allocation: Mapping[int, str | None],
+        pid_allocation: Mapping[int, Claim],
         *,
         wall_s: float,
         evidence: AttributionEvidence | None,

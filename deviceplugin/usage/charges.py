@@ -6,7 +6,8 @@ predictable. Given evidence (the pod and container cgroup of each process, and t
 device checkpoint), `attribute` decides per process which allocation, if any, it belongs to, and
 whether its claim is refused ("misattributed"). Without a readable checkpoint every claim stands.
 Otherwise:
-1. A claim (the process's own `VGPU_ALLOCATION_ID`, or its nearest ancestor's) that the
+1. A claim (the process's own, or its nearest ancestor's: for a process on device U,
+   `VGPU_ALLOCATION_ID_<U>` where that environment sets it, else `VGPU_ALLOCATION_ID`) that the
    checkpoint records for the process's own pod stands; where the kubelet's container names
    are known (its container log links, `usage.containerlogs`), only from the very container the
    checkpoint records it for: a claim from another container of the pod (a sidecar that copied
@@ -17,8 +18,14 @@ Otherwise:
 3. A claim of an allocation the process's pod does not hold is refused.
 4. A process of a pod whose claim did not stand (none, invalid or refused) is charged only when
    it shares its container cgroup with a process whose claim stood, and then to that process's
-   allocation. Otherwise it is its pod's unattributed use (`GpuUsage.unattributed_pods`): it
-   counts on its GPU and never makes the enforcer act on another process.
+   allocation (where that container's claims stood for several, the one holding slices of the
+   process's GPU; rule 5 applies to it). Otherwise it is its pod's unattributed use
+   (`GpuUsage.unattributed_pods`): it counts on its GPU and never makes the enforcer act on
+   another process.
+5. A claim that stood for an allocation holding no slice of the process's GPU is charged to
+   the one allocation of the same container (by the checkpoint) that holds slices of that GPU:
+   a container holding slices of several resources cannot move its use on one device to an
+   allocation with no limit there by naming its other allocation in its environment.
 
 So a process can neither charge its GPU use to another pod's container (nor get that container's
 processes killed or throttled for it) by copying its ID, nor push its own pod's GPU container over
@@ -31,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Hashable, Mapping, Sequence
 
+from deviceplugin.allocation import device_env_suffix
 from deviceplugin.kubelet.checkpoint import DeviceCheckpoint
 from deviceplugin.model import (
     AllocationRecord,
@@ -38,6 +46,7 @@ from deviceplugin.model import (
     Inventory,
     ProcessSample,
 )
+from deviceplugin.usage.claims import Claim, DeviceClaims
 
 
 def ratio_of(percent: float) -> float:
@@ -108,6 +117,27 @@ def attribute(
     return None, claim is not None
 
 
+def _holder_on(
+    claim: str,
+    pod_uid: str,
+    gpu_uuid: str,
+    checkpoint: DeviceCheckpoint,
+    held_on: frozenset[tuple[str, str]],
+) -> str:
+    """Rule 5: for a claim that stood but holds nothing of `gpu_uuid`, the one allocation of
+    the same container (by the checkpoint) that holds slices of it; else the claim itself."""
+    holders = checkpoint.pod_gpu_allocations.get((pod_uid, gpu_uuid))
+    if not holders:
+        return claim
+    containers = set(checkpoint.pod_of(claim))
+    found = [
+        a
+        for a in holders
+        if a != claim and (a, gpu_uuid) in held_on and containers.intersection(checkpoint.pod_of(a))
+    ]
+    return found[0] if len(found) == 1 else claim
+
+
 def confirmed(record: AllocationRecord, wall_s: float) -> bool:
     """Whether the slices `record` holds count as allocated (else as unconfirmed): the kubelet
     lists it, or it was made less than UNCONFIRMED_AFTER_S ago."""
@@ -161,7 +191,7 @@ def charge_processes(
     gpus: Sequence[GpuReading],
     inventory: Inventory,
     allocations: Sequence[AllocationRecord],
-    pid_allocation: Mapping[int, str | None],
+    pid_allocation: Mapping[int, Claim],
     *,
     wall_s: float,
     checked: AttributionEvidence | None,
@@ -214,6 +244,8 @@ def charge_processes(
             acc.slices += share.slices
             acc.memory_limit_bytes += share.memory_limit_bytes
             acc.compute_share_ratio += share.compute_share_ratio
+    # (allocation, GPU) pairs whose allocation holds slices of that GPU.
+    held_on = frozenset(accumulators)
     slices_allocated = dict.fromkeys(gpu_by_uuid, 0)
     for slice_id in held_healthy:
         slices_allocated[by_id[slice_id].id.gpu_uuid] += 1
@@ -250,15 +282,24 @@ def charge_processes(
     claim_of = pid_allocation.get
     for gpu in gpus:
         uuid = gpu.info.uuid
+        suffix: str | None = None
         for process in gpu.processes:
             pid = process.pid
-            found = claim_of(pid)
+            claim = claim_of(pid)
+            if isinstance(claim, DeviceClaims):
+                if suffix is None:
+                    suffix = device_env_suffix(uuid)
+                found = claim.on(suffix)
+            else:
+                found = claim
             if checked is not None:
                 pod_uid = checked.pod_uid_of(pid)
                 container = checked.container_of(pid) if checked.containers_known else None
                 found, refused = attribute(found, pod_uid, uuid, checked, container)
                 if refused:
                     misattributed[uuid].append(process)
+                elif found is not None and pod_uid is not None and (found, uuid) not in held_on:
+                    found = _holder_on(found, pod_uid, uuid, checked.checkpoint, held_on)
                 if pod_uid is not None:
                     cgroup = checked.cgroup_of(pid)
                     if found is None:
@@ -269,8 +310,15 @@ def charge_processes(
             charge(uuid, process, found)
     for uuid, process, pod_uid, cgroup in pending:
         sharing = cgroup_allocations.get(cgroup, set()) if cgroup is not None else set()
-        if len(sharing) == 1:
-            charge(uuid, process, next(iter(sharing)))
+        if len(sharing) > 1:
+            # A container holding several allocations (slices of several resources): the one
+            # that holds this GPU.
+            sharing = {a for a in sharing if (a, uuid) in held_on}
+        if len(sharing) == 1 and checked is not None:
+            found = next(iter(sharing))
+            if (found, uuid) not in held_on:
+                found = _holder_on(found, pod_uid, uuid, checked.checkpoint, held_on)
+            charge(uuid, process, found)
         else:
             unattributed_pods[uuid].append((process.pid, pod_uid))
             charge(uuid, process, None)

@@ -1,6 +1,8 @@
-"""Reading /proc for the resolver (`usage.procs`): whole files, the allocation ID in an
+"""Reading /proc for the resolver (`usage.procs`): whole files, the allocation IDs in an
 environment block, pidfds held over resolved processes, and whether this daemon sees host PIDs.
-Nothing of a process environment but `VGPU_ALLOCATION_ID` is kept or returned."""
+Nothing of a process environment but `VGPU_ALLOCATION_ID` and the per-device
+`VGPU_ALLOCATION_ID_<suffix>` (their valid values, at most `MAX_DEVICE_CLAIMS` of the latter) is
+kept or returned."""
 
 from __future__ import annotations
 
@@ -10,8 +12,19 @@ import resource
 import select
 from pathlib import Path
 
+from deviceplugin.usage.claims import Claim, DeviceClaims
+
 ENV_NAME = "VGPU_ALLOCATION_ID"
 _ENV_PREFIX = ENV_NAME.encode() + b"="
+_DEVICE_PREFIX = ENV_NAME.encode() + b"_"
+# A device's suffix (`allocation.device_env_suffix`): a GPU or MIG UUID is 40 characters, the
+# older MIG form ("MIG-GPU-<uuid>/<gi>/<ci>") about 50. Longer ones, or any other characters,
+# name no device of any node and are skipped.
+_MAX_SUFFIX_LENGTH = 96
+_SUFFIX_CHARACTERS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+# At most this many per-device keys are kept from one environment (8 GPUs of 7 MIG devices each
+# and their parents fit); the rest are skipped.
+MAX_DEVICE_CLAIMS = 128
 _ALLOCATION_ID_LENGTH = 16
 _HEX_DIGITS = frozenset(b"0123456789abcdef")
 _READ_CHUNK = 65536
@@ -47,9 +60,46 @@ def allocation_id_in(environ: bytes) -> tuple[bool, str | None]:
         start = at + 1 + len(_ENV_PREFIX)
     end = environ.find(b"\0", start)
     value = environ[start:] if end < 0 else environ[start:end]
+    return True, _valid(value)
+
+
+def _valid(value: bytes) -> str | None:
     if len(value) != _ALLOCATION_ID_LENGTH or not _HEX_DIGITS.issuperset(value):
-        return True, None
-    return True, value.decode("ascii")
+        return None
+    return value.decode("ascii")
+
+
+def claims_in(environ: bytes) -> tuple[bool, Claim]:
+    """What a NUL-separated environment block claims: whether it sets `VGPU_ALLOCATION_ID` or
+    any `VGPU_ALLOCATION_ID_<suffix>`, and the claim: the valid value of the former (as
+    `allocation_id_in`) where it sets no per-device key, else `DeviceClaims` with both (a
+    per-device value that is not 16 lowercase hex digits claims None for its device). The first
+    of a key set twice counts, as for getenv(3)."""
+    present, default = allocation_id_in(environ)
+    if not environ.startswith(_DEVICE_PREFIX) and b"\0" + _DEVICE_PREFIX not in environ:
+        return present, default
+    devices: dict[str, str | None] = {}
+    for entry in environ.split(b"\0"):
+        if not entry.startswith(_DEVICE_PREFIX):
+            continue
+        key, equals, value = entry.partition(b"=")
+        suffix = key[len(_DEVICE_PREFIX) :]
+        if (
+            not equals
+            or not suffix
+            or len(suffix) > _MAX_SUFFIX_LENGTH
+            or not _SUFFIX_CHARACTERS.issuperset(suffix)
+        ):
+            continue
+        name = suffix.decode("ascii")
+        if name in devices:
+            continue
+        if len(devices) >= MAX_DEVICE_CLAIMS:
+            break
+        devices[name] = _valid(value)
+    if not devices:
+        return present, default
+    return True, DeviceClaims(default, tuple(sorted(devices.items())))
 
 
 # Use at most this share of the process's file descriptor limit for pidfds.

@@ -1,9 +1,12 @@
 """Which allocation a GPU process claims and which pod it runs in, read from /proc; whether the
 daemon sees host PIDs.
 
-Allocate gives every container `VGPU_ALLOCATION_ID` (docs/design.md §3). The GPU driver lists
-processes by host PID, so the daemon reads `/proc/<pid>/environ` of each GPU process for that one
-variable, and falls back to the nearest ancestor that has it (a process started with a cleared
+Allocate gives every container `VGPU_ALLOCATION_ID`, and `VGPU_ALLOCATION_ID_<suffix>` per device
+(docs/design.md §3): a container holding slices of several resources keeps one `VGPU_ALLOCATION_ID`
+of them, so for a process on device U its claim is `VGPU_ALLOCATION_ID_<U>` where set (the
+resolver returns `DeviceClaims` for `usage.charges` to pick from per device). The GPU driver lists
+processes by host PID, so the daemon reads `/proc/<pid>/environ` of each GPU process for those
+variables, and falls back to the nearest ancestor that sets one (a process started with a cleared
 environment still belongs to the container that started it). Nothing else from a process
 environment is kept, returned or logged: it may hold secrets.
 
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deviceplugin.usage.cgroups import CgroupLayout, KubeletTree, PodContainer, kubelet_tree_of
+from deviceplugin.usage.claims import Claim
 from deviceplugin.usage.containerlogs import (
     DEFAULT_CONTAINER_LOG_DIR,
     ContainerLogIndex,
@@ -44,7 +48,7 @@ from deviceplugin.usage.containerlogs import (
 from deviceplugin.usage.procfs import (
     ENV_NAME,
     PidfdWatch,
-    allocation_id_in,
+    claims_in,
     pid_namespace_warning,
     read_all,
 )
@@ -80,7 +84,7 @@ class _Entry:
     the next call looks again before the answer is served from the cache."""
 
     start_time: int
-    allocation_id: str | None
+    allocation_id: Claim
     identity: tuple[int, int] | None
     settled: bool = True
     pod_uid: str | None = None
@@ -155,7 +159,7 @@ class AllocationResolver:
         self.generation = 0
         # The last call's answers, and whether every PID in it was served from the cache, held
         # by a pidfd: then the same PIDs again, none exited, get the same answers at once.
-        self._found: dict[int, str | None] = {}
+        self._found: dict[int, Claim] = {}
         self._held_all = False
 
     @property
@@ -175,9 +179,10 @@ class AllocationResolver:
         """How many PIDs the cache holds."""
         return len(self._cache)
 
-    def resolve(self, pids: Iterable[int]) -> dict[int, str | None]:
-        """The allocation ID of each PID, or None: not found, or not readable now (a vanished or
-        unreadable process is not cached, so that the next call tries again)."""
+    def resolve(self, pids: Iterable[int]) -> dict[int, Claim]:
+        """The claim of each PID: its allocation ID, `DeviceClaims` where its environment sets
+        per-device keys, or None: not found, or not readable now (a vanished or unreadable
+        process is not cached, so that the next call tries again)."""
         if self._container_logs is not None:
             containers = self._container_logs.read()
             if containers is not self._containers:
@@ -185,9 +190,9 @@ class AllocationResolver:
                 self.generation += 1
         previous = self._cache
         fresh: dict[int, _Entry] = {}
-        found: dict[int, str | None] = {}
+        found: dict[int, Claim] = {}
         # Ancestors resolved during this call, shared by siblings.
-        memo: dict[int, str | None] = {}
+        memo: dict[int, Claim] = {}
         watch = self._pidfds
         exited = watch.exited() if watch is not None else set()
         wanted = pids if isinstance(pids, (set, frozenset)) else None
@@ -298,7 +303,7 @@ class AllocationResolver:
         return None if found is None else found.cgroup
 
     def _lookup(
-        self, pid: int, cached: _Entry | None, memo: dict[int, str | None]
+        self, pid: int, cached: _Entry | None, memo: dict[int, Claim]
     ) -> tuple[_Entry, bool]:
         """The entry for `pid`, and whether it came from the cache. Raises _GoneError."""
         stat_path = f"{self._root}/{pid}/stat"
@@ -358,22 +363,22 @@ class AllocationResolver:
         identity = (st.st_ino, st.st_ctime_ns) if st.st_size == 0 else None
         return ppid, start_time, identity
 
-    def _environ(self, pid: int) -> tuple[bool, str | None, bool]:
-        """Whether the process's environment sets the variable, its valid value, and whether the
-        environment is empty."""
+    def _environ(self, pid: int) -> tuple[bool, Claim, bool]:
+        """Whether the process's environment sets the variable (or a per-device one), its claim,
+        and whether the environment is empty."""
         try:
             environ, _ = read_all(f"{self._root}/{pid}/environ")
         except OSError as e:
             raise _GoneError from e
-        present, value = allocation_id_in(environ)
+        present, value = claims_in(environ)
         return present, value, not environ
 
-    def _search(self, pid: int, ppid: int, memo: dict[int, str | None]) -> tuple[str | None, bool]:
+    def _search(self, pid: int, ppid: int, memo: dict[int, Claim]) -> tuple[Claim, bool]:
         """The variable of `pid`, else of its nearest ancestor below PID 1 that sets it, at most
         `max_ancestors` generations up; and whether the environment of `pid` itself is empty."""
         chain: list[int] = []
         current, parent = pid, ppid
-        value: str | None = None
+        value: Claim = None
         own_environ_empty = False
         for generation in range(self._max_ancestors + 1):
             if current in memo:
