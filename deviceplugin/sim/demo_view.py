@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from deviceplugin.app import Daemon
-from deviceplugin.model import Inventory, NodeSnapshot
+from deviceplugin.model import ContainerUsage, Inventory, NodeSnapshot
 from deviceplugin.sim.demo_workloads import (
     DEMO_WORKLOADS,
     GROW_AFTER_S,
@@ -87,6 +87,9 @@ def describe_actions(before: NodeSnapshot | None, after: NodeSnapshot | None) ->
         for e in (before.enforcement if before else ())
     }
     usage = {(c.allocation_id, c.gpu_uuid): c for c in after.containers}
+    # Use from the snapshot before the action too: once throttled, a container's use drops, and
+    # the figure that made the enforcer act is the earlier one.
+    earlier = {(c.allocation_id, c.gpu_uuid): c for c in (before.containers if before else ())}
     lines = []
     for e in after.enforcement:
         key = (e.allocation_id, e.gpu_uuid, e.kind, e.action)
@@ -101,22 +104,44 @@ def describe_actions(before: NodeSnapshot | None, after: NodeSnapshot | None) ->
                 + (f" ({format_bytes(c.memory_limit_bytes)} limit)" if c else "")
             )
         elif e.kind == "compute" and e.action == "throttle":
-            share = f"{c.compute_share_ratio * 100:.4g}%" if c else "its share"
-            used = f"{c.sm_utilization_ratio * 100:.0f}%" if c else "more"
-            # The figure it is held to is the entitlement the status view shows ("may use"),
-            # not the bare share: under work-conserving sharing the two differ.
-            if c is not None and c.entitlement_ratio is not None:
-                limit = f"{c.entitlement_ratio * 100:.0f}%"
-                held = f"more than the {limit} it may use now (a {share} share)"
-            else:
-                held = f"more than its {share} share"
-            lines.append(
-                f"enforcer: throttling {who}: it used {used} of the GPU, {held}, while others "
-                "wanted more (SIGSTOP/SIGCONT duty cycle)"
-            )
+            lines.append(_throttle_line(who, c, earlier.get((e.allocation_id, e.gpu_uuid))))
         else:
             lines.append(f"enforcer: {e.kind} {e.action} on {who}")
     return lines
+
+
+def _throttle_line(who: str, now: ContainerUsage | None, before: ContainerUsage | None) -> str:
+    """Why a container is throttled, in the figures the status view shows: the entitlement it
+    "may use" (under work-conserving sharing, more than its bare share) and what it used, from
+    whichever snapshot shows it over (its use drops once it is paused)."""
+
+    def percent(ratio: float) -> int:
+        return round(ratio * 100)
+
+    over = [
+        c
+        for c in (before, now)
+        if c is not None
+        and c.entitlement_ratio is not None
+        and percent(c.sm_utilization_ratio) > percent(c.entitlement_ratio)
+    ]
+    c = over[0] if over else now
+    tail = ", while others wanted more (SIGSTOP/SIGCONT duty cycle)"
+    if c is None:
+        return f"enforcer: throttling {who}: it used more than its share{tail}"
+    share = f"{c.compute_share_ratio * 100:.4g}%"
+    if c.entitlement_ratio is None:
+        held = f"more than its {share} share"
+    elif over:
+        held = f"more than the {percent(c.entitlement_ratio)}% it may use now (a {share} share)"
+    else:
+        # Neither snapshot caught it over: the enforcer judged a window the view did not show.
+        return (
+            f"enforcer: throttling {who}: over its window it used more than the "
+            f"{percent(c.entitlement_ratio)}% it may use now (a {share} share){tail}"
+        )
+    used = percent(c.sm_utilization_ratio)
+    return f"enforcer: throttling {who}: it used {used}% of the GPU, {held}{tail}"
 
 
 def plural(count: int, word: str) -> str:

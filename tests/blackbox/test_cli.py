@@ -215,13 +215,23 @@ def test_demo_shows_the_enforcer_at_work() -> None:
     out = result.stdout
     assert "throttling default/inference/server" in out
     # It is held to what the view says it may use, not to its bare share.
+    # With the figures of a snapshot that shows it over, or, when none did (its use drops once
+    # paused), the window's verdict; never a figure below the limit it names.
     throttled = re.search(
         r"throttling default/inference/server: it used (\d+)% of the GPU, more than the "
         r"(\d+)% it may use now \(a 25% share\)",
         out,
     )
-    assert throttled is not None, out
-    assert int(throttled.group(1)) > int(throttled.group(2)) >= 25
+    if throttled is not None:
+        assert int(throttled.group(1)) > int(throttled.group(2)) >= 25
+    else:
+        window = re.search(
+            r"throttling default/inference/server: over its window it used more than the "
+            r"(\d+)% it may use now \(a 25% share\)",
+            out,
+        )
+        assert window is not None, out
+        assert int(window.group(1)) >= 25
     assert "THROTTLED" in out
     assert "killed the largest GPU process of default/notebook/jupyter" in out
     # The JAX-style container read its hint and reserved 0.22 of the L4, inside its 5.6Gi slice:
