@@ -167,6 +167,12 @@ async def _demo(duration_s: float | None, out: TextIO, workdir: Path) -> int:
         say(*describe_actions(before_work, daemon.poller.snapshot), "")
         say(*_status_lines(daemon), "")
         say(
+            "DRA mode (serve --kubelet-api dra): pods claim an amount of memory and compute, the",
+            "stock scheduler places them, vgpu enforces the same way; the built-in kubelet does",
+            "not speak DRA: docs/dra.md shows it on a real node (tests/e2e/test_dra.py).",
+            "",
+        )
+        say(
             "running; press Ctrl-C to stop"
             if duration_s is None
             else f"running for {duration_s:g} s; Ctrl-C stops earlier"

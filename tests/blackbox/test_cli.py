@@ -234,6 +234,9 @@ def test_demo_shows_the_enforcer_at_work() -> None:
         assert int(window.group(1)) >= 25
     assert "THROTTLED" in out
     assert "killed the largest GPU process of default/notebook/jupyter" in out
+    # The built-in kubelet speaks no DRA: the demo says where DRA mode is shown.
+    assert "serve --kubelet-api dra" in out
+    assert (Path(__file__).parents[2] / "docs" / "dra.md").is_file()
     # The JAX-style container read its hint and reserved 0.22 of the L4, inside its 5.6Gi slice:
     # it is never killed.
     assert (
