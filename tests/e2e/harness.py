@@ -818,11 +818,13 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
 """
         (root / "containerd.toml").write_text(config)
         self._start("containerd", ["containerd", "--config", str(root / "containerd.toml")])
+        # The kubelet checks its runtime once at start and exits when the socket is not there
+        # yet (a loaded machine starts containerd slower than the control plane).
+        sock = self.paths.containerd_state / "containerd.sock"
+        wait_until(sock.exists, timeout_s=30, interval_s=0.05, what="containerd socket")
 
     def _import_images(self) -> None:
         tarball = images.build_images(cache_root())
-        sock = self.paths.containerd_state / "containerd.sock"
-        wait_until(sock.exists, timeout_s=30, interval_s=0.05, what="containerd socket")
         self.run_in_namespaces(
             ["ctr", "--address", "/run/containerd/containerd.sock", "-n", "k8s.io",
              "images", "import", str(tarball)],
