@@ -18,13 +18,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deviceplugin import __version__
 from deviceplugin.allocation import mps_defaults
 from deviceplugin.config import Config, MpsConfig
-from deviceplugin.dra.driver import DraDriver
-from deviceplugin.dra.kubeapi import LightkubeApi, load_config
 from deviceplugin.dra.settings import DraSettings
 from deviceplugin.enforcer import Enforcer, PsutilControl, RecordingControl
 from deviceplugin.errors import StartupError
@@ -44,7 +42,6 @@ from deviceplugin.kubelet.resources import ResourceEndpoint, ResourcePlugins
 from deviceplugin.kubelet.server import DevicePluginService
 from deviceplugin.kubelet.tracker import POD_RESOURCES_INTERVAL_S, AllocationTracker
 from deviceplugin.model import DaemonHealth, Inventory, NodeSnapshot
-from deviceplugin.nodeconfig import NodeConfig
 from deviceplugin.nodelabels import NodeLabelFile
 from deviceplugin.poller import Poller, idle_interval_s
 from deviceplugin.reload import (
@@ -60,6 +57,12 @@ from deviceplugin.usage.cgroups import kubelet_layout
 from deviceplugin.usage.httpserver import HttpServer, TlsFiles
 from deviceplugin.usage.metrics import DaemonMetrics, healthz
 from deviceplugin.usage.procs import AllocationResolver, pid_namespace_warning
+
+if TYPE_CHECKING:
+    # Imported where used: both bring the Kubernetes API client (lightkube, httpx), which the
+    # device-plugin mode without per-node configs never needs; its start-up stays lighter.
+    from deviceplugin.dra.driver import DraDriver
+    from deviceplugin.nodeconfig import NodeConfig
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +271,9 @@ class Daemon:
     def _make_dra(self, settings: DaemonSettings) -> DraDriver | None:
         if settings.dra is None:
             return None
+        from deviceplugin.dra.driver import DraDriver  # noqa: PLC0415 (see TYPE_CHECKING above)
+        from deviceplugin.dra.kubeapi import LightkubeApi, load_config  # noqa: PLC0415
+
         try:
             api = LightkubeApi(load_config(settings.dra.kubeconfig))
         except ValueError as e:
