@@ -205,6 +205,8 @@ start_cmd=(
     --env VGPU_CONFIG=/etc/vgpu/config.yaml
     --env VGPU_BACKEND=fake:/etc/vgpu/fake/gpus.json
     --env NODE_NAME=image-test-node
+    --env VGPU_NODE_FEATURES_DIR=/etc/kubernetes/node-feature-discovery/features.d
+    --env VGPU_NODE_FEATURES_FILE=vgpu
     "$IMAGE" serve --log-format text
 )
 stop_cmd=("${PODMAN[@]}" stop --time 30 "$CONTAINER")
@@ -227,7 +229,8 @@ for line in "registered with the kubelet" "stopped"; do
     }
 done
 step "the container stopped on SIGTERM with exit 0; its log has the registration and the stop"
-# The config's nodeLabels.path: the feature file NFD reads, written through the hostPath.
+# The node feature file NFD reads (VGPU_NODE_FEATURES_DIR and _FILE, as the DaemonSet sets
+# them), written through the hostPath.
 grep -q '^nvidia.com/vgpu.count=' "$NODE/features.d/vgpu" 2>/dev/null ||
     fail "no node feature file with nvidia.com/vgpu.count at $NODE/features.d/vgpu"
 step "the node feature file: $(tr '\n' ' ' <"$NODE/features.d/vgpu")"
