@@ -24,6 +24,10 @@ XID_LABELS = (*GPU_LABELS, "xid")
 # identifies it from the moment it was allocated.
 CONTAINER_LABELS = ("node", "namespace", "pod", "container", "gpu_uuid", "allocation_id")
 ENFORCEMENT_LABELS = (*CONTAINER_LABELS, "kind", "action")
+# One series per current allocation, whatever GPUs it spans: where it came from (device-plugin |
+# dra) and, for a DRA claim, the claim's namespace/name ("" otherwise). Joins the container
+# series on allocation_id.
+ALLOCATION_LABELS = ("node", "namespace", "pod", "container", "allocation_id", "source", "claim")
 NODE_LABELS = ("node",)
 BUILD_LABELS = ("node", "version")
 # Every (kind, action) the enforcer can count: each container's series exist at 0 from its first
@@ -185,6 +189,12 @@ class SnapshotCollector(Collector):
             "(kill, throttle, monitor), a count.",
             ENFORCEMENT_LABELS,
         )
+        allocation_info = _gauge(
+            "vgpu_allocation_info",
+            "An allocation this daemon holds, with where it came from (device-plugin, dra) and "
+            "its DRA claim (namespace/name, else empty) as labels; always 1.",
+            ALLOCATION_LABELS,
+        )
         registrations = _counter(
             "vgpu_kubelet_registrations",
             "Successful registrations of the plugin with the kubelet, a count.",
@@ -297,6 +307,12 @@ class SnapshotCollector(Collector):
             for e in snapshot.enforcement:
                 enforcement.add_metric([*_container_labels(node, e), e.kind, e.action], e.count)
 
+            for a in snapshot.allocations:
+                allocation_info.add_metric(
+                    [node, a.namespace, a.pod, a.container, a.allocation_id, a.source, a.claim],
+                    1.0,
+                )
+
             health = snapshot.health
             n = [node]
             registrations.add_metric(n, health.registrations_total)
@@ -330,6 +346,7 @@ class SnapshotCollector(Collector):
             c_share,
             c_throttled,
             enforcement,
+            allocation_info,
             registrations,
             registration_failures,
             registered,

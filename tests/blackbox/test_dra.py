@@ -11,12 +11,14 @@ import dataclasses
 import json
 import os
 import stat
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from deviceplugin._proto.dra.v1 import api_pb2 as dra_v1
 from deviceplugin._proto.dra.v1 import api_pb2_grpc as dra_v1_grpc
@@ -221,6 +223,46 @@ async def test_registers_publishes_its_slice_and_prepares_a_claim(
         # Unprepared twice: still fine.
         assert await _unprepare(settings.service_socket, "u-15") == ""
         await eventually(lambda: container_limits() is None, what="the claim gone")
+
+
+def _allocation_info(daemon: Daemon) -> dict[str, dict[str, str]]:
+    """vgpu_allocation_info's series, as GET /metrics serves them: allocation ID -> labels."""
+    assert daemon.http is not None
+    url = f"http://127.0.0.1:{daemon.http.port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    found: dict[str, dict[str, str]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vgpu_allocation_info" and sample.value == 1:
+                found[sample.labels["allocation_id"]] = dict(sample.labels)
+    return found
+
+
+async def test_metrics_name_a_prepared_claim_until_it_is_unprepared(
+    node: Node, api: FakeApiServer
+) -> None:
+    settings = _dra(node, api)
+    async with dra_daemon(node, api) as daemon:
+        await _register(settings)
+        await eventually(lambda: len(api.slice_list()) == 1, timeout_s=10)
+        api.put_claim(_claim("u-9", "9Gi", "20"))
+        assert (await _prepare(settings.service_socket, "u-9")).error == ""
+        allocation = _env(_spec(node, "u-9"))["VGPU_ALLOCATION_ID"]
+
+        # The HTTP server answers from a thread of its own: a scrape from the loop is fine.
+        await eventually(
+            lambda: allocation in _allocation_info(daemon), what="the claim's allocation info"
+        )
+        labels = _allocation_info(daemon)[allocation]
+        assert labels["node"] == NODE
+        assert (labels["source"], labels["claim"]) == ("dra", "default/claim-u-9")
+        assert (labels["namespace"], labels["pod"]) == ("default", "pod-1")
+
+        assert await _unprepare(settings.service_socket, "u-9") == ""
+        await eventually(
+            lambda: allocation not in _allocation_info(daemon), what="the claim's series gone"
+        )
 
 
 async def test_a_claim_not_for_this_node_is_refused_with_its_reason(

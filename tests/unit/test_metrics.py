@@ -14,9 +14,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deviceplugin.model import (
+    SOURCE_DRA,
     AllocationRecord,
     ContainerUsage,
     DaemonHealth,
+    DeviceShare,
     EnforcementCount,
     GpuInfo,
     GpuReading,
@@ -102,6 +104,7 @@ def sample_snapshot(
     stale: bool = False,
     containers: tuple[ContainerUsage, ...] = CONTAINERS,
     health: DaemonHealth | None = None,
+    allocations: tuple[AllocationRecord, ...] | None = None,
 ) -> NodeSnapshot:
     """2 GPUs (one healthy and busy, one lost), named, unnamed, over-limit, throttled and spanning
     containers, stray processes and enforcement counts."""
@@ -132,7 +135,7 @@ def sample_snapshot(
             unattributed=(ProcessSample(901, None), ProcessSample(902, 1 * GiB, None)),
         ),
     )
-    allocations = (
+    allocations = allocations or (
         AllocationRecord(NAMED_A.allocation_id, (f"{UUID0}::0", f"{UUID0}::1"), T0 - 600),
         AllocationRecord(OVER_LIMIT.allocation_id, (f"{UUID0}::2",), T0 - 300),
         AllocationRecord(UNNAMED, (f"{UUID1}::0",), T0 - 1),
@@ -212,6 +215,7 @@ EXPECTED_LABELS: dict[str, set[str]] = {
     "vgpu_container_compute_share_ratio": CONTAINER,
     "vgpu_container_throttled_seconds_total": CONTAINER,
     "vgpu_enforcement_actions_total": CONTAINER | {"kind", "action"},
+    "vgpu_allocation_info": (CONTAINER - {"gpu_uuid"}) | {"source", "claim"},
     "vgpu_allocate_duration_seconds_bucket": NODE_ONLY | {"le"},
     "vgpu_allocate_duration_seconds_sum": NODE_ONLY,
     "vgpu_allocate_duration_seconds_count": NODE_ONLY,
@@ -408,6 +412,62 @@ def test_enforcement_counts_carry_container_labels() -> None:
     assert r.get_sample_value("vgpu_enforcement_actions_total", kill) == 2
     assert r.get_sample_value("vgpu_enforcement_actions_total", throttle) == 7
     assert r.get_sample_value("vgpu_enforcement_actions_total", monitor) == 1
+
+
+def allocation_labels(a: AllocationRecord) -> dict[str, str]:
+    return {
+        "node": NODE,
+        "namespace": a.namespace,
+        "pod": a.pod,
+        "container": a.container,
+        "allocation_id": a.allocation_id,
+        "source": a.source,
+        "claim": a.claim,
+    }
+
+
+PLUGIN_ALLOCATION = AllocationRecord(
+    NAMED_A.allocation_id,
+    (f"{UUID0}::0", f"{UUID0}::1"),
+    T0 - 600,
+    namespace="team-a",
+    pod="trainer-0",
+    container="main",
+)
+DRA_ALLOCATION = AllocationRecord(
+    "dddddddddddddddd",
+    (),
+    T0 - 60,
+    namespace="team-d",
+    pod="claimant-0",
+    container="main,sidecar",
+    shares=(DeviceShare(UUID1, 10 * GiB, 0.25),),
+    source=SOURCE_DRA,
+    claim="team-d/gpu-claim",
+)
+
+
+def test_each_allocation_has_an_info_series_naming_its_source_and_claim() -> None:
+    metrics, _ = make(sample_snapshot(allocations=(PLUGIN_ALLOCATION, DRA_ALLOCATION)))
+    info = exposed_values(metrics)["vgpu_allocation_info"]
+    assert info == [
+        (allocation_labels(PLUGIN_ALLOCATION), 1.0),
+        (allocation_labels(DRA_ALLOCATION), 1.0),
+    ]
+    plugin, dra = (labels for labels, _ in info)
+    assert (plugin["source"], plugin["claim"]) == ("device-plugin", "")
+    assert (dra["source"], dra["claim"]) == ("dra", "team-d/gpu-claim")
+
+
+def test_a_released_allocation_drops_its_info_series_on_the_next_scrape() -> None:
+    metrics, holder = make(sample_snapshot(allocations=(PLUGIN_ALLOCATION, DRA_ALLOCATION)))
+    r = metrics.registry
+    assert r.get_sample_value("vgpu_allocation_info", allocation_labels(DRA_ALLOCATION)) == 1
+    holder.snapshot = sample_snapshot(allocations=(PLUGIN_ALLOCATION,))
+    assert r.get_sample_value("vgpu_allocation_info", allocation_labels(DRA_ALLOCATION)) is None
+    assert r.get_sample_value("vgpu_allocation_info", allocation_labels(PLUGIN_ALLOCATION)) == 1
+    ids = {labels["allocation_id"] for labels in exposed(metrics)["vgpu_allocation_info"]}
+    assert ids == {PLUGIN_ALLOCATION.allocation_id}
 
 
 def test_daemon_health_series() -> None:
