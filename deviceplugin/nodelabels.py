@@ -17,15 +17,13 @@ one, never half of either. Only the file the daemon wrote is ever removed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import re
-import secrets
 from pathlib import Path
 
 from deviceplugin.model import Inventory
-from deviceplugin.safefs import open_directory
+from deviceplugin.safefs import open_directory, replace_file
 from deviceplugin.state import Published
 
 log = logging.getLogger(__name__)
@@ -92,26 +90,7 @@ def write_atomically(directory: Path, name: str, content: str) -> tuple[int, int
     node labels are public anyway."""
     handle = open_directory(str(directory), create=True)
     try:
-        temporary = f".{name}.{secrets.token_hex(8)}.tmp"
-        fd = os.open(
-            temporary,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o644,
-            dir_fd=handle.fd,
-        )
-        try:
-            try:
-                os.fchmod(fd, 0o644)  # the daemon's umask would leave it owner-only
-                os.write(fd, content.encode())
-                os.fsync(fd)
-                written = os.fstat(fd)
-            finally:
-                os.close(fd)
-            os.rename(temporary, name, src_dir_fd=handle.fd, dst_dir_fd=handle.fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary, dir_fd=handle.fd)
-            raise
+        written = replace_file(handle.fd, name, content.encode(), 0o644)
     finally:
         os.close(handle.fd)
     return written.st_dev, written.st_ino

@@ -8,10 +8,10 @@ to it. A reader sees the old file or the new one, never half of either.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import secrets
 from pathlib import Path
+
+from deviceplugin.safefs import replace_file
 
 
 def open_dir(directory: Path, *, create: bool = True) -> int:
@@ -31,24 +31,7 @@ def write_file(directory: Path, name: str, data: bytes) -> None:
     _check_name(name)
     dir_fd = open_dir(directory)
     try:
-        temporary = f".{name}.{secrets.token_hex(6)}.tmp"
-        fd = os.open(
-            temporary,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o600,
-            dir_fd=dir_fd,
-        )
-        try:
-            try:
-                os.write(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temporary, dir_fd=dir_fd)
-            raise
+        replace_file(dir_fd, name, data, 0o600)
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
