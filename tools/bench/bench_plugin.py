@@ -1,6 +1,6 @@
 """Device-plugin benchmark: Allocate round trip, and daemon start to the full device list.
 
-    .venv/bin/python tools/bench/bench_plugin.py [--iterations 200] [--starts 5]
+    .venv/bin/python -m tools.bench.bench_plugin [--iterations 200] [--starts 5]
 
 Node: 8 fake GPUs x 32 slices (256 devices), the kubelet simulator on the same machine.
 - `allocate rpc`: one Allocate call on the plugin's socket, as the kubelet makes it (client and
@@ -14,8 +14,9 @@ Node: 8 fake GPUs x 32 slices (256 devices), the kubelet simulator on the same m
   simulator holding all 256 healthy devices; `in-process` leaves out interpreter start-up.
 - `vs minimal plugin`: the simulator's admission of a pod asking for 8 devices, on a node of 8
   devices (8 GPUs x 1 slice) and of 256 (8 GPUs x 32 slices), alternating between vgpu and
-  `MinimalPlugin` below (the least a Python plugin can do) registered on the same simulator, so
-  both meet the same machine load. The ratio is of the medians; `extra` is vgpu's own cost.
+  tools/bench/minimal_plugin.py's `MinimalPlugin` (the least a Python plugin can do)
+  registered on the same simulator, so both meet the same machine load. The ratio is of the
+  medians; `extra` is vgpu's own cost.
 Prints a table, then one JSON line.
 """
 
@@ -33,7 +34,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -42,8 +42,9 @@ from deviceplugin.app import Daemon, DaemonSettings
 from deviceplugin.config import Config, EnforcementConfig, SliceRule, SlicingConfig
 from deviceplugin.gpu.fake import FakeBackend, FakeGpu, FakeState, write_state_file
 from deviceplugin.kubelet.lifecycle import endpoint_name
-from deviceplugin.kubelet.proto import DEVICE_PLUGIN_VERSION, HEALTHY, KUBELET_SOCKET, dp, dp_grpc
+from deviceplugin.kubelet.proto import DEVICE_PLUGIN_VERSION, KUBELET_SOCKET, dp, dp_grpc
 from deviceplugin.sim.kubelet import KubeletSimulator
+from tools.bench.minimal_plugin import MinimalPlugin
 
 GPUS = 8
 SLICES = 32
@@ -138,59 +139,6 @@ async def bench_allocate(root: Path, iterations: int) -> dict[str, dict[str, flo
         backend.close()
         await sim.stop()
     return results
-
-
-class MinimalPlugin(dp_grpc.DevicePluginServicer):
-    """The least a Python device plugin can do, as the yardstick: it lists its devices once,
-    prefers the first available IDs (must-include first) and answers Allocate with
-    NVIDIA_VISIBLE_DEVICES; no slicing, validation, allocation record, metrics or log line."""
-
-    def __init__(self, device_ids: list[str]) -> None:
-        self.device_ids = device_ids
-
-    async def GetDevicePluginOptions(  # noqa: N802 (the kubelet's method name)
-        self, request: dp.Empty, context: grpc.aio.ServicerContext
-    ) -> dp.DevicePluginOptions:
-        return dp.DevicePluginOptions(get_preferred_allocation_available=True)
-
-    async def ListAndWatch(  # noqa: N802
-        self, request: dp.Empty, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[dp.ListAndWatchResponse]:
-        yield dp.ListAndWatchResponse(
-            devices=[dp.Device(ID=i, health=HEALTHY) for i in self.device_ids]
-        )
-        await asyncio.Event().wait()
-
-    async def GetPreferredAllocation(  # noqa: N802
-        self, request: dp.PreferredAllocationRequest, context: grpc.aio.ServicerContext
-    ) -> dp.PreferredAllocationResponse:
-        responses = []
-        for req in request.container_requests:
-            chosen = list(req.must_include_deviceIDs)
-            for device_id in req.available_deviceIDs:
-                if len(chosen) >= req.allocation_size:
-                    break
-                if device_id not in chosen:
-                    chosen.append(device_id)
-            responses.append(dp.ContainerPreferredAllocationResponse(deviceIDs=chosen))
-        return dp.PreferredAllocationResponse(container_responses=responses)
-
-    async def Allocate(  # noqa: N802
-        self, request: dp.AllocateRequest, context: grpc.aio.ServicerContext
-    ) -> dp.AllocateResponse:
-        return dp.AllocateResponse(
-            container_responses=[
-                dp.ContainerAllocateResponse(
-                    envs={"NVIDIA_VISIBLE_DEVICES": ",".join(req.devices_ids)}
-                )
-                for req in request.container_requests
-            ]
-        )
-
-    async def PreStartContainer(  # noqa: N802
-        self, request: dp.PreStartContainerRequest, context: grpc.aio.ServicerContext
-    ) -> dp.PreStartContainerResponse:
-        return dp.PreStartContainerResponse()
 
 
 async def start_minimal_plugin(

@@ -25,6 +25,11 @@ from deviceplugin.kubelet.proto import DEVICE_PLUGIN_VERSION, HEALTHY, KUBELET_S
 
 
 class MinimalPlugin(dp_grpc.DevicePluginServicer):
+    """The yardstick of both benchmarks (bench_plugin.py in-process, bench_k8s.py as this
+    process): it lists its devices once, prefers the first available IDs (must-include first)
+    and answers Allocate with NVIDIA_VISIBLE_DEVICES; no slicing, validation, allocation record,
+    metrics or log line."""
+
     def __init__(self, device_ids: list[str]) -> None:
         self.device_ids = device_ids
 
