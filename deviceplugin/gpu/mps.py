@@ -266,16 +266,8 @@ class MpsControlDaemon:
                 # by clients of any user, as when it is started by hand.
                 umask=0o022,
             )
-        except FileNotFoundError as e:
-            raise MpsCommandError(
-                f"the MPS control command {self._command!r} is not installed here: give the "
-                "daemon the NVIDIA driver's utilities (nvidia-cuda-mps-control) or set "
-                "mps.controlCommand"
-            ) from e
-        except PermissionError as e:
-            raise MpsCommandError(
-                f"the MPS control command {self._command!r} is not executable"
-            ) from e
+        except (FileNotFoundError, PermissionError) as e:
+            raise self._not_runnable(e) from e
         try:
             out, err = _bounded_output(proc, (stdin or "").encode(), shown)
         finally:
@@ -288,6 +280,16 @@ class MpsControlDaemon:
                 f"{shown} exited with {proc.returncode}" + (f": {said[-1]}" if said else "")
             )
         return out.strip()
+
+    def _not_runnable(self, e: FileNotFoundError | PermissionError) -> MpsCommandError:
+        """Why the control command could not be started, and what to do."""
+        if isinstance(e, FileNotFoundError):
+            return MpsCommandError(
+                f"the MPS control command {self._command!r} is not installed here: give the "
+                "daemon the NVIDIA driver's utilities (nvidia-cuda-mps-control) or set "
+                "mps.controlCommand"
+            )
+        return MpsCommandError(f"the MPS control command {self._command!r} is not executable")
 
     def send(self, command: str) -> str:
         """One command on the control daemon's stdin, as `echo <command> | <controlCommand>`."""
@@ -477,16 +479,8 @@ class MpsControlDaemon:
                 # the daemon's quit.
                 start_new_session=True,
             )
-        except FileNotFoundError as e:
-            raise MpsCommandError(
-                f"the MPS control command {self._command!r} is not installed here: give the "
-                "daemon the NVIDIA driver's utilities (nvidia-cuda-mps-control) or set "
-                "mps.controlCommand"
-            ) from e
-        except PermissionError as e:
-            raise MpsCommandError(
-                f"the MPS control command {self._command!r} is not executable"
-            ) from e
+        except (FileNotFoundError, PermissionError) as e:
+            raise self._not_runnable(e) from e
         finally:
             os.close(output)
         return ControlProcess(pid=child.pid, pidfd=os.pidfd_open(child.pid), child=child)
