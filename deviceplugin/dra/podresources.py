@@ -11,7 +11,14 @@ import grpc
 from deviceplugin._proto.podresources.v1 import api_pb2 as podres
 from deviceplugin._proto.podresources.v1 import api_pb2_grpc as podres_grpc
 
-_CHANNEL_OPTIONS = (("grpc.enable_retries", 0), ("grpc.keepalive_time_ms", 2**31 - 1))
+# As for the device-plugin side's pod-resources client: no retries of gRPC's own, and
+# subchannels of its own (the global pool would hand this channel one still in its reconnect
+# backoff from before a kubelet restart).
+_CHANNEL_OPTIONS = (
+    ("grpc.enable_retries", 0),
+    ("grpc.keepalive_time_ms", 2**31 - 1),
+    ("grpc.use_local_subchannel_pool", 1),
+)
 
 
 async def claim_containers(

@@ -11,7 +11,14 @@ from deviceplugin.kubelet.proto import podres, podres_grpc
 
 # A local unix socket: no retries or keepalive pings of gRPC's own (a failed call is asked again
 # at the next refresh), so that a channel kept between refreshes costs nothing while it waits.
-_CHANNEL_OPTIONS = (("grpc.enable_retries", 0), ("grpc.keepalive_time_ms", 2**31 - 1))
+# Subchannels of its own: gRPC's global pool hands a new channel the subchannel of a closed one,
+# still in its reconnect backoff after the kubelet's socket went away, and a call on the new
+# channel then fails with that old "No such file or directory" although the kubelet is back.
+LOCAL_CHANNEL_OPTIONS = (
+    ("grpc.enable_retries", 0),
+    ("grpc.keepalive_time_ms", 2**31 - 1),
+    ("grpc.use_local_subchannel_pool", 1),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +48,7 @@ class PodResourcesClient:
         kubelet does not answer within the timeout."""
         if self._channel is None or self._stub is None:
             self._channel = grpc.aio.insecure_channel(
-                f"unix://{self.socket}", options=_CHANNEL_OPTIONS
+                f"unix://{self.socket}", options=LOCAL_CHANNEL_OPTIONS
             )
             self._stub = podres_grpc.PodResourcesListerStub(self._channel)
             self.channels_opened += 1

@@ -14,6 +14,8 @@ import grpc
 import pytest
 
 from deviceplugin import incremental, slicing
+from deviceplugin._proto.podresources.v1.api_pb2 import ListPodResourcesRequest
+from deviceplugin._proto.podresources.v1.api_pb2_grpc import PodResourcesListerStub
 from deviceplugin.app import Daemon
 from deviceplugin.config import (
     DEFAULT_RESOURCE_NAME,
@@ -23,9 +25,14 @@ from deviceplugin.config import (
     SliceRule,
     SlicingConfig,
 )
+from deviceplugin.dra import podresources as dra_podresources
 from deviceplugin.gpu.fake import FakeBackend, FakeProcess
 from deviceplugin.kubelet.limits import device_list_problem
-from deviceplugin.kubelet.podresources import ContainerDevices, PodResourcesClient
+from deviceplugin.kubelet.podresources import (
+    LOCAL_CHANNEL_OPTIONS,
+    ContainerDevices,
+    PodResourcesClient,
+)
 from deviceplugin.model import Inventory, NodeReading
 from deviceplugin.sim.kubelet import KubeletSimulator
 from tests.blackbox.daemon_harness import (
@@ -183,6 +190,48 @@ async def test_pod_resources_refreshes_share_one_connection_and_reconnect_after_
     finally:
         await client.close()
         await proxy.stop()
+        await sim.stop()
+
+
+async def _channel_in_reconnect_backoff(
+    socket: Path, options: tuple[tuple[str, int], ...]
+) -> grpc.aio.Channel:
+    """A channel with the client's settings whose connection to the missing socket failed: its
+    subchannel waits out gRPC's reconnect backoff, as a channel closed while the kubelet was down
+    may for a moment after its close."""
+    channel = grpc.aio.insecure_channel(f"unix://{socket}", options=options)
+    with pytest.raises(grpc.aio.AioRpcError, match="No such file"):
+        await PodResourcesListerStub(channel).List(ListPodResourcesRequest(), timeout=2.0)
+    return channel
+
+
+async def test_a_refresh_after_the_kubelet_is_back_is_not_failed_by_an_earlier_channels_backoff(
+    short_tmp: Path,
+) -> None:
+    socket = short_tmp / "podres.sock"
+    stale = await _channel_in_reconnect_backoff(socket, LOCAL_CHANNEL_OPTIONS)
+    sim = KubeletSimulator(short_tmp / "dp", socket)
+    await sim.start()
+    client = PodResourcesClient(socket, timeout_s=2.0)
+    try:
+        assert await client.list_container_devices() == []
+    finally:
+        await client.close()
+        await stale.close()
+        await sim.stop()
+
+
+async def test_the_dra_claim_lookup_after_the_kubelet_is_back_is_not_failed_by_a_backoff(
+    short_tmp: Path,
+) -> None:
+    socket = short_tmp / "podres.sock"
+    stale = await _channel_in_reconnect_backoff(socket, dra_podresources._CHANNEL_OPTIONS)
+    sim = KubeletSimulator(short_tmp / "dp", socket)
+    await sim.start()
+    try:
+        assert await dra_podresources.claim_containers(socket, "vgpu.dev") == {}
+    finally:
+        await stale.close()
         await sim.stop()
 
 
