@@ -15,7 +15,8 @@
 - A stream that ends while the kubelet's socket still takes connections counts as a failure
   (backoff, unhealthy until a stream is held 10 s), unless the next registration is accepted by
   a new kubelet (another kubelet.sock): a kubelet killed outright can end its streams a moment
-  before its socket stops answering.
+  before its socket stops answering. The kubelet that accepted is told by the kubelet.sock found
+  after the call: one found before it may be the file the killed kubelet left behind.
 - On stop: close the server and remove the socket.
 """
 
@@ -273,7 +274,6 @@ class PluginLifecycle:
             self._generation += 1
             self._stream_ended.clear()
             kubelet_inode = _inode(self._kubelet_socket)
-            kubelet_identity = _identity(self._kubelet_socket)
             if kubelet_inode is None:
                 error: str | None = "kubelet.sock does not exist"
             else:
@@ -288,6 +288,12 @@ class PluginLifecycle:
                 if error is not None and error.startswith("DEADLINE_EXCEEDED"):
                     timeout_s = min(timeout_s * 2, REGISTER_TIMEOUT_S)
             if error is None:
+                # The kubelet that accepted is the one whose socket is there now. Not the one
+                # seen before the call: a restarting kubelet replaces the socket file a killed
+                # one left behind at any moment (often under the same inode number), so that
+                # look can have seen the old kubelet's file while the call reached the new one.
+                kubelet_identity = _identity(self._kubelet_socket)
+                kubelet_inode = None if kubelet_identity is None else kubelet_identity[:2]
                 if (
                     self._stream_failures or self.unstable_since_s
                 ) and kubelet_identity != self._kubelet_identity:

@@ -94,14 +94,21 @@ def test_kubelet_restart_keeps_allocations_and_reregisters_quickly(
     wait_until(lambda: allocated(vgpu) == 8, timeout_s=20, what="8 allocated")
 
 
-def test_kubelet_sigkill_and_immediate_restart_ten_times_never_stalls(vgpu: Daemon) -> None:
+def test_kubelet_sigkill_and_immediate_restart_ten_times_never_stalls(
+    vgpu: Daemon, record_property: Any
+) -> None:
+    # Each restart kills a kubelet tens of milliseconds after it accepted vgpu: its stream can
+    # end while its socket still answers, and the new kubelet's socket often takes the old one's
+    # inode number. Neither may keep vgpu unregistered once the new kubelet has accepted it.
     node = vgpu.cluster
     devices = start_pod(node, "survivor", 1)
     times: list[float] = []
     for _ in range(10):
         times.append(time_reregistration(node, vgpu, signal.SIGKILL))
-        assert times[-1] < REREGISTER_LIMIT_S, times
-    print("re-registration after kubelet SIGKILL:", " ".join(f"{t:.2f}" for t in times))
+    shown = " ".join(f"{t:.2f}" for t in times)
+    record_property("reregister_after_kubelet_sigkill_s", shown)
+    print("re-registration after kubelet SIGKILL:", shown)
+    assert max(times) < REREGISTER_LIMIT_S, shown
     node.wait_allocatable(RESOURCE, 8, capacity=8)
     wait_until(lambda: held(vgpu).get(("survivor", "main")) == devices, timeout_s=20, what="held")
 
