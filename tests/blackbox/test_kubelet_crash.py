@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
+from deviceplugin._proto.deviceplugin.v1beta1.api_pb2 import RegisterRequest
+from deviceplugin._proto.deviceplugin.v1beta1.api_pb2_grpc import RegistrationStub
+from deviceplugin.kubelet import lifecycle as lifecycle_module
 from tests.blackbox.daemon_harness import RESOURCE, Node, eventually, registered, running_daemon
 
 
@@ -62,3 +66,29 @@ async def test_a_new_kubelet_that_replaces_the_old_ones_socket_mid_registration_
         assert daemon.health().registered
         # One registration, the one the new kubelet accepted: nothing to do again.
         assert lifecycle.stats.registrations == before + 1
+
+
+async def test_registration_with_a_restarted_kubelet_is_not_failed_by_an_earlier_channels_backoff(
+    node: Node,
+) -> None:
+    async with running_daemon(node) as daemon:
+        await registered(node, 8)
+        lifecycle = daemon.lifecycle
+        await node.sim.stop()
+        # A channel with the plugin's settings that failed to reach the missing kubelet.sock: its
+        # subchannel waits out gRPC's reconnect backoff, as a Register channel closed while the
+        # kubelet was down may for a moment after its close.
+        kubelet_socket = node.plugin_dir / "kubelet.sock"
+        stale = grpc.aio.insecure_channel(
+            f"unix://{kubelet_socket}", options=lifecycle_module.REGISTER_CHANNEL_OPTIONS
+        )
+        try:
+            with pytest.raises(grpc.aio.AioRpcError, match="No such file"):
+                await RegistrationStub(stale).Register(RegisterRequest(), timeout=2.0)
+            failures = lifecycle.stats.registration_failures
+            await node.sim.start()
+            await registered(node, 8)
+            # The new kubelet took the first Register call made to it.
+            assert lifecycle.stats.registration_failures == failures
+        finally:
+            await stale.close()
