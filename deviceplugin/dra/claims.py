@@ -294,6 +294,40 @@ def claim_record(claim: PreparedClaim, container: str = "") -> AllocationRecord:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class ClaimOwner:
+    """One container holding a prepared claim: attribution's evidence in DRA mode, one entry
+    of the kubelet's device checkpoint in device-plugin mode. `container` is "" for a pod whose
+    containers pod-resources has not named (yet)."""
+
+    pod_uid: str
+    container: str
+    allocation_id: str
+    slice_ids: tuple[str, ...]
+    gpu_uuids: frozenset[str]
+
+
+def claim_owners(
+    claims: Iterable[PreparedClaim], users: Mapping[str, Sequence[tuple[str, str]]]
+) -> list[ClaimOwner]:
+    """For each prepared claim, each pod it is reserved for, and each of that pod's containers
+    the kubelet's pod-resources DRA entries list with the claim (`users`: claim UID ->
+    [(pod name, container name)]), the claim's allocation held by that container. A pod whose
+    containers are not named gets one owner without a container: its processes' claims stand
+    only where the kubelet's container names cannot be read at all."""
+    owners: list[ClaimOwner] = []
+    for claim in claims:
+        record = claim_record(claim)
+        gpus = frozenset(claim.gpu_uuids)
+        for pod_name, pod_uid in claim.pods:
+            containers = sorted({c for p, c in users.get(claim.uid, ()) if p == pod_name})
+            owners.extend(
+                ClaimOwner(pod_uid, container, record.allocation_id, record.slice_ids, gpus)
+                for container in containers or [""]
+            )
+    return owners
+
+
 def inventory_with_claims(inventory: Inventory, claims: Iterable[PreparedClaim]) -> Inventory:
     """The poll's inventory as DRA mode sees it: the plans, and one slice per prepared claim
     and GPU (no device-plugin slices: nothing is advertised that way)."""

@@ -31,8 +31,10 @@ from deviceplugin.config import Config
 from deviceplugin.dra import cdi
 from deviceplugin.dra.claims import (
     ClaimError,
+    ClaimOwner,
     PreparedClaim,
     claim_edits,
+    claim_owners,
     claim_record,
     inventory_with_claims,
     plans_by_device,
@@ -98,9 +100,10 @@ class DraDriver:
         )
         self.slice_writes = 0
         self.slice_failures = 0
-        # Container names of prepared claims, by claim UID, from pod-resources.
+        # (pod, container) names using each prepared claim, by claim UID, from pod-resources:
+        # replaced whole (the poll worker reads it).
         self._pod_resources = pod_resources_socket
-        self._containers: dict[str, str] = {}
+        self._users: dict[str, tuple[tuple[str, str], ...]] = {}
         self._names_wanted = asyncio.Event()
         # Whether pod-resources answered the last query (for /healthz and /status).
         self.pod_resources_ok = False
@@ -130,18 +133,11 @@ class DraDriver:
         policy = RequestPolicy.of(self._config().dra)
         return build_devices(self._built, policy, self.settings.driver_name, self._reasons())
 
-    def claim_owners(self) -> list[tuple[str, str, tuple[str, ...], frozenset[str]]]:
-        """(pod UID, allocation ID, slice IDs, GPU UUIDs) for each pod a prepared claim is
-        reserved for: attribution's evidence in DRA mode (a claim from a process outside those
-        pods is refused). Read by the poll worker."""
-        owners = []
-        for claim in self._claims:
-            record = claim_record(claim)
-            for _, pod_uid in claim.pods:
-                owners.append(
-                    (pod_uid, record.allocation_id, record.slice_ids, frozenset(claim.gpu_uuids))
-                )
-        return owners
+    def claim_owners(self) -> list[ClaimOwner]:
+        """Attribution's evidence in DRA mode: each prepared claim held by the containers the
+        kubelet's pod-resources DRA entries list for it, in the pods it is reserved for (a
+        claim from a process outside them is refused). Read by the poll worker."""
+        return claim_owners(self._claims, self._users)
 
     @property
     def registered(self) -> bool:
@@ -156,7 +152,7 @@ class DraDriver:
         self._on_claims_changed()
 
     def _records(self) -> list[AllocationRecord]:
-        return [claim_record(c, self._containers.get(c.uid, "")) for c in self._claims]
+        return [claim_record(c, _container_names(self._users.get(c.uid, ()))) for c in self._claims]
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, PrepareResult]:
         results: dict[str, PrepareResult] = {}
@@ -386,7 +382,7 @@ class DraDriver:
         warned = False
         while not stop.is_set():
             self._names_wanted.clear()
-            unnamed = [c for c in self._claims if c.uid not in self._containers]
+            unnamed = [c for c in self._claims if c.uid not in self._users]
             if unnamed or not self.pod_resources_ok:
                 try:
                     users = await claim_containers(self._pod_resources, self.settings.driver_name)
@@ -404,20 +400,21 @@ class DraDriver:
                         )
                         warned = True
                 named = False
+                known = {c.uid for c in self._claims}
+                found_users = {u: n for u, n in self._users.items() if u in known}
                 for claim in unnamed:
                     found = users.get((claim.namespace, claim.name))
                     if found:
-                        self._containers[claim.uid] = ",".join(c for _, c in found)
+                        found_users[claim.uid] = tuple(found)
                         named = True
-                known = {c.uid for c in self._claims}
-                self._containers = {u: n for u, n in self._containers.items() if u in known}
+                self._users = found_users
                 if named:
                     self._book.sync(self._records(), now_s=time.time(), grace_s=0.0)
             waiter = asyncio.ensure_future(self._names_wanted.wait())
             stopper = asyncio.ensure_future(stop.wait())
             try:
                 still = not self.pod_resources_ok or any(
-                    c.uid not in self._containers for c in self._claims
+                    c.uid not in self._users for c in self._claims
                 )
                 await asyncio.wait(
                     {waiter, stopper},
@@ -441,6 +438,11 @@ class DraDriver:
         finally:
             await self.servers.stop()
             await self._api.close()
+
+
+def _container_names(users: Sequence[tuple[str, str]]) -> str:
+    """The container names of a claim's users, for /status: `main`, or `main,sidecar`."""
+    return ",".join(dict.fromkeys(c for _, c in users))
 
 
 def _with_cdi_ids(claim: PreparedClaim, ids: tuple[str, ...]) -> PreparedClaim:
