@@ -25,8 +25,9 @@ from deviceplugin.usage.attribution import AttributionEvidence, SnapshotBuilder
 from deviceplugin.usage.containerlogs import ContainerLogIndex
 from deviceplugin.usage.procs import AllocationResolver
 from tests.blackbox.daemon_harness import GiB
+from tests.security.cgroup_support import cid
 from tests.security.test_attribution_attacks import POD_UID, FakeProc, cgroupfs, kills, v2
-from tests.security.test_claims_per_container import cid, link
+from tests.security.test_claims_per_container import link
 from tests.unit.test_usage import INVENTORY, UUID0, reading
 
 CLAIM = PreparedClaim(
