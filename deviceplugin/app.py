@@ -275,7 +275,7 @@ class Daemon:
         from deviceplugin.dra.kubeapi import LightkubeApi, load_config  # noqa: PLC0415
 
         try:
-            api = LightkubeApi(load_config(settings.dra.kubeconfig))
+            api = LightkubeApi(load_config(settings.dra.kubeconfig), settings.dra.api_timeout_s)
         except ValueError as e:
             raise StartupError(str(e)) from None
         # The driver's name is the config's at start: it names the kubelet sockets.
