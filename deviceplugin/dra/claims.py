@@ -177,12 +177,18 @@ def read_claim(
         devices.append(_claim_device(label, result, device, plan))
     if not devices:
         raise ClaimError(f"{label} holds no device of driver {driver_name}")
-    pods = tuple(
+    return PreparedClaim(
+        uid, namespace, name, tuple(devices), reserved_pods(claim), prepared_at_s=now_s
+    )
+
+
+def reserved_pods(claim: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """(name, UID) of the pods in the claim's `status.reservedFor`."""
+    return tuple(
         (str(ref.get("name", "")), str(ref.get("uid", "")))
         for ref in _get(claim, "status", "reservedFor") or ()
         if isinstance(ref, Mapping) and ref.get("resource") == "pods"
     )
-    return PreparedClaim(uid, namespace, name, tuple(devices), pods, prepared_at_s=now_s)
 
 
 def _claim_device(label: str, result: Mapping[str, Any], device: str, plan: GpuPlan) -> ClaimDevice:
@@ -280,8 +286,9 @@ def claim_slices(claim: PreparedClaim, healthy: bool = True) -> list[Slice]:
 
 def claim_record(claim: PreparedClaim, container: str = "") -> AllocationRecord:
     """The claim in the allocation book: its pod's names (the container where pod-resources
-    has named it; several containers sharing a claim are joined with commas), its slices."""
-    pod = claim.pods[0][0] if claim.pods else ""
+    has named it; several pods or containers sharing a claim are joined with commas), its
+    slices."""
+    pod = ",".join(dict.fromkeys(name for name, _ in claim.pods))
     return AllocationRecord(
         allocation_id=claim.allocation_id,
         slice_ids=tuple(s.device_id for s in claim_slices(claim)),

@@ -29,6 +29,8 @@ from deviceplugin._proto.drahealth.v1alpha1 import api_pb2 as health_pb
 from deviceplugin._proto.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from deviceplugin._proto.pluginregistration.v1 import api_pb2 as reg_pb
 from deviceplugin._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from deviceplugin._proto.podresources.v1 import api_pb2 as podres
+from deviceplugin._proto.podresources.v1 import api_pb2_grpc as podres_grpc
 from deviceplugin.app import Daemon
 from deviceplugin.dra.settings import DraSettings
 from deviceplugin.gpu.fake import FakeBackend, FakeProcess
@@ -597,3 +599,77 @@ def test_a_client_stalled_mid_request_holds_up_nobody_else(api: FakeApiServer) -
         url = f"http://{host}:{port}/api/v1/nodes/{NODE}"
         with urllib.request.urlopen(url, timeout=5) as response:
             assert json.loads(response.read())["metadata"]["name"] == NODE
+
+
+class _PodResources(podres_grpc.PodResourcesListerServicer):
+    """The kubelet's pod-resources List, with its DRA entries: (pod, container) -> claims."""
+
+    def __init__(self) -> None:
+        self.users: dict[tuple[str, str], list[str]] = {}
+
+    async def List(self, request: Any, context: Any) -> Any:  # noqa: N802
+        pods: dict[str, Any] = {}
+        for (pod, container), claims in self.users.items():
+            entry = pods.setdefault(pod, podres.PodResources(name=pod, namespace="default"))
+            entry.containers.add(
+                name=container,
+                dynamic_resources=[
+                    podres.DynamicResource(
+                        claim_name=claim,
+                        claim_namespace="default",
+                        claim_resources=[
+                            podres.ClaimResource(
+                                driver_name="vgpu.dev", pool_name=NODE, device_name="gpu-0"
+                            )
+                        ],
+                    )
+                    for claim in claims
+                ],
+            )
+        return podres.ListPodResourcesResponse(pod_resources=list(pods.values()))
+
+    async def GetAllocatableResources(self, request: Any, context: Any) -> Any:  # noqa: N802
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not in this fake")
+
+    async def Get(self, request: Any, context: Any) -> Any:  # noqa: N802
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not in this fake")
+
+
+async def test_a_pod_joining_a_prepared_claim_is_named_and_becomes_its_evidence(
+    node: Node, api: FakeApiServer
+) -> None:
+    """A claim shared by two pods: the kubelet prepares it for the first and, for the second,
+    only lists it in pod-resources. The second pod is read from the claim's reservedFor and
+    named with the claim, so its container's processes are the claim's too."""
+    settings = _dra(node, api)
+    pod_resources = _PodResources()
+    server = grpc.aio.server()
+    podres_grpc.add_PodResourcesListerServicer_to_server(pod_resources, server)
+    server.add_insecure_port(f"unix://{node.podres_socket}")
+    await server.start()
+    try:
+        async with dra_daemon(node, api) as daemon:
+            await _register(settings)
+            claim = _claim("u-shared", "15Gi", "30")
+            api.put_claim(claim)
+            assert (await _prepare(settings.service_socket, "u-shared")).error == ""
+            pod_resources.users[("pod-1", "main")] = ["claim-u-shared"]
+            allocation = _env(_spec(node, "u-shared"))["VGPU_ALLOCATION_ID"]
+
+            def named() -> tuple[str, str]:
+                record = {r.allocation_id: r for r in daemon.book}[allocation]
+                return record.pod, record.container
+
+            await eventually(lambda: named() == ("pod-1", "main"), 10, "the claim named")
+            # The second pod: reserved by the scheduler, listed by the kubelet, not prepared.
+            claim["status"]["reservedFor"].append(
+                {"resource": "pods", "name": "pod-2", "uid": "uid-pod-2"}
+            )
+            api.put_claim(claim)
+            pod_resources.users[("pod-2", "main")] = ["claim-u-shared"]
+            await eventually(lambda: named() == ("pod-1,pod-2", "main"), 15, "pod-2 named")
+            assert daemon.dra is not None
+            owners = {(o.pod_uid, o.container) for o in daemon.dra.claim_owners()}
+            assert owners == {("uid-pod-1", "main"), ("uid-pod-2", "main")}
+    finally:
+        await server.stop(None)

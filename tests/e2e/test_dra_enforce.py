@@ -132,15 +132,28 @@ def dra(cluster: Cluster) -> Iterator[Daemon]:
     daemon.wait_http()
     wait_until(lambda: daemon.status()["health"]["registered"], timeout_s=30, what="registered")
     yield daemon
-    cluster.write_gpus(GPUS)
-    for pod in cluster.pods():
-        cluster.delete_pod(pod["metadata"]["name"])
     daemon.kill()
 
 
+@pytest.fixture
+def node(dra: Daemon) -> Iterator[Cluster]:
+    """The cluster, cleaned after the test: the fake GPU idle, every pod and claim deleted,
+    every claim unprepared."""
+    cluster = dra.cluster
+    yield cluster
+    cluster.write_gpus(GPUS)
+    for pod in cluster.pods():
+        cluster.delete_pod(pod["metadata"]["name"])
+    claims = f"{RESOURCE_API}/namespaces/{NS}/resourceclaims"
+    for claim in cluster.api.get(claims)["items"]:
+        cluster.api.delete(f"{claims}/{claim['metadata']['name']}")
+    wait_until(lambda: not spec_files(cluster), timeout_s=30, what="every claim unprepared")
+
+
 def test_a_claim_over_its_memory_is_killed_its_neighbour_untouched(
-    cluster: Cluster, dra: Daemon
+    node: Cluster, dra: Daemon
 ) -> None:
+    cluster = node
     t0 = time.monotonic()
     timings: dict[str, float] = {}
     uids = {name: make_claim(cluster, name, memory, compute) for name, memory, compute in CLAIMS}
@@ -237,3 +250,59 @@ def test_a_claim_over_its_memory_is_killed_its_neighbour_untouched(
     # The restarted container carries the claim's allocation again (its env is the pod's).
     assert cluster.container_env("p15", "main")["VGPU_ALLOCATION_ID"] == allocation_id(uids["c15"])
     print("\n" + ", ".join(f"{k}: {v:.2f}s" for k, v in timings.items()))
+
+
+def test_a_pod_joining_a_prepared_claim_is_held_to_it_too(node: Cluster, dra: Daemon) -> None:
+    """A ResourceClaim shared by two pods: the kubelet prepares it for the first and, for the
+    second, only lists it in pod-resources. The second pod's container is the claim's too:
+    named with it in /status, and its process over the claim's memory killed, the first pod's
+    untouched."""
+    cluster = node
+    uid = make_claim(cluster, "shared", "15Gi", "30")
+    env = cdi_env("c15", uid)
+    for pod in ("first", "second"):
+        pod_spec = claim_pod(pod, "shared", env)
+        cluster.create_pod(pod_spec)
+        cluster.wait_running(pod)
+    first = cluster.container_init_pid("first", "main")
+    second = cluster.container_init_pid("second", "main")
+
+    def shared() -> dict[str, Any] | None:
+        for a in dra.status()["allocations"]:
+            if a["allocation_id"] == env["VGPU_ALLOCATION_ID"] and a["pod"] == "first,second":
+                return dict(a)
+        return None
+
+    started = time.monotonic()
+    record = wait_until(shared, timeout_s=20, what="the second pod named with the claim")
+    print(f"\nsecond pod named with the shared claim after {time.monotonic() - started:.2f}s")
+    assert (record["container"], record["claim"]) == ("main", f"{NS}/shared")
+    cluster.write_gpus(
+        FakeState(
+            gpus=(
+                dataclasses.replace(
+                    GPU,
+                    processes=(
+                        FakeProcess(pid=first, used_memory_bytes=GiB),
+                        FakeProcess(pid=second, used_memory_bytes=15 * GiB),
+                    ),
+                ),
+            )
+        )
+    )
+    try:
+        try:
+            wait_until(lambda: not os.path.exists(f"/proc/{second}"), timeout_s=15, what="kill")
+        except TimeoutError:
+            status = dra.status()
+            raise AssertionError(
+                f"second/main (pid {second}) not killed: gpus {json.dumps(status['gpus'])}, "
+                f"allocations {json.dumps(status['allocations'])}\n{dra.log()[-3000:]}"
+            ) from None
+    finally:
+        cluster.write_gpus(GPUS)
+    assert dra.status()["gpus"][0]["misattributed_processes"] == 0
+    # 1Gi + 15Gi over the claim's 15Gi: the largest process goes, the other stays.
+    assert os.path.exists(f"/proc/{first}")
+    (status,) = cluster.pod("first")["status"]["containerStatuses"]
+    assert status["restartCount"] == 0
