@@ -1,5 +1,5 @@
 """vgpu as a DRA driver enforcing a claim on real containers: a real kubelet v1.36.2, the real
-scheduler, containerd + runc (docs/dra.md, "Enforcement on the real node").
+scheduler, containerd + runc (docs/dra.md, "On the real node, with real containers").
 
 What a runtime with CDI does (containerd >= 1.7 with `enable_cdi`, CRI-O >= 1.23): the kubelet
 puts the CDI device IDs that NodePrepareResources returned (`vgpu.dev/claim=<claim UID>`, and
