@@ -275,7 +275,7 @@ class Daemon:
         from deviceplugin.dra.kubeapi import LightkubeApi, load_config  # noqa: PLC0415
 
         try:
-            api = LightkubeApi(load_config(settings.dra.kubeconfig))
+            api = LightkubeApi(load_config(settings.dra.kubeconfig), settings.dra.api_timeout_s)
         except ValueError as e:
             raise StartupError(str(e)) from None
         # The driver's name is the config's at start: it names the kubelet sockets.
@@ -583,8 +583,8 @@ class Daemon:
 
 
 class _ClaimEvidence:
-    """DRA mode's attribution evidence: the prepared claims and the pods they are reserved for,
-    in the shape of the kubelet's device checkpoint."""
+    """DRA mode's attribution evidence: the prepared claims, the pods they are reserved for and
+    their containers, in the shape of the kubelet's device checkpoint."""
 
     def __init__(self, dra: DraDriver) -> None:
         self._dra = dra
@@ -592,8 +592,14 @@ class _ClaimEvidence:
     def read(self) -> DeviceCheckpoint:
         return DeviceCheckpoint.of(
             tuple(
-                CheckpointEntry(normalize_pod_uid(pod), "", allocation, slices, gpus)
-                for pod, allocation, slices, gpus in self._dra.claim_owners()
+                CheckpointEntry(
+                    normalize_pod_uid(o.pod_uid),
+                    o.container,
+                    o.allocation_id,
+                    o.slice_ids,
+                    o.gpu_uuids,
+                )
+                for o in self._dra.claim_owners()
             )
         )
 

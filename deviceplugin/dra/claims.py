@@ -177,12 +177,18 @@ def read_claim(
         devices.append(_claim_device(label, result, device, plan))
     if not devices:
         raise ClaimError(f"{label} holds no device of driver {driver_name}")
-    pods = tuple(
+    return PreparedClaim(
+        uid, namespace, name, tuple(devices), reserved_pods(claim), prepared_at_s=now_s
+    )
+
+
+def reserved_pods(claim: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """(name, UID) of the pods in the claim's `status.reservedFor`."""
+    return tuple(
         (str(ref.get("name", "")), str(ref.get("uid", "")))
         for ref in _get(claim, "status", "reservedFor") or ()
         if isinstance(ref, Mapping) and ref.get("resource") == "pods"
     )
-    return PreparedClaim(uid, namespace, name, tuple(devices), pods, prepared_at_s=now_s)
 
 
 def _claim_device(label: str, result: Mapping[str, Any], device: str, plan: GpuPlan) -> ClaimDevice:
@@ -280,8 +286,9 @@ def claim_slices(claim: PreparedClaim, healthy: bool = True) -> list[Slice]:
 
 def claim_record(claim: PreparedClaim, container: str = "") -> AllocationRecord:
     """The claim in the allocation book: its pod's names (the container where pod-resources
-    has named it; several containers sharing a claim are joined with commas), its slices."""
-    pod = claim.pods[0][0] if claim.pods else ""
+    has named it; several pods or containers sharing a claim are joined with commas), its
+    slices."""
+    pod = ",".join(dict.fromkeys(name for name, _ in claim.pods))
     return AllocationRecord(
         allocation_id=claim.allocation_id,
         slice_ids=tuple(s.device_id for s in claim_slices(claim)),
@@ -292,6 +299,40 @@ def claim_record(claim: PreparedClaim, container: str = "") -> AllocationRecord:
         source=SOURCE_DRA,
         claim=f"{claim.namespace}/{claim.name}",
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimOwner:
+    """One container holding a prepared claim: attribution's evidence in DRA mode, one entry
+    of the kubelet's device checkpoint in device-plugin mode. `container` is "" for a pod whose
+    containers pod-resources has not named (yet)."""
+
+    pod_uid: str
+    container: str
+    allocation_id: str
+    slice_ids: tuple[str, ...]
+    gpu_uuids: frozenset[str]
+
+
+def claim_owners(
+    claims: Iterable[PreparedClaim], users: Mapping[str, Sequence[tuple[str, str]]]
+) -> list[ClaimOwner]:
+    """For each prepared claim, each pod it is reserved for, and each of that pod's containers
+    the kubelet's pod-resources DRA entries list with the claim (`users`: claim UID ->
+    [(pod name, container name)]), the claim's allocation held by that container. A pod whose
+    containers are not named gets one owner without a container: its processes' claims stand
+    only where the kubelet's container names cannot be read at all."""
+    owners: list[ClaimOwner] = []
+    for claim in claims:
+        record = claim_record(claim)
+        gpus = frozenset(claim.gpu_uuids)
+        for pod_name, pod_uid in claim.pods:
+            containers = sorted({c for p, c in users.get(claim.uid, ()) if p == pod_name})
+            owners.extend(
+                ClaimOwner(pod_uid, container, record.allocation_id, record.slice_ids, gpus)
+                for container in containers or [""]
+            )
+    return owners
 
 
 def inventory_with_claims(inventory: Inventory, claims: Iterable[PreparedClaim]) -> Inventory:

@@ -31,12 +31,15 @@ from deviceplugin.config import Config
 from deviceplugin.dra import cdi
 from deviceplugin.dra.claims import (
     ClaimError,
+    ClaimOwner,
     PreparedClaim,
     claim_edits,
+    claim_owners,
     claim_record,
     inventory_with_claims,
     plans_by_device,
     read_claim,
+    reserved_pods,
 )
 from deviceplugin.dra.grpcserver import (
     ClaimRef,
@@ -59,6 +62,10 @@ log = logging.getLogger(__name__)
 RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 30.0
 RESYNC_S = 300.0
+# How often pod-resources is asked for the prepared claims' users: while a claim has none yet,
+# and otherwise while claims are prepared (a pod joining a prepared claim).
+NAMES_EVERY_S = 1.0
+USERS_EVERY_S = 5.0
 
 
 class DraDriver:
@@ -98,9 +105,12 @@ class DraDriver:
         )
         self.slice_writes = 0
         self.slice_failures = 0
-        # Container names of prepared claims, by claim UID, from pod-resources.
+        # (pod, container) names using each prepared claim, by claim UID, from pod-resources:
+        # replaced whole (the poll worker reads it).
         self._pod_resources = pod_resources_socket
-        self._containers: dict[str, str] = {}
+        self._users: dict[str, tuple[tuple[str, str], ...]] = {}
+        # The pod names pod-resources listed with a claim when it was last read again for them.
+        self._looked_up: dict[str, frozenset[str]] = {}
         self._names_wanted = asyncio.Event()
         # Whether pod-resources answered the last query (for /healthz and /status).
         self.pod_resources_ok = False
@@ -130,18 +140,11 @@ class DraDriver:
         policy = RequestPolicy.of(self._config().dra)
         return build_devices(self._built, policy, self.settings.driver_name, self._reasons())
 
-    def claim_owners(self) -> list[tuple[str, str, tuple[str, ...], frozenset[str]]]:
-        """(pod UID, allocation ID, slice IDs, GPU UUIDs) for each pod a prepared claim is
-        reserved for: attribution's evidence in DRA mode (a claim from a process outside those
-        pods is refused). Read by the poll worker."""
-        owners = []
-        for claim in self._claims:
-            record = claim_record(claim)
-            for _, pod_uid in claim.pods:
-                owners.append(
-                    (pod_uid, record.allocation_id, record.slice_ids, frozenset(claim.gpu_uuids))
-                )
-        return owners
+    def claim_owners(self) -> list[ClaimOwner]:
+        """Attribution's evidence in DRA mode: each prepared claim held by the containers the
+        kubelet's pod-resources DRA entries list for it, in the pods it is reserved for (a
+        claim from a process outside them is refused). Read by the poll worker."""
+        return claim_owners(self._claims, self._users)
 
     @property
     def registered(self) -> bool:
@@ -156,7 +159,7 @@ class DraDriver:
         self._on_claims_changed()
 
     def _records(self) -> list[AllocationRecord]:
-        return [claim_record(c, self._containers.get(c.uid, "")) for c in self._claims]
+        return [claim_record(c, _container_names(self._users.get(c.uid, ()))) for c in self._claims]
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, PrepareResult]:
         results: dict[str, PrepareResult] = {}
@@ -379,54 +382,102 @@ class DraDriver:
             delay = min(delay * 2, RETRY_MAX_S)
 
     async def _name_containers(self, stop: asyncio.Event) -> None:
-        """Name each prepared claim's containers from pod-resources: asked after every change
-        of the claims, again every second while a claim has no name yet."""
+        """Keep each prepared claim's users current: the (pod, container) pairs the kubelet's
+        pod-resources DRA entries list with it. Asked after every change of the claims, every
+        second while a claim has none or pod-resources does not answer, and every
+        `USERS_EVERY_S` while claims are prepared: a pod that joins a claim already prepared
+        on the node (a claim shared by pods) is not prepared again, so nothing else tells the
+        driver. A pod listed that the claim was not reserved for when it was prepared has the
+        claim read again from the API server, for the pod's UID."""
         if self._pod_resources is None:
             return
         warned = False
         while not stop.is_set():
             self._names_wanted.clear()
-            unnamed = [c for c in self._claims if c.uid not in self._containers]
-            if unnamed or not self.pod_resources_ok:
+            if self._claims or not self.pod_resources_ok:
                 try:
                     users = await claim_containers(self._pod_resources, self.settings.driver_name)
                     warned = False
                     self.pod_resources_ok = True
                 except grpc.aio.AioRpcError as e:
-                    users = {}
+                    users = None
                     self.pod_resources_ok = False
                     if not warned:
                         log.warning(
-                            "pod-resources not answering; claims keep their pod but not their "
-                            "container names socket=%s error=%s",
+                            "pod-resources not answering; the claims' processes are refused "
+                            "until it names their containers socket=%s error=%s",
                             self._pod_resources,
                             e.code().name,
                         )
                         warned = True
-                named = False
-                for claim in unnamed:
-                    found = users.get((claim.namespace, claim.name))
-                    if found:
-                        self._containers[claim.uid] = ",".join(c for _, c in found)
-                        named = True
-                known = {c.uid for c in self._claims}
-                self._containers = {u: n for u, n in self._containers.items() if u in known}
-                if named:
-                    self._book.sync(self._records(), now_s=time.time(), grace_s=0.0)
+                if users is not None:
+                    await self._update_users(users)
             waiter = asyncio.ensure_future(self._names_wanted.wait())
             stopper = asyncio.ensure_future(stop.wait())
             try:
-                still = not self.pod_resources_ok or any(
-                    c.uid not in self._containers for c in self._claims
-                )
                 await asyncio.wait(
                     {waiter, stopper},
-                    timeout=1.0 if still else None,
+                    timeout=self._next_names_s(),
                     return_when=asyncio.FIRST_COMPLETED,
                 )
             finally:
                 waiter.cancel()
                 stopper.cancel()
+
+    def _next_names_s(self) -> float | None:
+        if not self.pod_resources_ok or any(c.uid not in self._users for c in self._claims):
+            return NAMES_EVERY_S
+        return USERS_EVERY_S if self._claims else None
+
+    async def _update_users(self, users: Mapping[tuple[str, str], list[tuple[str, str]]]) -> None:
+        """Take pod-resources' answer: each claim's users (a claim it lists none for keeps
+        those it had: a pod between two containers' lives); the claim read again for a pod
+        listed with it that it was not reserved for."""
+        found: dict[str, tuple[tuple[str, str], ...]] = {}
+        for claim in self._claims:
+            listed = tuple(users.get((claim.namespace, claim.name), ()))
+            if listed:
+                found[claim.uid] = listed
+            elif claim.uid in self._users:
+                found[claim.uid] = self._users[claim.uid]
+        changed = found != self._users
+        self._users = found
+        for claim in self._claims:
+            pods = frozenset(p for p, _ in found.get(claim.uid, ()))
+            unknown = pods - {name for name, _ in claim.pods}
+            if unknown and self._looked_up.get(claim.uid) != pods:
+                self._looked_up[claim.uid] = pods
+                await self._refresh_pods(claim, unknown)
+        known = {c.uid for c in self._claims}
+        self._looked_up = {u: p for u, p in self._looked_up.items() if u in known}
+        if changed:
+            self._book.sync(self._records(), now_s=time.time(), grace_s=0.0)
+
+    async def _refresh_pods(self, claim: PreparedClaim, unknown: frozenset[str]) -> None:
+        """Read the claim's pods (`reservedFor`) again: `unknown` pods use it on this node."""
+        where = f"claim={claim.namespace}/{claim.name} uid={claim.uid}"
+        try:
+            obj = await self._api.get_claim(claim.namespace, claim.name)
+        except ApiCallError as e:
+            log.warning(
+                "cannot read the pods of a claim that more pods use; their processes are "
+                "refused until it can be read %s pods=%s error=%s",
+                where,
+                ",".join(sorted(unknown)),
+                e,
+            )
+            self._looked_up.pop(claim.uid, None)  # asked again next time
+            return
+        if str((obj.get("metadata") or {}).get("uid") or "") != claim.uid:
+            return  # made again since: the kubelet unprepares this one
+        pods = reserved_pods(obj)
+        async with self._lock:
+            current = self.store.get(claim.uid)
+            if current is None or current.pods == pods:
+                return
+            self.store.put(replace(current, pods=pods))
+            log.info("claim's pods changed %s pods=%s", where, ",".join(name for name, _ in pods))
+            self._claims_changed()
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.servers.start()
@@ -441,6 +492,11 @@ class DraDriver:
         finally:
             await self.servers.stop()
             await self._api.close()
+
+
+def _container_names(users: Sequence[tuple[str, str]]) -> str:
+    """The container names of a claim's users, for /status: `main`, or `main,sidecar`."""
+    return ",".join(dict.fromkeys(c for _, c in users))
 
 
 def _with_cdi_ids(claim: PreparedClaim, ids: tuple[str, ...]) -> PreparedClaim:

@@ -3,7 +3,10 @@
 `KubeApi` is what the driver calls; `LightkubeApi` speaks it through lightkube's async client
 (docs/kubernetes-api.md says why lightkube). Objects cross this boundary as plain dicts in the
 API's own JSON shape, so that the pure modules (`slices`, `claims`) know no client library.
-Every call raises `ApiCallError` naming the object and the server's answer.
+Every call raises `ApiCallError` naming the object and the server's answer. Every request but
+the slice watch times out (`DraSettings.api_timeout_s`): an API server that does not
+answer fails the call, naming the server and the timeout, and never holds up the caller, the
+kubelet's NodePrepareResources included, for longer.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from lightkube import ApiError, AsyncClient, KubeConfig
 from lightkube.core.exceptions import ConfigError as KubeConfigError
 from lightkube.resources.core_v1 import Node
 from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
+
+from deviceplugin.dra.settings import DEFAULT_API_TIMEOUT_S
 
 FIELD_MANAGER = "vgpu"
 
@@ -59,10 +64,30 @@ def load_config(kubeconfig: Path | None) -> KubeConfig:
         ) from None
 
 
+def _server(config: KubeConfig) -> str:
+    single = config.get()
+    return single.cluster.server if single is not None else "(no current context)"
+
+
 class LightkubeApi:
-    def __init__(self, config: KubeConfig) -> None:
+    def __init__(self, config: KubeConfig, timeout_s: float = DEFAULT_API_TIMEOUT_S) -> None:
+        self.server = _server(config)
+        self.timeout_s = timeout_s
         # trust_env=False: no proxy from the environment; the API server is reached directly.
-        self._client = AsyncClient(config, field_manager=FIELD_MANAGER, trust_env=False)
+        # The watch lifts the read timeout itself; every other request has it.
+        self._client = AsyncClient(
+            config,
+            field_manager=FIELD_MANAGER,
+            trust_env=False,
+            timeout=httpx2.Timeout(timeout_s),
+        )
+
+    def _unanswered(self, what: str, e: httpx2.HTTPError) -> ApiCallError:
+        if isinstance(e, httpx2.TimeoutException):
+            why = f"did not answer within {self.timeout_s:g}s ({type(e).__name__})"
+        else:
+            why = f"cannot be reached: {type(e).__name__}" + (f": {e}" if str(e) else "")
+        return ApiCallError(f"{what}: the API server at {self.server} {why}")
 
     async def _call(self, what: str, call: Any) -> Any:
         try:
@@ -73,7 +98,7 @@ class LightkubeApi:
                 f"{what}: {e.status.reason or ''} {e.status.message}", code
             ) from None
         except httpx2.HTTPError as e:
-            raise ApiCallError(f"{what}: API server not answering: {e}") from None
+            raise self._unanswered(what, e) from None
 
     async def get_claim(self, namespace: str, name: str) -> dict[str, Any]:
         claim = await self._call(
@@ -130,7 +155,7 @@ class LightkubeApi:
                 f"watch ResourceSlices: {e.status.message}", int(e.status.code or 0)
             ) from None
         except httpx2.HTTPError as e:
-            raise ApiCallError(f"watch ResourceSlices: API server not answering: {e}") from None
+            raise self._unanswered("watch ResourceSlices", e) from None
 
     async def close(self) -> None:
         await self._client.close()

@@ -11,6 +11,9 @@ from deviceplugin.config import DraConfig
 DEFAULT_DRIVER_NAME = "vgpu.dev"
 DEFAULT_KUBELET_ROOT_DIR = "/var/lib/kubelet"
 DEFAULT_CDI_DIR = "/var/run/cdi"
+# Seconds each API server request (but the slice watch) may take: a claim the API server does
+# not answer fails that claim's prepare after this long, naming the server.
+DEFAULT_API_TIMEOUT_S = 10.0
 # The kubelet plugin registry watches this directory for registration sockets.
 PLUGINS_REGISTRY = "plugins_registry"
 PLUGINS = "plugins"
@@ -77,6 +80,7 @@ class DraSettings:
     # None: the pod's service account (in-cluster config).
     kubeconfig: Path | None = None
     gpu_cdi: GpuCdi = GpuCdi.NVIDIA
+    api_timeout_s: float = DEFAULT_API_TIMEOUT_S
 
     @property
     def registration_socket(self) -> Path:

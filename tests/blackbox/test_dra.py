@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import stat
+import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -28,6 +29,8 @@ from deviceplugin._proto.drahealth.v1alpha1 import api_pb2 as health_pb
 from deviceplugin._proto.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from deviceplugin._proto.pluginregistration.v1 import api_pb2 as reg_pb
 from deviceplugin._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from deviceplugin._proto.podresources.v1 import api_pb2 as podres
+from deviceplugin._proto.podresources.v1 import api_pb2_grpc as podres_grpc
 from deviceplugin.app import Daemon
 from deviceplugin.dra.settings import DraSettings
 from deviceplugin.gpu.fake import FakeBackend, FakeProcess
@@ -43,6 +46,9 @@ from tests.blackbox.daemon_harness import (
 from tests.support.fake_apiserver import FakeApiServer, allocated_claim
 
 NODE = "test-node"
+# Every gRPC call the tests make as the kubelet has a deadline: a stalled daemon fails the test
+# with DEADLINE_EXCEEDED and the fake API server's state, never hangs it.
+RPC_TIMEOUT_S = 30.0
 GPU0 = gpu(0, name="NVIDIA A100-PCIE-40GB", memory_gib=40)
 GPU1 = gpu(1, name="NVIDIA L4", memory_gib=24)
 
@@ -58,6 +64,9 @@ def api() -> Iterator[FakeApiServer]:
     server.start()
     yield server
     server.close()
+    # Shown with a failing test's output: requests the fake server gave up on.
+    for error in server.errors:
+        print(f"fake API server: {error}")
 
 
 @pytest.fixture
@@ -77,10 +86,14 @@ def _dra(node: Node, api: FakeApiServer) -> DraSettings:
 
 @contextlib.asynccontextmanager
 async def dra_daemon(
-    node: Node, api: FakeApiServer, *, trust_host_processes: bool = True
+    node: Node,
+    api: FakeApiServer,
+    *,
+    trust_host_processes: bool = True,
+    dra: DraSettings | None = None,
 ) -> AsyncIterator[Daemon]:
     settings = dataclasses.replace(
-        node.settings(), dra=_dra(node, api), trust_host_processes=trust_host_processes
+        node.settings(), dra=dra or _dra(node, api), trust_host_processes=trust_host_processes
     )
     backend = FakeBackend(node.state_file)
     daemon = Daemon(settings, backend)
@@ -100,8 +113,10 @@ async def _register(settings: DraSettings) -> reg_pb.PluginInfo:
     await eventually(settings.registration_socket.exists, timeout_s=10)
     async with grpc.aio.insecure_channel(f"unix://{settings.registration_socket}") as channel:
         stub = reg_grpc.RegistrationStub(channel)
-        info: reg_pb.PluginInfo = await stub.GetInfo(reg_pb.InfoRequest())
-        await stub.NotifyRegistrationStatus(reg_pb.RegistrationStatus(plugin_registered=True))
+        info: reg_pb.PluginInfo = await stub.GetInfo(reg_pb.InfoRequest(), timeout=RPC_TIMEOUT_S)
+        await stub.NotifyRegistrationStatus(
+            reg_pb.RegistrationStatus(plugin_registered=True), timeout=RPC_TIMEOUT_S
+        )
     return info
 
 
@@ -131,7 +146,7 @@ async def _prepare(socket: Path, uid: str, *, beta: bool = False) -> Any:
     async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
         stub = grpc_mod.DRAPluginStub(channel)
         response = await stub.NodePrepareResources(
-            pb.NodePrepareResourcesRequest(claims=[_ref(pb, uid)])
+            pb.NodePrepareResourcesRequest(claims=[_ref(pb, uid)]), timeout=RPC_TIMEOUT_S
         )
     return response.claims[uid]
 
@@ -140,7 +155,7 @@ async def _unprepare(socket: Path, uid: str) -> str:
     async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
         stub = dra_v1_grpc.DRAPluginStub(channel)
         response = await stub.NodeUnprepareResources(
-            dra_v1.NodeUnprepareResourcesRequest(claims=[_ref(dra_v1, uid)])
+            dra_v1.NodeUnprepareResourcesRequest(claims=[_ref(dra_v1, uid)]), timeout=RPC_TIMEOUT_S
         )
     return str(response.claims[uid].error)
 
@@ -391,7 +406,9 @@ async def test_the_health_stream_reports_a_gpu_turning_unhealthy(
         await _register(settings)
         async with grpc.aio.insecure_channel(f"unix://{settings.service_socket}") as channel:
             stub = health_grpc.DRAResourceHealthStub(channel)
-            stream = stub.NodeWatchResources(health_pb.NodeWatchResourcesRequest())
+            stream = stub.NodeWatchResources(
+                health_pb.NodeWatchResourcesRequest(), timeout=RPC_TIMEOUT_S
+            )
             first = await asyncio.wait_for(stream.read(), 10)
             health = {d.device.device_name: d.health for d in first.devices}
             assert health == {"gpu-0": health_pb.HEALTHY, "gpu-1": health_pb.HEALTHY}
@@ -533,3 +550,126 @@ async def test_compute_shares_of_two_claims_are_held_in_the_fake_gpu(
             assert duty("pod-2") is None
     finally:
         workloads.close()
+
+
+async def test_a_claim_the_api_server_never_answers_fails_that_claim_not_the_kubelet(
+    node: Node, api: FakeApiServer
+) -> None:
+    """A claim GET that the API server never answers: NodePrepareResources returns after the
+    driver's API timeout with that claim's error, naming the API server and the timeout, and
+    the daemon goes on preparing other claims."""
+    settings = dataclasses.replace(_dra(node, api), api_timeout_s=1.0)
+    async with dra_daemon(node, api, dra=settings):
+        await _register(settings)
+        api.put_claim(_claim("u-stall", "1Gi", "10"))
+        api.stall_claims.add(("default", "claim-u-stall"))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        answer = await _prepare(settings.service_socket, "u-stall")
+        assert loop.time() - started < 10, "the stalled GET held the kubelet's call"
+        assert answer.error.startswith("get ResourceClaim default/claim-u-stall: ")
+        assert f"the API server at {api.url} did not answer within 1s" in answer.error
+        assert not _spec(node, "u-stall").exists()
+        api.put_claim(_claim("u-ok", "1Gi", "10", pod="pod-2"))
+        assert (await _prepare(settings.service_socket, "u-ok")).error == ""
+
+
+def test_a_client_stalled_mid_request_holds_up_nobody_else(api: FakeApiServer) -> None:
+    """The fake API server itself: a client that sent a write's headers but not its body (the
+    daemon, on the test's own event loop, between two writes) must not keep the test from the
+    server's state, nor the server from other requests."""
+    import socket
+    import threading
+
+    host, port = api.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as stalled:
+        stalled.sendall(
+            b"POST /apis/resource.k8s.io/v1/resourceslices HTTP/1.1\r\n"
+            b"Host: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+        )
+        deadline = time.monotonic() + 5
+        while ("POST", "/apis/resource.k8s.io/v1/resourceslices") not in api.requests:
+            assert time.monotonic() < deadline, "the fake API server did not take the request"
+            time.sleep(0.02)
+        found: list[object] = []
+        reader = threading.Thread(target=lambda: found.append(api.slice_list()), daemon=True)
+        reader.start()
+        reader.join(5)
+        assert found == [[]], "the fake API server's state stayed locked by a stalled request"
+        url = f"http://{host}:{port}/api/v1/nodes/{NODE}"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            assert json.loads(response.read())["metadata"]["name"] == NODE
+
+
+class _PodResources(podres_grpc.PodResourcesListerServicer):
+    """The kubelet's pod-resources List, with its DRA entries: (pod, container) -> claims."""
+
+    def __init__(self) -> None:
+        self.users: dict[tuple[str, str], list[str]] = {}
+
+    async def List(self, request: Any, context: Any) -> Any:  # noqa: N802
+        pods: dict[str, Any] = {}
+        for (pod, container), claims in self.users.items():
+            entry = pods.setdefault(pod, podres.PodResources(name=pod, namespace="default"))
+            entry.containers.add(
+                name=container,
+                dynamic_resources=[
+                    podres.DynamicResource(
+                        claim_name=claim,
+                        claim_namespace="default",
+                        claim_resources=[
+                            podres.ClaimResource(
+                                driver_name="vgpu.dev", pool_name=NODE, device_name="gpu-0"
+                            )
+                        ],
+                    )
+                    for claim in claims
+                ],
+            )
+        return podres.ListPodResourcesResponse(pod_resources=list(pods.values()))
+
+    async def GetAllocatableResources(self, request: Any, context: Any) -> Any:  # noqa: N802
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not in this fake")
+
+    async def Get(self, request: Any, context: Any) -> Any:  # noqa: N802
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not in this fake")
+
+
+async def test_a_pod_joining_a_prepared_claim_is_named_and_becomes_its_evidence(
+    node: Node, api: FakeApiServer
+) -> None:
+    """A claim shared by two pods: the kubelet prepares it for the first and, for the second,
+    only lists it in pod-resources. The second pod is read from the claim's reservedFor and
+    named with the claim, so its container's processes are the claim's too."""
+    settings = _dra(node, api)
+    pod_resources = _PodResources()
+    server = grpc.aio.server()
+    podres_grpc.add_PodResourcesListerServicer_to_server(pod_resources, server)
+    server.add_insecure_port(f"unix://{node.podres_socket}")
+    await server.start()
+    try:
+        async with dra_daemon(node, api) as daemon:
+            await _register(settings)
+            claim = _claim("u-shared", "15Gi", "30")
+            api.put_claim(claim)
+            assert (await _prepare(settings.service_socket, "u-shared")).error == ""
+            pod_resources.users[("pod-1", "main")] = ["claim-u-shared"]
+            allocation = _env(_spec(node, "u-shared"))["VGPU_ALLOCATION_ID"]
+
+            def named() -> tuple[str, str]:
+                record = {r.allocation_id: r for r in daemon.book}[allocation]
+                return record.pod, record.container
+
+            await eventually(lambda: named() == ("pod-1", "main"), 10, "the claim named")
+            # The second pod: reserved by the scheduler, listed by the kubelet, not prepared.
+            claim["status"]["reservedFor"].append(
+                {"resource": "pods", "name": "pod-2", "uid": "uid-pod-2"}
+            )
+            api.put_claim(claim)
+            pod_resources.users[("pod-2", "main")] = ["claim-u-shared"]
+            await eventually(lambda: named() == ("pod-1,pod-2", "main"), 15, "pod-2 named")
+            assert daemon.dra is not None
+            owners = {(o.pod_uid, o.container) for o in daemon.dra.claim_owners()}
+            assert owners == {("uid-pod-1", "main"), ("uid-pod-2", "main")}
+    finally:
+        await server.stop(None)

@@ -1,5 +1,11 @@
 """A small fake Kubernetes API server: what the DRA driver asks of one (ResourceSlices, claims,
-its Node), over plain HTTP on 127.0.0.1, in a thread. Requests are recorded for the tests."""
+its Node), over plain HTTP on 127.0.0.1, in a thread. Requests are recorded for the tests.
+
+The daemon under test usually runs on the test's own event loop, and the test reads this
+server's state from that loop: so a handler never holds the state's lock while it reads from or
+writes to its socket (a client that has sent its headers but not yet its body would otherwise
+stall every caller of the lock, the loop included, forever), and every socket read has a
+timeout (`SOCKET_TIMEOUT_S`), after which the handler gives up on that request, saying so."""
 
 from __future__ import annotations
 
@@ -13,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+SOCKET_TIMEOUT_S = 10.0
+# How long the test's own accessors wait for the state's lock before failing, naming it.
+LOCK_TIMEOUT_S = 10.0
 CLAIMS = "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{name}"
 
 
@@ -23,6 +32,11 @@ class FakeApiServer:
         self.nodes: dict[str, dict[str, Any]] = {}
         self.requests: list[tuple[str, str]] = []
         self.fail_writes = False
+        # Claims (namespace, name) whose GET is never answered: a stalled API server.
+        self.stall_claims: set[tuple[str, str]] = set()
+        self._closed = threading.Event()
+        # Requests a handler gave up on (a socket read that timed out), for the test to see.
+        self.errors: list[str] = []
         self._watchers: list[queue.Queue[dict[str, Any] | None]] = []
         self.watches = 0
         self._lock = threading.Lock()
@@ -39,6 +53,7 @@ class FakeApiServer:
         self._thread.start()
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             for watcher in self._watchers:
                 watcher.put(None)
@@ -60,30 +75,45 @@ class FakeApiServer:
         )
         return path
 
+    def locked(self) -> _Held:
+        """The state's lock, for the test's side: an AssertionError, not a hang, when a handler
+        holds it too long."""
+        return _Held(self._lock)
+
     def put_claim(self, claim: dict[str, Any]) -> None:
         meta = claim["metadata"]
-        with self._lock:
+        with self.locked():
             self.claims[(meta["namespace"], meta["name"])] = claim
 
     def delete_slice(self, name: str) -> None:
         """Delete a slice as someone else would (a kubelet that starts, an operator)."""
-        with self._lock:
+        with self.locked():
             obj = self.slices.pop(name)
             for watcher in self._watchers:
                 watcher.put({"type": "DELETED", "object": obj})
 
     def slice_list(self) -> list[dict[str, Any]]:
-        with self._lock:
+        with self.locked():
             return [json.loads(json.dumps(s)) for s in self.slices.values()]
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
+            # Every read from the client's socket: a stalled client fails the request, not
+            # the server.
+            timeout = SOCKET_TIMEOUT_S
+            _reply: tuple[int, dict[str, Any]] | None = None
+            _body_read: dict[str, Any] = {}  # noqa: RUF012 (replaced per request)
+
             def log_message(self, format: str, *args: Any) -> None:
                 return
 
             def _send(self, code: int, body: dict[str, Any]) -> None:
+                """The answer to the request: written by `_route` once the lock is released."""
+                self._reply = (code, json.loads(json.dumps(body)))
+
+            def _write(self, code: int, body: dict[str, Any]) -> None:
                 data = json.dumps(body).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
@@ -125,9 +155,14 @@ class FakeApiServer:
                     with fake._lock:
                         fake._watchers.remove(events)
 
-            def _body(self) -> dict[str, Any]:
+            def _read_body(self) -> dict[str, Any]:
+                """The request's JSON body, read before the state's lock is taken. Raises
+                TimeoutError (a socket read timed out) or ValueError (not JSON)."""
                 length = int(self.headers.get("Content-Length") or 0)
-                body: dict[str, Any] = json.loads(self.rfile.read(length) or b"{}")
+                data = self.rfile.read(length) if length else b""
+                if len(data) != length:
+                    raise ValueError(f"body cut short: {len(data)} of {length} bytes")
+                body: dict[str, Any] = json.loads(data or b"{}")
                 return body
 
             def _route(self, method: str) -> None:
@@ -138,11 +173,36 @@ class FakeApiServer:
                 if method == "GET" and path == SLICES and "watch=true" in url.query:
                     self._watch()
                     return
+                if method == "GET" and self._stalled(path):
+                    return
+                try:
+                    body = self._read_body() if method in ("POST", "PUT") else {}
+                except (TimeoutError, ValueError) as e:
+                    with fake._lock:
+                        fake.errors.append(f"{method} {path}: request body not read: {e!r}")
+                    self.close_connection = True
+                    return
+                self._body_read = body
+                self._reply = None
                 if method != "GET" and fake.fail_writes:
                     self._status(503, "ServiceUnavailable", "writes refused by the test")
-                    return
-                with fake._lock:
-                    self._dispatch(method, path, urllib.parse.parse_qs(url.query))
+                else:
+                    with fake._lock:
+                        self._dispatch(method, path, urllib.parse.parse_qs(url.query))
+                if self._reply is not None:
+                    self._write(*self._reply)
+
+            def _stalled(self, path: str) -> bool:
+                """A GET of a claim the test stalls: never answered, until the server closes."""
+                parts = path.strip("/").split("/")
+                if len(parts) < 7 or (parts[4], parts[6]) not in fake.stall_claims:
+                    return False
+                fake._closed.wait()
+                self.close_connection = True
+                return True
+
+            def _body(self) -> dict[str, Any]:
+                return self._body_read
 
             def _dispatch(self, method: str, path: str, query: dict[str, list[str]]) -> None:
                 parts = path.strip("/").split("/")
@@ -237,6 +297,23 @@ class FakeApiServer:
                 self._route("DELETE")
 
         return Handler
+
+
+class _Held:
+    """A lock taken with a deadline: AssertionError naming the fake API server on timeout."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(timeout=LOCK_TIMEOUT_S):
+            raise AssertionError(
+                f"the fake API server's state was locked for over {LOCK_TIMEOUT_S:g}s: "
+                "a request handler is stuck"
+            )
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
 
 
 def allocated_claim(
