@@ -290,6 +290,11 @@ class Daemon:
             raise StartupError(str(e)) from None
         # The driver's name is the config's at start: it names the kubelet sockets.
         dra = replace(settings.dra, driver_name=settings.config.dra.driver_name)
+        if settings.config.allocation.device_id_strategy is DeviceIdStrategy.INDEX:
+            log.warning(
+                "deviceIDStrategy index is ignored: the DRA driver names GPUs by UUID, as "
+                "NVIDIA's DRA driver does; it applies to the device plugins only"
+            )
         return DraDriver(
             dra,
             lambda: self.settings.config,
