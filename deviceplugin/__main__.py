@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deviceplugin import __version__, logs
-from deviceplugin.config import Config
+from deviceplugin.config import Config, DeviceIdStrategy
 from deviceplugin.dra.settings import DraSettings, GpuCdi
 from deviceplugin.errors import BackendError, ConfigError, StartupError
 from deviceplugin.kubelet.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
@@ -223,6 +223,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("VGPU_FAIL_ON_INIT_ERROR", "true"),
         help="false: when the GPU backend cannot start (no GPU or driver on the node), log it "
         "and wait until stopped instead of exiting (default: true; env VGPU_FAIL_ON_INIT_ERROR)",
+    )
+    serve.add_argument(
+        "--device-id-strategy",
+        metavar="uuid|index",
+        type=_one_of(("uuid", "index")),
+        default=os.environ.get("VGPU_DEVICE_ID_STRATEGY") or None,
+        help="what the container runtime is told a GPU is called: uuid, or index (0, 0:1 for a "
+        "MIG device), as NVIDIA's --device-id-strategy; wins over the config file's "
+        "deviceIDStrategy (default: the config file's, uuid; env VGPU_DEVICE_ID_STRATEGY)",
     )
     serve.add_argument(
         "--trust-host-processes",
@@ -434,6 +443,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             node_features_file=args.node_features_file,
             kubelet_cgroup_driver=args.kubelet_cgroup_driver,
             kubelet_cgroup_root=args.kubelet_cgroup_root,
+            device_id_strategy=(
+                DeviceIdStrategy(args.device_id_strategy) if args.device_id_strategy else None
+            ),
         )
     except ConfigError as e:
         for problem in e.problems:

@@ -10,6 +10,11 @@ What the container gets:
 
 - `NVIDIA_VISIBLE_DEVICES`: the distinct GPUs of its slices, by UUID, in GPU index order. That order
   fixes the CUDA ordinals the container sees, so the per-ordinal variables below use it too.
+  With `allocation.deviceIDStrategy: index` the runtime is told NVML's indices instead, as
+  NVIDIA's plugin tells it: `0` for a GPU, `<GPU index>:<MIG index>` for a MIG device (the slot
+  NVML gives it under its GPU), here and in the volume mounts and CDI names below. Each device is
+  named once, however many of its slices the container holds. Everything else keeps UUIDs:
+  the per-device keys, `gpu_uuids` (attribution, metrics).
 - `VGPU_ALLOCATION_ID`: `model.allocation_id` of the slice IDs; the monitor reads it from
   `/proc/<pid>/environ` to attribute processes, and it can be recomputed from pod-resources.
 - `VGPU_MEMORY_LIMIT_MIB_<i>` and `VGPU_COMPUTE_SHARE_PERCENT_<i>` per visible ordinal i: k slices
@@ -30,14 +35,16 @@ What the container gets:
 Device-list strategies, any combination (the config's `deviceListStrategy`; an empty list means the
 default, `envvar`):
 
-- `envvar`: the UUIDs in `NVIDIA_VISIBLE_DEVICES`.
-- `volume-mounts`: one mount per GPU, `/dev/null` -> `/var/run/nvidia-container-devices/<UUID>`,
+- `envvar`: the UUIDs (or indices) in `NVIDIA_VISIBLE_DEVICES`.
+- `volume-mounts`: one mount per GPU, `/dev/null` -> `/var/run/nvidia-container-devices/<UUID>`
+  (or `<index>`),
   read-only. The NVIDIA container runtime, with `accept-nvidia-visible-devices-as-volume-mounts`,
   reads the GPU list from these mount points, so a pod cannot widen its GPUs through its env.
   Without `envvar`, `NVIDIA_VISIBLE_DEVICES` is set to that directory, which is what the runtime
   looks for in that mode.
 - `cdi-annotations`: the annotation `cdi.k8s.io/vgpu-device-plugin_<allocation id>` listing
-  `nvidia.com/gpu=<UUID>` per GPU, for runtimes that read CDI requests from annotations.
+  `nvidia.com/gpu=<UUID>` (or `=<index>`, the names `nvidia-ctk cdi generate` gives too) per
+  GPU, for runtimes that read CDI requests from annotations.
 - `cdi-cri`: the same CDI device names in the CRI's CDIDevices field.
 - `device-specs`: the device nodes themselves (`/dev/nvidiactl`, `/dev/nvidia-uvm`,
   `/dev/nvidia-uvm-tools`, then `/dev/nvidia<minor>` per GPU), same path on host and in container.
@@ -49,7 +56,7 @@ Where the node serves several resources (`several_resources`: the mixed MIG stra
 alone cannot be right for a container that holds slices of more than one: the kubelet keeps one
 `NVIDIA_VISIBLE_DEVICES` of them. Mounts are merged by container path and CDI devices by name,
 so each resource's devices reach the runtime. There `envvar` also brings the `volume-mounts`
-mounts (`NVIDIA_VISIBLE_DEVICES` keeps the UUIDs): a toolkit that accepts the mounts gives the
+mounts (`NVIDIA_VISIBLE_DEVICES` keeps its list): a toolkit that accepts the mounts gives the
 container every device; one that does not reads the env as before.
 
 Framework hints (unless `allocation.frameworkHints: false`), so that frameworks that reserve GPU
@@ -82,7 +89,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from deviceplugin.config import AllocationConfig, DeviceListStrategy, MpsConfig
+from deviceplugin.config import AllocationConfig, DeviceIdStrategy, DeviceListStrategy, MpsConfig
 from deviceplugin.errors import AllocationError
 from deviceplugin.model import (
     ContainerAllocation,
@@ -224,6 +231,22 @@ def _gpu_info(inventory: Inventory, first: Slice) -> tuple[GpuInfo, int]:
     return plan.gpu, plan.replicas
 
 
+def runtime_device_id(gpu: GpuInfo, strategy: DeviceIdStrategy) -> str:
+    """What the container runtime is told a GPU or MIG device is called (NVIDIA's
+    deviceIDStrategy): its UUID, or its NVML index (`<GPU index>:<MIG index>` for a MIG device).
+    Raises AllocationError for a MIG device whose index under its GPU is not known."""
+    if strategy is DeviceIdStrategy.UUID:
+        return gpu.uuid
+    if not gpu.is_mig_device:
+        return str(gpu.index)
+    if gpu.mig_index is None:
+        raise AllocationError(
+            f"MIG device {gpu.uuid} has no known MIG index for deviceIDStrategy: index; "
+            "set deviceIDStrategy: uuid"
+        )
+    return f"{gpu.index}:{gpu.mig_index}"
+
+
 def device_env_suffix(uuid: str) -> str:
     """The part of an env key that names a device: its UUID upper-cased, every character outside
     A-Z and 0-9 turned into `_` (`MIG-4f1e...` -> `MIG_4F1E...`)."""
@@ -272,13 +295,15 @@ def build_container_allocation(
         process_bytes.append(one_slice if mps.enabled else memory_bytes[-1])
         share_percent.append(len(gpu_slices) * 100 // replicas)
     uuids = [g.uuid for g in gpus]
+    # What the runtime is told each device is called; the daemon's own keys keep the UUIDs.
+    runtime_ids = [runtime_device_id(g, cfg.device_id_strategy) for g in gpus]
 
     strategies = set(cfg.device_list_strategy) or {DeviceListStrategy.ENVVAR}
     # Env alone cannot name every device of a container holding several resources: the mounts
     # can, through a toolkit that reads them.
     mounts_too = several_resources and DeviceListStrategy.ENVVAR in strategies
     if DeviceListStrategy.ENVVAR in strategies:
-        envs[ENV_VISIBLE_DEVICES] = ",".join(uuids)
+        envs[ENV_VISIBLE_DEVICES] = ",".join(runtime_ids)
     elif DeviceListStrategy.VOLUME_MOUNTS in strategies:
         envs[ENV_VISIBLE_DEVICES] = VOLUME_MOUNTS_ROOT
     else:
@@ -311,11 +336,11 @@ def build_container_allocation(
     if DeviceListStrategy.VOLUME_MOUNTS in strategies or mounts_too:
         mounts.extend(
             MountSpec(
-                container_path=f"{VOLUME_MOUNTS_ROOT}/{uuid}",
+                container_path=f"{VOLUME_MOUNTS_ROOT}/{device}",
                 host_path=VOLUME_MOUNT_HOST_PATH,
                 read_only=True,
             )
-            for uuid in uuids
+            for device in runtime_ids
         )
     if mps.enabled:
         # The pipe directory read-only: the MPS client connects to sockets there (which needs
@@ -331,7 +356,7 @@ def build_container_allocation(
             )
         )
 
-    cdi_names = tuple(f"{CDI_KIND}={uuid}" for uuid in uuids)
+    cdi_names = tuple(f"{CDI_KIND}={device}" for device in runtime_ids)
     annotations: dict[str, str] = {}
     if DeviceListStrategy.CDI_ANNOTATIONS in strategies:
         annotations[f"{CDI_ANNOTATION_PREFIX}{alloc_id}"] = ",".join(cdi_names)
@@ -378,4 +403,5 @@ __all__ = [
     "mps_log_directory",
     "mps_pipe_directory",
     "mps_shm_directory",
+    "runtime_device_id",
 ]

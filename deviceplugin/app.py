@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from deviceplugin import __version__
 from deviceplugin.allocation import mps_defaults
-from deviceplugin.config import Config, MpsConfig
+from deviceplugin.config import Config, DeviceIdStrategy, MpsConfig
 from deviceplugin.dra.settings import DraSettings
 from deviceplugin.enforcer import Enforcer, PsutilControl, RecordingControl
 from deviceplugin.errors import StartupError
@@ -112,6 +112,16 @@ class DaemonSettings:
     kubelet_cgroup_root: str = ""
     # `--kubelet-api dra`: served as a DRA driver (deviceplugin.dra) instead of device plugins.
     dra: DraSettings | None = None
+    # --device-id-strategy: wins over every config file's deviceIDStrategy, as NVIDIA's flag
+    # (DEVICE_ID_STRATEGY) wins over its config file; None: the file's.
+    device_id_strategy: DeviceIdStrategy | None = None
+
+    def configured(self, config: Config) -> Config:
+        """`config` with the flags that win over the config file applied."""
+        if self.device_id_strategy is None:
+            return config
+        allocation = replace(config.allocation, device_id_strategy=self.device_id_strategy)
+        return replace(config, allocation=allocation)
 
 
 class Daemon:
@@ -124,7 +134,7 @@ class Daemon:
         *,
         pod_resources_interval_s: float = POD_RESOURCES_INTERVAL_S,
     ) -> None:
-        self.settings = settings
+        self.settings = settings = replace(settings, config=settings.configured(settings.config))
         self.backend = backend
         cfg = settings.config
         self.inventory: Published[Inventory] = Published(Inventory())
@@ -280,6 +290,11 @@ class Daemon:
             raise StartupError(str(e)) from None
         # The driver's name is the config's at start: it names the kubelet sockets.
         dra = replace(settings.dra, driver_name=settings.config.dra.driver_name)
+        if settings.config.allocation.device_id_strategy is DeviceIdStrategy.INDEX:
+            log.warning(
+                "deviceIDStrategy index is ignored: the DRA driver names GPUs by UUID, as "
+                "NVIDIA's DRA driver does; it applies to the device plugins only"
+            )
         return DraDriver(
             dra,
             lambda: self.settings.config,

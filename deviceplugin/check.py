@@ -16,6 +16,7 @@ from deviceplugin.config import (
     ComputeAction,
     Config,
     ConfigFormat,
+    DeviceIdStrategy,
     MemoryAction,
     format_duration,
     format_size,
@@ -103,7 +104,9 @@ def describe(config: Config) -> str:
     hints = config.allocation
     return (
         f"resource {config.resource_name}, allocation policy {config.allocation.policy.value}, "
-        f"device list {strategies}, MPS {'on' if config.mps.enabled else 'off'}, "
+        f"device list {strategies}"
+        + (" by index" if config.allocation.device_id_strategy is DeviceIdStrategy.INDEX else "")
+        + f", MPS {'on' if config.mps.enabled else 'off'}, "
         "framework hints "
         + (
             f"on (context reserve {format_size(hints.context_reserve_bytes)})"

@@ -69,6 +69,10 @@ class GpuInfo:
     mig_profile: str = ""  # NVIDIA's profile name, e.g. "1g.10gb"
     gpu_instance_id: int | None = None
     compute_instance_id: int | None = None
+    # The MIG device's index under its parent: the slot nvmlDeviceGetMigDeviceHandleByIndex
+    # gives it by, the `<m>` of the `<GPU index>:<m>` that NVIDIA's runtime takes in
+    # NVIDIA_VISIBLE_DEVICES (allocation.deviceIDStrategy: index).
+    mig_index: int | None = None
 
     @property
     def is_mig_device(self) -> bool:

@@ -120,6 +120,7 @@ def describe_changes(old: Config, new: Config) -> list[str]:
 
 async def apply_config(daemon: Daemon, new: Config) -> None:
     """Apply `new` to the running daemon (see the module's docstring)."""
+    new = daemon.settings.configured(new)
     old = daemon.settings.config
     daemon.settings = dataclasses.replace(daemon.settings, config=new)
     # Every resource's endpoint answers Allocate with the new settings; endpoints made from now
@@ -254,7 +255,9 @@ class ConfigReloader:
         too_large = self._daemon.plan_problem(loaded.config)
         if too_large is not None:
             return self._refuse(str(self._path or "built-in defaults"), [too_large], trigger)
-        changes = describe_changes(self._daemon.settings.config, loaded.config)
+        changes = describe_changes(
+            self._daemon.settings.config, self._daemon.settings.configured(loaded.config)
+        )
         await self._daemon.apply_config(loaded.config)
         log.info(
             "config reloaded hash=%s previous=%s changed=%s trigger=%s",

@@ -59,6 +59,9 @@ allocation:
   # How a container gets its GPUs, any of: envvar, volume-mounts, cdi-annotations, cdi-cri,
   # device-specs.
   deviceListStrategy: [{strategies}]
+  # What those name a GPU by: uuid (GPU-..., MIG-...) or index (NVML's index: 0, 1, and
+  # <GPU index>:<MIG index> for a MIG device), as NVIDIA's deviceIDStrategy.
+  deviceIDStrategy: {d.allocation.device_id_strategy.value}
   # Tell frameworks that reserve GPU memory up front their share, so that they fit their
   # slices: XLA_PYTHON_CLIENT_MEM_FRACTION (JAX), TF_FORCE_GPU_ALLOW_GROWTH (TensorFlow) and
   # VGPU_MEMORY_FRACTION_<i> per GPU (PyTorch, vLLM: set in code or on the command line).

@@ -28,6 +28,14 @@ class DeviceListStrategy(StrEnum):
     DEVICE_SPECS = "device-specs"
 
 
+class DeviceIdStrategy(StrEnum):
+    """How a container's GPUs are named to the container runtime (NVIDIA's deviceIDStrategy):
+    by UUID, or by NVML index (`<GPU index>:<MIG index>` for a MIG device)."""
+
+    UUID = "uuid"
+    INDEX = "index"
+
+
 class MemoryAction(StrEnum):
     KILL = "kill"
     MONITOR = "monitor"
@@ -108,6 +116,8 @@ class MigConfig:
 class AllocationConfig:
     policy: AllocationPolicy = AllocationPolicy.PACK
     device_list_strategy: tuple[DeviceListStrategy, ...] = (DeviceListStrategy.ENVVAR,)
+    # What NVIDIA_VISIBLE_DEVICES, the volume mounts and the CDI names call a GPU.
+    device_id_strategy: DeviceIdStrategy = DeviceIdStrategy.UUID
     # Tell frameworks that grab GPU memory up front their share (XLA_PYTHON_CLIENT_MEM_FRACTION,
     # TF_FORCE_GPU_ALLOW_GROWTH, VGPU_MEMORY_FRACTION_<i>), less the context reserve.
     framework_hints: bool = True

@@ -307,9 +307,9 @@ def _parse_nvidia(r: _Reader, data: Mapping[str, object]) -> Config:
         r.version(top["version"], "version")
 
     flags = _nvidia_flags_section(r, top.get("flags"))
-    policy, strategies, pass_specs = _nvidia_flags(r, flags)
-    device_list = strategies or defaults.allocation.device_list_strategy
-    if pass_specs and DeviceListStrategy.DEVICE_SPECS not in device_list:
+    nv_allocation = _nvidia_flags(r, flags)
+    device_list = nv_allocation.strategies or defaults.allocation.device_list_strategy
+    if nv_allocation.pass_device_specs and DeviceListStrategy.DEVICE_SPECS not in device_list:
         device_list = (*device_list, DeviceListStrategy.DEVICE_SPECS)
     mig_strategy = _nvidia_mig_strategy(r, flags)
     mps_root = _nvidia_mps_root(r, flags)
@@ -359,8 +359,9 @@ def _parse_nvidia(r: _Reader, data: Mapping[str, object]) -> Config:
         resource_name=resource_name,
         slicing=slicing,
         allocation=AllocationConfig(
-            policy=policy or defaults.allocation.policy,
+            policy=nv_allocation.policy or defaults.allocation.policy,
             device_list_strategy=device_list,
+            device_id_strategy=(nv_allocation.device_ids or defaults.allocation.device_id_strategy),
             fail_requests_greater_than_one=(
                 mps is not None and mps.fail_requests_greater_than_one is not False
             ),

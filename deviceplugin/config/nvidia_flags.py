@@ -1,8 +1,9 @@
 """NVIDIA k8s-device-plugin's `flags` and `health` sections.
 
-What vgpu can act on is mapped (allocation policy, device list strategies, migStrategy, mpsRoot,
-the Xid lists); settings it does not act on are type-checked and reported as warnings when they
-differ from NVIDIA's defaults, so that a default-valued dump of NVIDIA's config reads quietly.
+What vgpu can act on is mapped (allocation policy, device list and device ID strategies,
+migStrategy, mpsRoot, the Xid lists); settings it does not act on are type-checked and reported
+as warnings when they differ from NVIDIA's defaults, so that a default-valued dump of NVIDIA's
+config reads quietly.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from deviceplugin.config.model import (
     AllocationPolicy,
+    DeviceIdStrategy,
     DeviceListStrategy,
     HealthConfig,
     MigStrategy,
@@ -109,12 +111,6 @@ _NV_IGNORED_FLAGS = (
     ),
 )
 _NV_IGNORED_PLUGIN = (
-    _IgnoredSetting(
-        "deviceIDStrategy",
-        "uuid",
-        "vgpu always passes GPUs by UUID",
-        ("uuid", "index"),
-    ),
     _IgnoredSetting("containerDriverRoot", "/driver-root", _DRIVER_INSTEAD),
     _IgnoredSetting(
         "cdiAnnotationPrefix",
@@ -166,11 +162,19 @@ def _nvidia_flags_section(r: _Reader, value: object) -> dict[str, object]:
     return r.section(value, "flags", _NV_FLAGS_KEYS, fold_case=True)
 
 
-def _nvidia_flags(
-    r: _Reader, flags: Mapping[str, object]
-) -> tuple[AllocationPolicy | None, tuple[DeviceListStrategy, ...] | None, bool]:
-    """flags (as _nvidia_flags_section read it): the allocation policy, device list strategies
-    and passDeviceSpecs, where set."""
+@dataclass(frozen=True, slots=True)
+class _NvidiaAllocation:
+    """What NVIDIA's flags say about Allocate; None where the file does not say."""
+
+    policy: AllocationPolicy | None = None
+    strategies: tuple[DeviceListStrategy, ...] | None = None
+    pass_device_specs: bool = False
+    device_ids: DeviceIdStrategy | None = None
+
+
+def _nvidia_flags(r: _Reader, flags: Mapping[str, object]) -> _NvidiaAllocation:
+    """flags (as _nvidia_flags_section read it): the allocation policy, device list strategies,
+    passDeviceSpecs and deviceIDStrategy, where set."""
     _ignored_settings(r, flags, "flags", _NV_IGNORED_FLAGS)
     gfd = flags.get("gfd")
     if gfd is not None and not isinstance(gfd, dict):
@@ -193,7 +197,13 @@ def _nvidia_flags(
     pass_specs = False
     if "passDeviceSpecs" in plugin:
         pass_specs = bool(r.boolean(plugin["passDeviceSpecs"], "flags.plugin.passDeviceSpecs"))
-    return policy, strategies, pass_specs
+    device_ids: DeviceIdStrategy | None = None
+    if plugin.get("deviceIDStrategy") is not None:
+        # NVIDIA's plugin refuses any other value ("invalid --device-id-strategy option").
+        device_ids = r.device_id_strategy(
+            plugin["deviceIDStrategy"], "flags.plugin.deviceIDStrategy"
+        )
+    return _NvidiaAllocation(policy, strategies, pass_specs, device_ids)
 
 
 def _nvidia_health(r: _Reader, value: object) -> HealthConfig:

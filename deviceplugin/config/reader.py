@@ -16,6 +16,7 @@ from typing import TypeVar
 
 from deviceplugin.config.model import (
     MAX_DURATION_S,
+    DeviceIdStrategy,
     DeviceListStrategy,
 )
 
@@ -66,6 +67,7 @@ _MAX_SUBDOMAIN_LENGTH = 253
 _QUOTA_PREFIX = "requests."
 
 _STRATEGIES: dict[str, DeviceListStrategy] = {s.value: s for s in DeviceListStrategy}
+_ID_STRATEGIES: dict[str, DeviceIdStrategy] = {s.value: s for s in DeviceIdStrategy}
 
 _T = TypeVar("_T")
 
@@ -378,6 +380,10 @@ class _Reader:
             self.error(path, problem)
             return None
         return name
+
+    def device_id_strategy(self, value: object, path: str) -> DeviceIdStrategy | None:
+        """deviceIDStrategy: uuid or index (anything else is what NVIDIA's plugin refuses)."""
+        return self.choice(value, path, _ID_STRATEGIES, ", ".join(_ID_STRATEGIES))
 
     def strategies(self, value: object, path: str) -> tuple[DeviceListStrategy, ...] | None:
         """deviceListStrategy: one name or a non-empty list of distinct names."""

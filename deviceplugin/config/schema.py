@@ -29,6 +29,7 @@ from deviceplugin.config.model import (
     AllocationPolicy,
     ComputeAction,
     Config,
+    DeviceIdStrategy,
     DeviceListStrategy,
     MemoryAction,
     MigStrategy,
@@ -252,6 +253,12 @@ def _vgpu_schema() -> Schema:
                 ],
                 "default": [s.value for s in d.allocation.device_list_strategy],
             },
+            "deviceIDStrategy": _choice(
+                "What the container runtime is told a GPU is called: uuid (GPU-..., MIG-...) or"
+                " index (NVML's: 0, or 0:1 for a MIG device), as NVIDIA's deviceIDStrategy.",
+                tuple(s.value for s in DeviceIdStrategy),
+                d.allocation.device_id_strategy.value,
+            ),
             "frameworkHints": _boolean(
                 "Tell frameworks their share: XLA_PYTHON_CLIENT_MEM_FRACTION,"
                 " TF_FORCE_GPU_ALLOW_GROWTH and VGPU_MEMORY_FRACTION_<i>.",

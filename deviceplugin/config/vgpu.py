@@ -76,7 +76,13 @@ _SLICING_KEYS = ("replicas", "memoryPerSlice", "overrides")
 _OVERRIDE_KEYS = ("match", "replicas", "memoryPerSlice")
 _MATCH_KEYS = ("model", "index", "uuid", "profile")
 _MIG_KEYS = ("strategy",)
-_ALLOCATION_KEYS = ("policy", "deviceListStrategy", "frameworkHints", "contextReserve")
+_ALLOCATION_KEYS = (
+    "policy",
+    "deviceListStrategy",
+    "deviceIDStrategy",
+    "frameworkHints",
+    "contextReserve",
+)
 _ENFORCEMENT_KEYS = ("pollInterval", "idlePollInterval", "dryRun", "memory", "compute")
 _MEMORY_KEYS = ("action", "gracePeriod")
 _COMPUTE_KEYS = ("action", "window", "period", "workConserving")
@@ -172,6 +178,12 @@ def _allocation(r: _Reader, value: object) -> AllocationConfig:
     if "deviceListStrategy" in section:
         parsed = r.strategies(section["deviceListStrategy"], _join(path, "deviceListStrategy"))
         strategies = parsed or strategies
+    id_strategy = defaults.device_id_strategy
+    if "deviceIDStrategy" in section:
+        id_strategy = (
+            r.device_id_strategy(section["deviceIDStrategy"], _join(path, "deviceIDStrategy"))
+            or id_strategy
+        )
     hints = defaults.framework_hints
     if "frameworkHints" in section:
         parsed_hints = r.boolean(section["frameworkHints"], _join(path, "frameworkHints"))
@@ -186,6 +198,7 @@ def _allocation(r: _Reader, value: object) -> AllocationConfig:
     return AllocationConfig(
         policy=policy,
         device_list_strategy=strategies,
+        device_id_strategy=id_strategy,
         framework_hints=hints,
         context_reserve_bytes=reserve,
     )

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deviceplugin.app import Daemon, DaemonSettings
-from deviceplugin.config import Config, EnforcementConfig
+from deviceplugin.config import Config, DeviceIdStrategy, EnforcementConfig
 from deviceplugin.gpu.backend import GpuBackend
 from deviceplugin.gpu.fake import FakeBackend, FakeGpu, FakeProcess, FakeState, write_state_file
 from deviceplugin.kubelet.lifecycle import endpoint_name
@@ -110,6 +110,7 @@ async def running_daemon(
     trust_host_processes: bool = True,
     backend: GpuBackend | None = None,
     kubelet_cgroup_root: str = "",
+    device_id_strategy: DeviceIdStrategy | None = None,
 ) -> AsyncIterator[Daemon]:
     """Run a daemon until the block ends (on `backend`, default: the node's fake GPUs, closed at
     the end either way); fail the test if it died on its own. `kubelet_cgroup_root`: the
@@ -121,6 +122,8 @@ async def running_daemon(
         )
     if pod_resources_socket is not None:
         settings = dataclasses.replace(settings, pod_resources_socket=pod_resources_socket)
+    if device_id_strategy is not None:  # --device-id-strategy
+        settings = dataclasses.replace(settings, device_id_strategy=device_id_strategy)
     if backend is None:
         backend = FakeBackend(node.state_file)
     daemon = Daemon(settings, backend, pod_resources_interval_s=pod_resources_interval_s)

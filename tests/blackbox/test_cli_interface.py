@@ -74,6 +74,7 @@ def test_serve_help_shows_every_default_and_its_environment_variable() -> None:
         "--fallback-strategies": "VGPU_FALLBACK_STRATEGIES",
         "--kubeconfig": "VGPU_KUBECONFIG",
         "--fail-on-init-error": "VGPU_FAIL_ON_INIT_ERROR",
+        "--device-id-strategy": "VGPU_DEVICE_ID_STRATEGY",
         "--node-features-file": "VGPU_NODE_FEATURES_FILE",
         "--kubelet-cgroup-driver": "VGPU_KUBELET_CGROUP_DRIVER",
         "--kubelet-cgroup-root": "VGPU_KUBELET_CGROUP_ROOT",
@@ -115,6 +116,13 @@ def test_a_bad_log_level_in_the_environment_is_named() -> None:
     assert result.returncode == 2
     assert "--log-level" in result.stderr
     assert "'loud' is not one of debug, info, warning, error" in result.stderr
+
+
+def test_a_bad_device_id_strategy_in_the_environment_is_named() -> None:
+    result = run_cli("serve", env={"VGPU_DEVICE_ID_STRATEGY": "serial"})
+    assert result.returncode == 2
+    assert "--device-id-strategy" in result.stderr
+    assert "'serial' is not one of uuid, index" in result.stderr
 
 
 @pytest.mark.parametrize("spelling", ["warning", "WARNING", "Warning"])
@@ -232,6 +240,67 @@ def test_the_standalone_simulator_admits_pods_from_the_command_line(short_tmp: P
         "default/serve/api" in line and "NVIDIA_VISIBLE_DEVICES=GPU-" in line for line in admitted
     )
     assert any("default/serve/sidecar: devices none" in line for line in admitted)
+
+
+def test_device_ids_by_index_from_the_environment_win_over_the_config_file(
+    short_tmp: Path,
+) -> None:
+    # As NVIDIA's chart passes DEVICE_ID_STRATEGY, vgpu's passes VGPU_DEVICE_ID_STRATEGY; the
+    # user's config file (here one that says uuid) stays as written.
+    from deviceplugin.gpu.fake import FakeState, write_state_file
+    from tests.blackbox.daemon_harness import TWO_GPUS
+
+    state = short_tmp / "gpus.json"
+    write_state_file(state, FakeState(gpus=TWO_GPUS))
+    config = short_tmp / "config.yaml"
+    config.write_text("allocation: {deviceIDStrategy: uuid, policy: spread}\n")
+    plugin_dir = short_tmp / "dp"
+    plugin_dir.mkdir()
+    podres = short_tmp / "podres.sock"
+    sim = subprocess.Popen(
+        [
+            sys.executable, "-m", "deviceplugin.sim", "--dir", str(plugin_dir),
+            "--pod-resources-socket", str(podres), "--pod", "ml/train:trainer=2",
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    daemon = None
+    admitted = ""
+    try:
+        daemon = subprocess.Popen(
+            [
+                *CLI, "serve", "--backend", f"fake:{state}", "--config", str(config),
+                "--device-plugin-dir", str(plugin_dir), "--pod-resources-socket", str(podres),
+                "--state-dir", str(short_tmp / "state"), "--metrics-address", "127.0.0.1:0",
+            ],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env={**os.environ, "VGPU_DEVICE_ID_STRATEGY": "index"},
+        )  # fmt: skip
+        lines: queue.Queue[str] = queue.Queue()
+
+        def read() -> None:
+            for line in sim.stdout or ():
+                lines.put(line)
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + 30
+        while not admitted.startswith("admitted"):
+            try:
+                admitted = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail("no pod admitted in 30 s")
+    finally:
+        for proc in (daemon, sim):
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    # Two slices spread over both GPUs: named 0 and 1, not by UUID.
+    assert "NVIDIA_VISIBLE_DEVICES=0,1 " in admitted + " ", admitted
+    assert "VGPU_ALLOCATION_ID=" in admitted
 
 
 @pytest.mark.parametrize("bad", ["train", "ml/train:trainer", "ml/train:trainer=x", "a:c=1,c=2"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ from deviceplugin.config import (
     AllocationConfig,
     AllocationPolicy,
     Config,
+    DeviceIdStrategy,
     DeviceListStrategy,
     GpuMatch,
     SliceOverride,
@@ -196,6 +198,33 @@ async def test_every_device_list_strategy_reaches_the_container(
         uuid = grant.device_ids[0].rsplit("::", 1)[0]
         assert STRATEGY_CASES[strategy](grant, uuid), grant
         assert grant.envs["VGPU_ALLOCATION_ID"]
+
+
+async def test_devices_by_index_reach_the_container(node: Node) -> None:
+    allocation = AllocationConfig(
+        policy=AllocationPolicy.SPREAD,
+        device_id_strategy=DeviceIdStrategy.INDEX,
+        device_list_strategy=(DeviceListStrategy.ENVVAR, DeviceListStrategy.CDI_CRI),
+    )
+    async with running_daemon(node, Config(allocation=allocation, enforcement=FAST)):
+        await registered(node, 8)
+        grant = (await node.sim.admit_pod("p", [("c", 2)])).containers[0]
+        assert grant.envs["NVIDIA_VISIBLE_DEVICES"] == "0,1"
+        assert grant.cdi_devices == ("nvidia.com/gpu=0", "nvidia.com/gpu=1")
+        suffix = TWO_GPUS[0].uuid.upper().replace("-", "_")
+        assert grant.envs[f"VGPU_ALLOCATION_ID_{suffix}"] == grant.envs["VGPU_ALLOCATION_ID"]
+
+
+async def test_the_device_id_flag_wins_over_the_config_file_and_its_reloads(node: Node) -> None:
+    by_uuid = Config(allocation=AllocationConfig(device_id_strategy=DeviceIdStrategy.UUID))
+    async with running_daemon(node, by_uuid, device_id_strategy=DeviceIdStrategy.INDEX) as daemon:
+        await registered(node, 8)
+        first = (await node.sim.admit_pod("a", [("c", 1)])).containers[0]
+        assert first.envs["NVIDIA_VISIBLE_DEVICES"] in ("0", "1")
+        await daemon.apply_config(dataclasses.replace(by_uuid, enforcement=FAST))
+        assert daemon.settings.config.allocation.device_id_strategy is DeviceIdStrategy.INDEX
+        second = (await node.sim.admit_pod("b", [("c", 1)])).containers[0]
+        assert second.envs["NVIDIA_VISIBLE_DEVICES"] in ("0", "1")
 
 
 async def test_every_container_of_a_pod_gets_its_own_allocation(node: Node) -> None:

@@ -32,6 +32,7 @@ from deviceplugin._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from deviceplugin._proto.podresources.v1 import api_pb2 as podres
 from deviceplugin._proto.podresources.v1 import api_pb2_grpc as podres_grpc
 from deviceplugin.app import Daemon
+from deviceplugin.config import DeviceIdStrategy
 from deviceplugin.dra.settings import DraSettings
 from deviceplugin.gpu.fake import FakeBackend, FakeProcess
 from tests.blackbox.daemon_harness import (
@@ -91,9 +92,13 @@ async def dra_daemon(
     *,
     trust_host_processes: bool = True,
     dra: DraSettings | None = None,
+    device_id_strategy: DeviceIdStrategy | None = None,
 ) -> AsyncIterator[Daemon]:
     settings = dataclasses.replace(
-        node.settings(), dra=dra or _dra(node, api), trust_host_processes=trust_host_processes
+        node.settings(),
+        dra=dra or _dra(node, api),
+        trust_host_processes=trust_host_processes,
+        device_id_strategy=device_id_strategy,
     )
     backend = FakeBackend(node.state_file)
     daemon = Daemon(settings, backend)
@@ -673,3 +678,19 @@ async def test_a_pod_joining_a_prepared_claim_is_named_and_becomes_its_evidence(
             assert owners == {("uid-pod-1", "main"), ("uid-pod-2", "main")}
     finally:
         await server.stop(None)
+
+
+async def test_the_dra_driver_names_gpus_by_uuid_whatever_the_device_id_strategy(
+    node: Node, api: FakeApiServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    # NVIDIA's DRA driver names GPUs by UUID; deviceIDStrategy belongs to the device plugins.
+    settings = _dra(node, api)
+    async with dra_daemon(node, api, device_id_strategy=DeviceIdStrategy.INDEX):
+        await _register(settings)
+        api.put_claim(_claim("u-idx", "10Gi", "50"))
+        answer = await _prepare(settings.service_socket, "u-idx")
+        assert answer.error == ""
+        (device,) = answer.devices
+        assert f"nvidia.com/gpu={GPU0.uuid}" in device.cdi_device_ids
+        assert _env(_spec(node, "u-idx"))["NVIDIA_VISIBLE_DEVICES"] == GPU0.uuid
+    assert "deviceIDStrategy index is ignored: the DRA driver names GPUs by UUID" in caplog.text

@@ -21,7 +21,14 @@ from typing import Any
 import pytest
 
 from deviceplugin.errors import BackendError, StateFileError
-from deviceplugin.gpu.fake import FakeBackend, proc_stat_state, write_state_file
+from deviceplugin.gpu.fake import (
+    FakeBackend,
+    FakeGpu,
+    FakeMigDevice,
+    FakeState,
+    proc_stat_state,
+    write_state_file,
+)
 from deviceplugin.model import GpuInfo, NodeReading
 
 Spawn = Callable[[], "subprocess.Popen[bytes]"]
@@ -414,6 +421,30 @@ def test_run_lists_the_command_on_its_gpu_while_it_runs(tmp_path: Path) -> None:
     # Ended: off the file again, and its exit code is run's.
     assert '"pid"' not in path.read_text()
     assert fake_cli("run", str(path), "--gpu", "0", "--", "false").returncode == 1
+
+
+def test_run_takes_a_mig_device_by_index_as_deviceidstrategy_index_names_it(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "gpus.json"
+    parent = FakeGpu(
+        "GPU-p", 1, "A100", 80 * GIB, 1, mig_enabled=True, mig_block=True,
+        mig_devices=(
+            FakeMigDevice("MIG-a", 1, 0, "3g.40gb", 40 * GIB),
+            FakeMigDevice("MIG-b", 2, 0, "1g.10gb", 10 * GIB),
+        ),
+    )  # fmt: skip
+    write_state_file(path, FakeState(gpus=(parent,)))
+    show = "import json,sys; d=json.load(open(sys.argv[1])); print(d['gpus'][0]['mig'])"
+    result = fake_cli(
+        "run", str(path), "--", sys.executable, "-c", show, str(path),
+        env={"NVIDIA_VISIBLE_DEVICES": "1:1,1:0"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "on GPU MIG-b" in result.stderr
+    devices = result.stdout.split("'uuid': ")
+    assert "'pid'" not in next(d for d in devices if d.startswith("'MIG-a'"))
+    assert "'pid'" in next(d for d in devices if d.startswith("'MIG-b'"))
 
 
 @pytest.mark.parametrize(

@@ -427,7 +427,12 @@ def test_every_setting_the_chart_passes_is_one_serve_reads() -> None:
     docs = render(CHART / "ci" / "per-node-values.yaml", sets=("metrics.tls.enabled=true",))
     help_text = " ".join(serve_help().split())
     names = {name for name in env_of(docs) if name.startswith("VGPU_")}
-    assert {"VGPU_CONFIG_DIR", "VGPU_DEFAULT_CONFIG", "VGPU_FAIL_ON_INIT_ERROR"} <= names
+    assert {
+        "VGPU_CONFIG_DIR",
+        "VGPU_DEFAULT_CONFIG",
+        "VGPU_FAIL_ON_INIT_ERROR",
+        "VGPU_DEVICE_ID_STRATEGY",
+    } <= names
     assert "VGPU_NODE_FEATURES_DIR" in names
     for name in sorted(names):
         assert f"env {name}" in help_text, f"the chart sets {name}, which serve does not read"
@@ -610,10 +615,27 @@ def test_cluster_wide_rbac_of_two_namespaces_does_not_collide() -> None:
     assert one_ns != other_ns
 
 
-def test_device_id_strategy_uuid_is_accepted_and_index_refused_with_the_reason() -> None:
-    assert render(sets=("deviceIDStrategy=uuid",))
-    assert "deviceIDStrategy: index is not supported" in refused(sets=("deviceIDStrategy=index",))
+@pytest.mark.parametrize("strategy", ["index", "uuid"])
+def test_device_id_strategy_reaches_the_daemon_not_the_users_config_file(strategy: str) -> None:
+    nvidia = "config.flags.plugin.deviceIDStrategy=uuid"
+    docs = render(sets=(f"deviceIDStrategy={strategy}", nvidia))
+    assert env_of(docs)["VGPU_DEVICE_ID_STRATEGY"] == strategy
+    # The user's file is written as given (the daemon's flag wins over it at run time).
+    (config_map,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    (content,) = config_map["data"].values()
+    assert yaml.safe_load(content) == {"flags": {"plugin": {"deviceIDStrategy": "uuid"}}}
+
+
+def test_device_id_strategy_unset_leaves_it_to_the_config_file() -> None:
+    assert "VGPU_DEVICE_ID_STRATEGY" not in env_of(render())
+    assert "VGPU_DEVICE_ID_STRATEGY" not in env_of(render(sets=("deviceIDStrategy=null",)))
+
+
+def test_device_id_strategy_other_values_are_refused() -> None:
     assert "deviceIDStrategy" in refused(sets=("deviceIDStrategy=serial",))
+    assert "the DRA driver (dra.enabled) always names them by UUID" in refused(
+        sets=("deviceIDStrategy=index", "dra.enabled=true")
+    )
 
 
 def test_the_network_policy_lets_per_node_configs_reach_the_api_server_only() -> None:

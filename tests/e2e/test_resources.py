@@ -106,6 +106,28 @@ def test_cdi_cri_names_every_device_of_a_container_holding_two_resources(
     }
 
 
+def test_device_ids_by_index_reach_the_runtime_for_a_gpu_and_a_mig_device(
+    node: Cluster,
+) -> None:
+    # NVIDIA's names: the L4 is GPU 0, the 3g.40gb the first MIG device (slot 0) of GPU 1.
+    config = MIXED + "allocation: {deviceListStrategy: [envvar, cdi-cri]}\n"
+    node.start_daemon(config=config, gpus=MIG_NODE, env={"VGPU_DEVICE_ID_STRATEGY": "index"})
+    node.wait_allocatable(MIG_3G, 1)
+    node.wait_allocatable(RESOURCE, 4)
+    run_pod(node, "byindex", {RESOURCE: 1, MIG_3G: 1})
+    requests = [
+        r
+        for r in node.create_container_requests()
+        if r.pod == "default/byindex" and r.container == "main"
+    ]
+    assert requests, node.fakecri_log()[-2000:]
+    assert set(requests[-1].cdi_devices) == {"nvidia.com/gpu=0", "nvidia.com/gpu=1:0"}
+    env = node.container_env("byindex", "main")  # one of the two answers' lists
+    assert env.get("NVIDIA_VISIBLE_DEVICES") in ("0", "1:0"), env
+    # The daemon's own keys keep the UUIDs.
+    assert f"VGPU_ALLOCATION_ID_{key(L4.uuid)}" in env, env
+
+
 def test_gpu_turned_unhealthy_leaves_allocatable(node: Cluster) -> None:
     two = FakeState(gpus=(gpu(0), gpu(1)))
     node.start_daemon(config="slicing: {replicas: 4}\n" + FAST, gpus=two)

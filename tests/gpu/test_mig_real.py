@@ -89,6 +89,10 @@ def test_mig_devices_memory_ids_and_no_utilisation(
         assert sum(d.info.memory_total_bytes for d in devices) <= parent.info.memory_total_bytes
         instances = [(d.info.gpu_instance_id, d.info.compute_instance_id) for d in devices]
         assert len(set(instances)) == len(instances)
+        # Each has its own slot under the GPU: its <GPU index>:<MIG index> name is unique.
+        slots = [d.info.mig_index for d in devices]
+        assert None not in slots
+        assert len(set(slots)) == len(slots), slots
         for device in devices:
             assert device.healthy, device.health_reason
             assert device.info.index == listed_gpu.index

@@ -20,8 +20,11 @@ from deviceplugin.allocation import (
 )
 from deviceplugin.config import (
     AllocationConfig,
+    DeviceIdStrategy,
     DeviceListStrategy,
     GpuMatch,
+    MigConfig,
+    MigStrategy,
     MpsConfig,
     SliceOverride,
     SliceRule,
@@ -519,3 +522,121 @@ def test_with_several_resources_envvar_also_lists_the_devices_as_mounts() -> Non
         several_resources=True,
     )
     assert cdi.mounts == ()
+
+
+# --- device ID strategy: index ---------------------------------------------------------------
+
+BY_INDEX = AllocationConfig(device_id_strategy=DeviceIdStrategy.INDEX)
+PARENT = "GPU-dddddddd-0000-0000-0000-000000000000"
+MIG_A = "MIG-aaaaaaaa-0000-4000-8000-000000000000"
+MIG_B = "MIG-bbbbbbbb-0000-4000-8000-000000000000"
+
+
+def mig_device(uuid: str, gi: int, mig_index: int | None) -> GpuInfo:
+    return GpuInfo(
+        uuid=uuid,
+        index=3,
+        name="A100 MIG 1g.10gb",
+        memory_total_bytes=10 * GI,
+        minor=3,
+        parent_uuid=PARENT,
+        mig_profile="1g.10gb",
+        gpu_instance_id=gi,
+        compute_instance_id=0,
+        mig_index=mig_index,
+    )
+
+
+def mixed_inventory(mig_indices: tuple[int | None, int | None] = (4, 1)) -> Inventory:
+    """Under the mixed strategy: the three GPUs of make_inventory, and on GPU 3 two 1g.10gb MIG
+    devices whose UUID order and MIG index order differ (MIG_A in slot 4, MIG_B in slot 1)."""
+    parent = GpuInfo(PARENT, 3, "A100", 80 * GI, 3, mig_enabled=True)
+    infos = [*(p.gpu for p in INV.plans), parent]
+    infos += [mig_device(MIG_A, 5, mig_indices[0]), mig_device(MIG_B, 2, mig_indices[1])]
+    reading = NodeReading(0.0, tuple(GpuReading(info=i) for i in infos))
+    cfg = SlicingConfig(
+        default=SliceRule(replicas=4),
+        overrides=(SliceOverride(GpuMatch(profile="1g.10gb"), SliceRule(replicas=2)),),
+    )
+    return build_inventory(reading, cfg, mig=MigConfig(strategy=MigStrategy.MIXED))
+
+
+def by_index(
+    ids: list[str],
+    strategies: tuple[DeviceListStrategy, ...] = (S.ENVVAR,),
+    *,
+    inventory: Inventory = INV,
+    several_resources: bool = False,
+) -> ContainerAllocation:
+    cfg = dataclasses_replace(BY_INDEX, device_list_strategy=strategies)
+    return build_container_allocation(
+        ids, inventory, cfg, NO_MPS, several_resources=several_resources
+    )
+
+
+def test_by_index_a_gpu_is_named_by_its_nvml_index() -> None:
+    a = by_index([f"{U0}::2"])  # U0 is GPU 1
+    assert a.envs["NVIDIA_VISIBLE_DEVICES"] == "1"
+
+
+def test_by_index_several_gpus_in_index_order_each_once() -> None:
+    # Two slices of GPU 0: NVIDIA's plugin would write its index twice; one is enough.
+    a = by_index([f"{U2}::0", f"{U1}::3", f"{U1}::0", f"{U0}::1"])
+    assert a.envs["NVIDIA_VISIBLE_DEVICES"] == "0,1,2"
+
+
+def test_by_index_a_mig_device_is_named_gpu_index_colon_mig_index() -> None:
+    inv = mixed_inventory()
+    a = by_index([f"{MIG_A}::1", f"{MIG_B}::0"], inventory=inv)
+    # In the order of the ordinals (by UUID within the GPU), named by their slots under GPU 3.
+    assert a.envs["NVIDIA_VISIBLE_DEVICES"] == "3:4,3:1"
+    assert [a.envs[f"VGPU_MEMORY_LIMIT_MIB_{i}"] for i in (0, 1)] == ["5120", "5120"]
+
+
+def test_by_index_every_device_list_strategy_names_devices_by_index() -> None:
+    ids = [f"{U1}::0", f"{U2}::1"]
+    a = by_index(ids, (S.VOLUME_MOUNTS, S.CDI_ANNOTATIONS, S.CDI_CRI, S.DEVICE_SPECS))
+    assert a.envs["NVIDIA_VISIBLE_DEVICES"] == "/var/run/nvidia-container-devices"
+    assert a.mounts == (
+        MountSpec("/var/run/nvidia-container-devices/0", "/dev/null", True),
+        MountSpec("/var/run/nvidia-container-devices/2", "/dev/null", True),
+    )
+    assert a.cdi_devices == ("nvidia.com/gpu=0", "nvidia.com/gpu=2")
+    assert dict(a.annotations) == {
+        f"cdi.k8s.io/vgpu-device-plugin_{expected_allocation_id(ids)}": (
+            "nvidia.com/gpu=0,nvidia.com/gpu=2"
+        )
+    }
+    # Device nodes are paths, whatever the strategy.
+    assert [d.host_path for d in a.devices][-2:] == ["/dev/nvidia0", "/dev/nvidia7"]
+
+
+def test_by_index_mixed_mig_mounts_carry_the_indices_beside_the_env() -> None:
+    inv = mixed_inventory()
+    a = by_index(
+        [f"{MIG_B}::1"],
+        inventory=inv.for_resource("nvidia.com/mig-1g.10gb"),
+        several_resources=True,
+    )
+    assert a.envs["NVIDIA_VISIBLE_DEVICES"] == "3:1"
+    assert [m.container_path for m in a.mounts] == ["/var/run/nvidia-container-devices/3:1"]
+
+
+def test_by_index_the_daemons_own_keys_and_identity_keep_uuids() -> None:
+    ids = [f"{U1}::0", f"{U0}::1"]
+    uuid = build_container_allocation(ids, INV, AllocationConfig(), NO_MPS)
+    index = by_index(ids)
+    assert index.gpu_uuids == uuid.gpu_uuids == (U1, U0)
+    assert index.allocation_id == uuid.allocation_id
+    assert {k: v for k, v in index.envs.items() if k != "NVIDIA_VISIBLE_DEVICES"} == {
+        k: v for k, v in uuid.envs.items() if k != "NVIDIA_VISIBLE_DEVICES"
+    }
+    assert f"VGPU_ALLOCATION_ID_{device_env_suffix(U1)}" in index.envs
+
+
+def test_by_index_a_mig_device_without_a_known_index_is_refused_with_what_to_do() -> None:
+    inv = mixed_inventory((None, 1))
+    with pytest.raises(AllocationError, match=f"MIG device {MIG_A} has no known MIG index.*uuid"):
+        by_index([f"{MIG_A}::0"], inventory=inv)
+    # By UUID it needs none.
+    assert alloc([f"{MIG_A}::0"], inventory=inv).envs["NVIDIA_VISIBLE_DEVICES"] == MIG_A

@@ -19,6 +19,7 @@ from deviceplugin.config import (
     ComputeAction,
     ComputeEnforcement,
     Config,
+    DeviceIdStrategy,
     DeviceListStrategy,
     EnforcementConfig,
     GpuMatch,
@@ -267,6 +268,8 @@ ERRORS = [
     ("allocation: {deviceListStrategy: []}", "allocation.deviceListStrategy", "empty"),
     ("allocation: {deviceListStrategy: 3}", "allocation.deviceListStrategy", "3"),
     ("allocation: {deviceListStrategy: nvml}", "allocation.deviceListStrategy", '"nvml"'),
+    ("allocation: {deviceIDStrategy: serial}", "allocation.deviceIDStrategy", '"serial"'),
+    ("allocation: {deviceIDStrategy: [index]}", "allocation.deviceIDStrategy", "uuid, index"),
     (
         "allocation: {deviceListStrategy: [envvar, nvml]}",
         "allocation.deviceListStrategy[1]",
@@ -558,6 +561,14 @@ def test_vgpu_allocation_hints_and_mps_settings() -> None:
     assert parse_yaml("allocation: {}").allocation == AllocationConfig()
 
 
+def test_vgpu_device_id_strategy_is_uuid_unless_index_is_asked_for() -> None:
+    assert parse_yaml("allocation: {}").allocation.device_id_strategy is DeviceIdStrategy.UUID
+    config = parse_yaml("allocation: {deviceIDStrategy: index, deviceListStrategy: cdi-cri}")
+    assert config.allocation.device_id_strategy is DeviceIdStrategy.INDEX
+    assert config.allocation.device_list_strategy == (DeviceListStrategy.CDI_CRI,)
+    assert config.warnings == ()
+
+
 @pytest.mark.parametrize(
     ("text", "path", "shown"),
     [
@@ -718,6 +729,7 @@ def test_default_config_yaml_shows_every_setting() -> None:
         "slicing.overrides",
         "allocation.policy",
         "allocation.deviceListStrategy",
+        "allocation.deviceIDStrategy",
         "allocation.frameworkHints",
         "allocation.contextReserve",
         "enforcement.pollInterval",

@@ -22,6 +22,7 @@ from deviceplugin.config import (
     AllocationPolicy,
     Config,
     ConfigFormat,
+    DeviceIdStrategy,
     DeviceListStrategy,
     GpuMatch,
     HealthConfig,
@@ -48,8 +49,9 @@ class Meaning:
 
     refused: (key path, a piece of NVIDIA's reason) of each problem, in order; empty when the file
     is accepted. Then: the resource full GPUs are served as, with its replicas per GPU, MPS or
-    not, the MIG strategy, the replicas of MIG profiles (mixed), and the key path each warning
-    starts with, in order (no other warning)."""
+    not, the MIG strategy, the replicas of MIG profiles (mixed), what the container runtime is
+    told a GPU is called, and the key path each warning starts with, in order (no other
+    warning)."""
 
     refused: tuple[tuple[str, str], ...] = ()
     resource: str = GPU
@@ -57,6 +59,7 @@ class Meaning:
     mps: bool = False
     mig: MigStrategy = MigStrategy.NONE
     profiles: dict[str, int] = field(default_factory=dict)
+    device_ids: DeviceIdStrategy = DeviceIdStrategy.UUID
     warnings: tuple[str, ...] = ()
 
 
@@ -106,6 +109,10 @@ CASES: dict[str, Meaning] = {
     "devices-count.yaml": Meaning(replicas=2, warnings=(f"{TS}.resources: devices is ignored",)),
     "devices-list.yaml": Meaning(replicas=2, warnings=(f"{TS}.resources: devices is ignored",)),
     "device-list-strategies.yaml": Meaning(replicas=2),
+    # NVIDIA_VISIBLE_DEVICES=0,1 and 0:1 for a MIG device, as NVIDIA's plugin names them.
+    "device-id-strategy-index.yaml": Meaning(
+        replicas=2, mig=MigStrategy.MIXED, device_ids=DeviceIdStrategy.INDEX
+    ),
     "sharing-case.yaml": Meaning(
         replicas=3, warnings=("Sharing: read as sharing", "sharing.TimeSlicing: read as")
     ),
@@ -199,6 +206,7 @@ def test_an_nvidia_file_means_what_nvidias_plugin_makes_of_it(name: str) -> None
         assert profiles == {"*": meaning.replicas}  # MIG devices are nvidia.com/gpu too
     else:
         assert profiles == meaning.profiles
+    assert config.allocation.device_id_strategy is meaning.device_ids
     assert len(config.warnings) == len(meaning.warnings), config.warnings
     for warning, start in zip(config.warnings, meaning.warnings, strict=True):
         assert warning.startswith(start), warning
@@ -399,6 +407,24 @@ def test_nvidia_flags_map_to_allocation() -> None:
     assert config.warnings == ()
 
 
+@pytest.mark.parametrize(
+    ("text", "device_ids"),
+    [
+        ("flags: {plugin: {deviceIDStrategy: index}}", DeviceIdStrategy.INDEX),
+        ("flags: {plugin: {deviceIDStrategy: uuid}}", DeviceIdStrategy.UUID),
+        ("flags: {plugin: {deviceIDStrategy: null}}", DeviceIdStrategy.UUID),
+        ("flags: {plugin: {DeviceIdStrategy: index}}", DeviceIdStrategy.INDEX),
+    ],
+)
+def test_nvidia_device_id_strategy_maps_to_allocation(
+    text: str, device_ids: DeviceIdStrategy
+) -> None:
+    config = parse(text)
+
+    assert config.allocation.device_id_strategy is device_ids
+    assert not [w for w in config.warnings if "ignored" in w]
+
+
 def test_nvidia_pass_device_specs_keeps_the_default_strategy() -> None:
     config = parse(
         "flags: {plugin: {passDeviceSpecs: true, sharedDevicesAllocationPolicy: packed}}"
@@ -428,7 +454,6 @@ NVIDIA_WARNINGS = [
     ("flags: {mofedEnabled: true}", "flags.mofedEnabled"),
     ("flags: {useNodeFeatureAPI: true}", "flags.useNodeFeatureAPI"),
     ("flags: {deviceDiscoveryStrategy: tegra}", "flags.deviceDiscoveryStrategy"),
-    ("flags: {plugin: {deviceIDStrategy: index}}", "flags.plugin.deviceIDStrategy"),
     ("flags: {plugin: {cdiAnnotationPrefix: example.com/}}", "flags.plugin.cdiAnnotationPrefix"),
     ("flags: {plugin: {nvidiaCTKPath: /opt/nvidia-ctk}}", "flags.plugin.nvidiaCTKPath"),
     ("flags: {plugin: {containerDriverRoot: /drv}}", "flags.plugin.containerDriverRoot"),
@@ -593,6 +618,13 @@ def check(path: Path) -> list[str]:
     out, err = io.StringIO(), io.StringIO()
     assert check_config(path, "", out, err) == EXIT_OK, err.getvalue()
     return out.getvalue().splitlines()
+
+
+def test_check_config_says_devices_are_named_by_index() -> None:
+    assert (
+        "device list volume-mounts by index," in check(CORPUS / "device-id-strategy-index.yaml")[0]
+    )
+    assert " by index" not in check(CORPUS / "device-list-strategies.yaml")[0]
 
 
 def test_the_plan_says_how_an_nvidia_file_is_read_and_what_vgpu_adds() -> None:

@@ -260,6 +260,8 @@ def test_fake_state_mig_block_round_trips() -> None:
     assert parse_state(parsed.to_json()) == parsed
     info = gpu.mig_info(gpu.mig_devices[0])
     assert (info.parent_uuid, info.mig_profile, info.gpu_instance_id) == (PARENT, "1g.10gb", 1)
+    # A fake MIG device's index under its GPU is its place in the list.
+    assert [gpu.mig_info(d).mig_index for d in gpu.mig_devices] == [0, 1]
 
 
 @pytest.mark.parametrize(

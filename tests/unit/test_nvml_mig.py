@@ -101,6 +101,19 @@ def mig_readings(reading: NodeReading) -> list[GpuReading]:
     return [g for g in reading.gpus if g.info.is_mig_device]
 
 
+def test_a_mig_devices_index_is_its_slot_under_its_parent_empty_slots_counted(
+    backend: NvmlBackend,
+) -> None:
+    # What NVIDIA's plugin writes as <GPU index>:<MIG index> for deviceIDStrategy: index.
+    devices = {g.info.uuid: g.info for g in mig_readings(backend.poll())}
+
+    assert {u: (d.index, d.mig_index) for u, d in devices.items()} == {
+        big(1).uuid: (1, 0),
+        small(9).uuid: (1, 2),  # slot 1 is empty
+        small(10).uuid: (1, 3),
+    }
+
+
 def test_mig_devices_are_read_with_their_ids_profile_memory_and_processes(
     model: NvmlModel, backend: NvmlBackend, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -95,8 +95,8 @@ name map default fallbackStrategies
 {{- if and .Values.nvidiaDriverRoot .Values.hostPaths.driverRoot (ne .Values.nvidiaDriverRoot "/") (ne .Values.nvidiaDriverRoot .Values.hostPaths.driverRoot) -}}
 {{- fail "nvidiaDriverRoot (NVIDIA's name) and hostPaths.driverRoot differ: set one" -}}
 {{- end -}}
-{{- if eq (.Values.deviceIDStrategy | default "uuid") "index" -}}
-{{- fail "deviceIDStrategy: index is not supported: vgpu names a container's GPUs by UUID in NVIDIA_VISIBLE_DEVICES, which every NVIDIA runtime takes (and a slice's device ID is <GPU UUID>::<n>); leave deviceIDStrategy at uuid" -}}
+{{- if and .Values.dra.enabled (eq (.Values.deviceIDStrategy | default "uuid") "index") -}}
+{{- fail "deviceIDStrategy: index names GPUs to the runtime for the device plugins; the DRA driver (dra.enabled) always names them by UUID, as NVIDIA's DRA driver does: leave deviceIDStrategy unset" -}}
 {{- end -}}
 {{- if and $config.map $config.default -}}
 {{- if not (hasKey $config.map $config.default) -}}

@@ -49,14 +49,15 @@ def _percent(text: str) -> float:
 
 
 def _gpu_uuid(state: FakeState, wanted: str) -> str:
-    """The UUID of the GPU or MIG device `wanted` names: an index, a UUID, or a slice ID
-    (`UUID::n`). StateFileError when the file has none such."""
+    """The UUID of the GPU or MIG device `wanted` names: an index (`<GPU index>:<MIG index>` for
+    a MIG device, as deviceIDStrategy: index hands it out), a UUID, or a slice ID (`UUID::n`).
+    StateFileError when the file has none such."""
     uuid = wanted.split("::", 1)[0]
     for gpu in state.gpus:
         if uuid in (gpu.uuid, str(gpu.index)):
             return gpu.uuid
-        for device in gpu.mig_devices:
-            if uuid == device.uuid:
+        for mig_index, device in enumerate(gpu.mig_devices):
+            if uuid in (device.uuid, f"{gpu.index}:{mig_index}"):
                 return device.uuid
     known = ", ".join(f"{g.index} ({g.uuid})" for g in state.gpus)
     raise StateFileError(f"no GPU {wanted!r} in the state file; it has {known}")

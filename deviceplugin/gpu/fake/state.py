@@ -51,7 +51,8 @@ class FakeGpu:
     mig_block: bool = False
 
     def mig_info(self, device: FakeMigDevice) -> GpuInfo:
-        """A MIG device as NVML reports it: its own UUID and memory, its parent's index."""
+        """A MIG device as NVML reports it: its own UUID and memory, its parent's index, and
+        its position in the GPU's `mig.devices` as its MIG index."""
         return GpuInfo(
             uuid=device.uuid,
             index=self.index,
@@ -64,6 +65,7 @@ class FakeGpu:
             mig_profile=device.profile,
             gpu_instance_id=device.gpu_instance_id,
             compute_instance_id=device.compute_instance_id,
+            mig_index=self.mig_devices.index(device),
         )
 
     @property

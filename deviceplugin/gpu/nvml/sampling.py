@@ -13,10 +13,10 @@ between reuse the last list.
 MIG: a GPU in MIG mode is read as the GPU (its used memory; NVML has no utilisation for a GPU in
 MIG mode) and, at every poll, its MIG devices: the handles nvmlDeviceGetMigDeviceHandleByIndex
 gives over nvmlDeviceGetMaxMigDeviceCount slots (an empty slot answers NOT_FOUND), each with its
-facts (see `inventory`), memory and processes. A re-partitioning (mig-parted) is thus seen at the
-next poll. NVML gives no utilisation samples per MIG device (nvmlDeviceGetUtilizationRates and
-nvmlDeviceGetProcessUtilization answer NOT_SUPPORTED on MIG devices), so MIG devices and their
-processes report none: None, never a guess.
+slot (its MIG index), facts (see `inventory`), memory and processes. A re-partitioning
+(mig-parted) is thus seen at the next poll. NVML gives no utilisation samples per MIG device
+(nvmlDeviceGetUtilizationRates and nvmlDeviceGetProcessUtilization answer NOT_SUPPORTED on MIG
+devices), so MIG devices and their processes report none: None, never a guess.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class Gpu(GpuInventory):
         for slot in range(int(count)):
             try:
                 handle = self.call("nvmlDeviceGetMigDeviceHandleByIndex", self.handle, slot)
-                device = self._read_mig_device(handle)
+                device = self._read_mig_device(handle, slot)
             except self._lib.nvml_error as e:
                 if self._lib.code(e) in gone:
                     continue  # an empty slot, or a device destroyed while it was read
@@ -159,7 +159,7 @@ class Gpu(GpuInventory):
         self._forget_mig_devices_but(seen)
         return tuple(devices)
 
-    def _read_mig_device(self, handle: object) -> MigSample:
+    def _read_mig_device(self, handle: object, slot: int) -> MigSample:
         parent = self.info
         assert parent is not None
         uuid = text(self.call("nvmlDeviceGetUUID", handle))
@@ -177,6 +177,7 @@ class Gpu(GpuInventory):
             mig_profile=profile,
             gpu_instance_id=gi,
             compute_instance_id=ci,
+            mig_index=slot,
         )
         processes = tuple(
             self._samples.sample((uuid, pid), pid, used, None)
