@@ -347,11 +347,7 @@ def _parse_nvidia(r: _Reader, data: Mapping[str, object]) -> Config:
             " and none is listed."
         )
     elif time_slicing is not None and time_slicing.fail_requests_greater_than_one:
-        r.warn(
-            "sharing.timeSlicing.failRequestsGreaterThanOne: true is ignored:"
-            " vgpu accepts requests for several slices and gives the container"
-            " the memory and compute of all of them.",
-        )
+        _warn_fail_requests(r, time_slicing, "sharing.timeSlicing", "true")
     resource_name, slicing, mig = _nvidia_resources(
         r, chosen.resources if chosen else (), mig_strategy
     )
@@ -362,8 +358,11 @@ def _parse_nvidia(r: _Reader, data: Mapping[str, object]) -> Config:
             policy=nv_allocation.policy or defaults.allocation.policy,
             device_list_strategy=device_list,
             device_id_strategy=(nv_allocation.device_ids or defaults.allocation.device_id_strategy),
+            # NVIDIA's default: true with MPS, false with time-slicing.
             fail_requests_greater_than_one=(
-                mps is not None and mps.fail_requests_greater_than_one is not False
+                mps.fail_requests_greater_than_one is not False
+                if mps is not None
+                else time_slicing is not None and bool(time_slicing.fail_requests_greater_than_one)
             ),
         ),
         mps=MpsConfig(
@@ -396,13 +395,18 @@ def _warn_mps(r: _Reader, mps: _Sharing, mps_root: str | None) -> None:
             if mps.fail_requests_greater_than_one
             else "not set, so true (NVIDIA's default with MPS)"
         )
-        names = ", ".join(sorted({m.advertised for m in mps.resources})) or "a shared resource"
-        r.warn(
-            f"sharing.mps.failRequestsGreaterThanOne: {written}: as NVIDIA's plugin does, vgpu"
-            f" refuses a container that asks for more than 1 of {names} (its pod fails with"
-            " UnexpectedAdmissionError); write failRequestsGreaterThanOne: false to give such a"
-            " container the memory and compute of every slice it asks for."
-        )
+        _warn_fail_requests(r, mps, "sharing.mps", written)
+
+
+def _warn_fail_requests(r: _Reader, sharing: _Sharing, path: str, written: str) -> None:
+    """failRequestsGreaterThanOne in effect: what a container asking for more meets."""
+    names = ", ".join(sorted({m.advertised for m in sharing.resources})) or "a shared resource"
+    r.warn(
+        f"{path}.failRequestsGreaterThanOne: {written}: as NVIDIA's plugin does, vgpu"
+        f" refuses a container that asks for more than 1 of {names} (its pod fails with"
+        " UnexpectedAdmissionError); write failRequestsGreaterThanOne: false to give such a"
+        " container the memory and compute of every slice it asks for."
+    )
 
 
 def _nvidia_resources(

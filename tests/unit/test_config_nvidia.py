@@ -88,7 +88,7 @@ CASES: dict[str, Meaning] = {
     "time-slicing-10.yaml": Meaning(replicas=10),
     "time-slicing-rename-by-default.yaml": Meaning(resource=f"{GPU}.shared", replicas=4),
     "time-slicing-fail-requests.yaml": Meaning(
-        replicas=4, warnings=(f"{TS}.failRequestsGreaterThanOne: true is ignored",)
+        replicas=4, warnings=(f"{TS}.failRequestsGreaterThanOne: true: as NVIDIA",)
     ),
     "time-slicing-mig-mixed.yaml": Meaning(
         replicas=2,
@@ -465,10 +465,6 @@ NVIDIA_WARNINGS = [
     ("health: {criticalXIDs: [48, 79]}", "health.criticalXIDs"),
     ("health: {eventTypes: [EventTypeSingleBitEccError]}", "health.eventTypes"),
     ("health: {ignoredXids: [13]}", "health.ignoredXids"),
-    (
-        "sharing: {timeSlicing: {failRequestsGreaterThanOne: true}}",
-        "sharing.timeSlicing.failRequestsGreaterThanOne",
-    ),
     ("sharing: {timeSlicing: {strategy: packed}}", "sharing.timeSlicing.strategy"),
     ("sharing: {timeSlicingg: {}}", "sharing.timeSlicingg"),
 ]
