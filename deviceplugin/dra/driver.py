@@ -1,12 +1,13 @@
 """The DRA driver: prepared claims, their CDI specs, the node's ResourceSlice, and the kubelet
 plugin sockets, run by the daemon in `--kubelet-api dra` mode (docs/dra.md).
 
-Prepare (per claim, under one lock): a claim already prepared answers what it answered before;
-otherwise its allocation is read from the API server, its CDI spec written, and it is
-checkpointed before the answer goes back. Unprepare removes the spec, then the checkpoint entry;
-a claim it does not know is already unprepared. Every prepared claim is an allocation in the
-daemon's book, and one slice per GPU in the inventory the poll builds, with the memory and
-compute it consumed: the snapshot, /status, /metrics and the enforcer treat it like any other.
+Prepare (per claim): a claim already prepared answers what it answered before; otherwise its
+allocation is read from the API server (the claims of one call together, outside the lock),
+then, under one lock, its CDI spec is written and it is checkpointed before the answer goes
+back. Unprepare removes the spec, then the checkpoint entry; a claim it does not know is
+already unprepared. Every prepared claim is an allocation in the daemon's book, and one slice
+per GPU in the inventory the poll builds, with the memory and compute it consumed: the
+snapshot, /status, /metrics and the enforcer treat it like any other.
 
 The ResourceSlice follows the poll's inventory (GPUs, their health, the MIG layout, a reload's
 new plan): whenever the devices it would publish change, it is created or updated (a new pool
@@ -163,10 +164,18 @@ class DraDriver:
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, PrepareResult]:
         results: dict[str, PrepareResult] = {}
+        # The claims are read from the API server together and before the lock: a GET that is
+        # slow to answer costs the call one API timeout, whatever the number of claims, and
+        # holds up no other prepare or unprepare.
+        fetched = await asyncio.gather(
+            *(self._fetch(ref) for ref in claims), return_exceptions=True
+        )
         async with self._lock:
-            for ref in claims:
+            for ref, got in zip(claims, fetched, strict=True):
                 try:
-                    prepared = await self._prepare_one(ref)
+                    if isinstance(got, BaseException):
+                        raise got
+                    prepared = await self._prepare_one(ref, got)
                 except (ClaimError, ApiCallError, OSError) as e:
                     log.error(
                         "prepare failed claim=%s/%s uid=%s error=%s",
@@ -192,14 +201,22 @@ class DraDriver:
             self._claims_changed()
         return results
 
-    async def _prepare_one(self, ref: ClaimRef) -> PreparedClaim:
+    async def _fetch(self, ref: ClaimRef) -> dict[str, Any] | None:
+        """The claim from the API server; None for one prepared before (nothing to read)."""
+        if self.store.get(ref.uid) is not None:
+            return None
+        return await self._api.get_claim(ref.namespace, ref.name)
+
+    async def _prepare_one(self, ref: ClaimRef, obj: dict[str, Any] | None) -> PreparedClaim:
+        """Under the lock. `obj`: the claim as `_fetch` read it."""
         known = self.store.get(ref.uid)
         if known is not None:
             # Prepared before (a retry, a kubelet restart): the same answer; the spec again in
             # case it was lost.
             self._write_spec(known)
             return known
-        obj = await self._api.get_claim(ref.namespace, ref.name)
+        if obj is None:  # unprepared since `_fetch` found it prepared
+            obj = await self._api.get_claim(ref.namespace, ref.name)
         uid = str((obj.get("metadata") or {}).get("uid") or "")
         if uid != ref.uid:
             raise ClaimError(

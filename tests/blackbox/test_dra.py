@@ -579,6 +579,39 @@ async def test_a_claim_the_api_server_never_answers_fails_that_claim_not_the_kub
         assert (await _prepare(settings.service_socket, "u-ok")).error == ""
 
 
+async def test_stalled_claims_cost_one_api_timeout_and_hold_up_no_other_call(
+    node: Node, api: FakeApiServer
+) -> None:
+    """Three claims the API server never answers, in one NodePrepareResources: the call returns
+    after one API timeout, not three; while it waits, another claim is unprepared at once."""
+    settings = dataclasses.replace(_dra(node, api), api_timeout_s=1.5)
+    async with dra_daemon(node, api, dra=settings):
+        await _register(settings)
+        api.put_claim(_claim("u-ok", "1Gi", "10"))
+        assert (await _prepare(settings.service_socket, "u-ok")).error == ""
+        stalled = ["u-s1", "u-s2", "u-s3"]
+        for uid in stalled:
+            api.put_claim(_claim(uid, "1Gi", "10"))
+            api.stall_claims.add(("default", f"claim-{uid}"))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        async with grpc.aio.insecure_channel(f"unix://{settings.service_socket}") as channel:
+            call = dra_v1_grpc.DRAPluginStub(channel).NodePrepareResources(
+                dra_v1.NodePrepareResourcesRequest(claims=[_ref(dra_v1, u) for u in stalled]),
+                timeout=RPC_TIMEOUT_S,
+            )
+            await asyncio.sleep(0.3)  # the GETs are out
+            assert await _unprepare(settings.service_socket, "u-ok") == ""
+            assert loop.time() - started < 1.5, "the unprepare waited for the stalled GETs"
+            assert not _spec(node, "u-ok").exists()
+            answer = await call
+        # One timeout (1.5 s) for the three; one after the other they take 4.5 s at least.
+        assert loop.time() - started < 4.0
+        for uid in stalled:
+            assert "did not answer within 1.5s" in answer.claims[uid].error
+            assert not _spec(node, uid).exists()
+
+
 def test_a_client_stalled_mid_request_holds_up_nobody_else(api: FakeApiServer) -> None:
     """The fake API server itself: a client that sent a write's headers but not its body (the
     daemon, on the test's own event loop, between two writes) must not keep the test from the
