@@ -437,3 +437,5 @@ class NodeSnapshot:
     stale: bool = False
     health: DaemonHealth = field(default_factory=DaemonHealth)
     enforcement: tuple[EnforcementCount, ...] = ()
+    # Signals the enforcer decided on but did not send, by reason (moved, permission_denied).
+    signals_not_sent: tuple[tuple[str, int], ...] = ()

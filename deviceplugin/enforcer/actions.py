@@ -26,6 +26,7 @@ _KILL_OUTCOME = {
     SignalResult.SENT: "true",
     SignalResult.GONE: "false (process gone)",
     SignalResult.DENIED: "false (permission denied)",
+    SignalResult.MOVED: "false (moved to another cgroup since it was attributed)",
 }
 
 _Names = tuple[str, str, str, int]  # namespace, pod, container, GPU index

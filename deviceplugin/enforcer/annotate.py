@@ -53,14 +53,21 @@ class Annotator:
         entitlement: Callable[[ContainerKey], float | None],
         revision: int,
         enforcement: tuple[EnforcementCount, ...],
+        *,
+        signals_not_sent: tuple[tuple[str, int], ...] = (),
     ) -> NodeSnapshot:
         """`snapshot` with each container's duty cycle, stopped time and entitlement filled in,
-        and the enforcement counts."""
+        and the enforcement counts (and the signals not sent)."""
         # The same containers, duty cycles and policy state as last time (a steady node): the
         # same annotated containers.
         inputs = (snapshot.containers, figures, revision)
         if self._annotated is not None and self._annotated[0] == inputs:
-            return replace(snapshot, containers=self._annotated[1], enforcement=enforcement)
+            return replace(
+                snapshot,
+                containers=self._annotated[1],
+                enforcement=enforcement,
+                signals_not_sent=signals_not_sent,
+            )
         previous = self._annotations
         annotations: dict[
             ContainerKey, tuple[ContainerUsage, float | None, float, float | None, ContainerUsage]
@@ -85,4 +92,9 @@ class Annotator:
             containers.append(annotated)
         self._annotations = annotations
         self._annotated = (inputs, tuple(containers))
-        return replace(snapshot, containers=self._annotated[1], enforcement=enforcement)
+        return replace(
+            snapshot,
+            containers=self._annotated[1],
+            enforcement=enforcement,
+            signals_not_sent=signals_not_sent,
+        )

@@ -83,6 +83,9 @@ class SignalResult(enum.Enum):
     GONE = "gone"
     # Not sent: the process is there, and the signal was refused (EPERM).
     DENIED = "denied"
+    # Not sent: the process moved to another cgroup since it was attributed (SIGKILL and
+    # SIGSTOP only); its identity is no longer held.
+    MOVED = "moved"
 
 
 class ProcessControl(Protocol):
@@ -171,7 +174,6 @@ class PsutilControl:
         self._where_now = where
         # PID -> (start ticks, where it moved to) of processes let go for moving.
         self._moved: dict[int, tuple[int, object]] = {}
-        self.moves_refused = 0
 
     @property
     def dry_run(self) -> bool:
@@ -217,14 +219,13 @@ class PsutilControl:
                 if where != self._where.get(pid):
                     self._moved[pid] = (self._ticks[pid], where)
                     self._forget(pid)
-                    self.moves_refused += 1
                     log.warning(
                         "not signalled: the process moved to another cgroup since it was "
                         "attributed pid=%d signal=%s",
                         pid,
                         sig.name,
                     )
-                    return SignalResult.GONE
+                    return SignalResult.MOVED
             try:
                 fd = self._pidfd(pid, process) if self._use_pidfd else None
                 if fd is None:

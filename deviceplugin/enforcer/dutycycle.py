@@ -72,6 +72,7 @@ class DutyCycler:
         # PIDs whose denial has been logged, while they are in a group or unresumed.
         self._denied_logged: set[int] = set()
         self._signals_denied = 0
+        self._signals_moved = 0
         self._period_start_s = clock()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -188,6 +189,12 @@ class DutyCycler:
         with self._cond:
             return self._signals_denied
 
+    @property
+    def signals_moved(self) -> int:
+        """How many SIGSTOPs were not sent because the process had moved to another cgroup."""
+        with self._cond:
+            return self._signals_moved
+
     def group_keys(self) -> frozenset[Hashable]:
         with self._cond:
             return frozenset(self._groups)
@@ -268,6 +275,9 @@ class DutyCycler:
         """Send `sig` to `pid` through the control, and act on what became of it."""
         result = self._control.send(pid, sig)
         if result is SignalResult.GONE:
+            self._drop(pid)
+        elif result is SignalResult.MOVED:
+            self._signals_moved += 1
             self._drop(pid)
         elif result is SignalResult.DENIED:
             self._signals_denied += 1

@@ -114,6 +114,7 @@ class Enforcer:
         self._closed = False
         self._recovered = False
         self._signals_denied = 0
+        self._signals_moved = 0
         self._actions = ActionLog()
         self._annotator = Annotator()
         self._forgot_for: tuple[object, ...] = ()
@@ -143,6 +144,13 @@ class Enforcer:
         """How many signals were denied (kills, stops, resumes), in all."""
         with self._lock:
             return self._signals_denied + self._book.signals_denied + self._cycler.signals_denied
+
+    def signals_not_sent(self) -> tuple[tuple[str, int], ...]:
+        """Kills, stops and resumes not sent, by reason: `permission_denied` (the daemon may not
+        signal the process) and `moved` (it left the cgroup it was attributed from)."""
+        with self._lock:
+            moved = self._signals_moved + self._cycler.signals_moved
+            return (("moved", moved), ("permission_denied", self.signals_denied))
 
     # -- start ------------------------------------------------------------------------------
 
@@ -212,6 +220,7 @@ class Enforcer:
             self.policy.entitlement,
             self.policy.revision,
             self.counts(),
+            signals_not_sent=self.signals_not_sent(),
         )
 
     def _cycler_pids(self) -> frozenset[int]:
@@ -237,6 +246,8 @@ class Enforcer:
             result = self._control.send(d.pid, signal.SIGKILL)
             if result is SignalResult.DENIED:
                 self._signals_denied += 1
+            elif result is SignalResult.MOVED:
+                self._signals_moved += 1
             self._actions.killed(d, result, dry)
         elif isinstance(d, SetDuty):
             self._cycler.set((d.allocation_id, d.gpu_uuid), d.pids, d.duty)

@@ -189,6 +189,13 @@ class SnapshotCollector(Collector):
             "(kill, throttle, monitor), a count.",
             ENFORCEMENT_LABELS,
         )
+        not_sent = _counter(
+            "vgpu_enforcement_signals_not_sent",
+            "Kills, stops and resumes the enforcer decided on but did not send, by reason: "
+            "permission_denied (the daemon may not signal the process), moved (it left the "
+            "cgroup it was attributed from), a count.",
+            (*NODE_LABELS, "reason"),
+        )
         allocation_info = _gauge(
             "vgpu_allocation_info",
             "An allocation this daemon holds, with where it came from (device-plugin, dra) and "
@@ -306,6 +313,8 @@ class SnapshotCollector(Collector):
                         enforcement.add_metric([*_container_labels(node, c), kind, action], 0.0)
             for e in snapshot.enforcement:
                 enforcement.add_metric([*_container_labels(node, e), e.kind, e.action], e.count)
+            for reason, count in snapshot.signals_not_sent:
+                not_sent.add_metric([node, reason], count)
 
             for a in snapshot.allocations:
                 allocation_info.add_metric(
@@ -346,6 +355,7 @@ class SnapshotCollector(Collector):
             c_share,
             c_throttled,
             enforcement,
+            not_sent,
             allocation_info,
             registrations,
             registration_failures,

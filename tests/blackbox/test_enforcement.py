@@ -678,6 +678,8 @@ class LiveRecordingControl(RecordingControl):
     refuses SIGCONT to the PIDs in `deny_resume`. Sends nothing."""
 
     deny_resume: set[int] = field(default_factory=set)
+    # PIDs that moved to another cgroup since they were attributed: never killed or stopped.
+    moved: set[int] = field(default_factory=set)
 
     @property
     def dry_run(self) -> bool:
@@ -686,6 +688,9 @@ class LiveRecordingControl(RecordingControl):
     def send(self, pid: int, sig: signal.Signals) -> SignalResult:
         if sig == signal.SIGCONT and pid in self.deny_resume and pid in self.held:
             return SignalResult.DENIED
+        if sig in (signal.SIGKILL, signal.SIGSTOP) and pid in self.moved and pid in self.held:
+            del self.held[pid]
+            return SignalResult.MOVED
         return super().send(pid, sig)
 
 
@@ -843,6 +848,20 @@ def test_throttles_are_released_when_polling_has_failed_for_5_s(
     assert "measurements stale" in line
 
 
+def test_a_stop_refused_because_the_process_moved_is_counted_and_never_retried() -> None:
+    control = LiveRecordingControl(moved={7})
+    control.watch([7, 8])
+    cycler = DutyCycler(control, PERIOD_S)
+    try:
+        cycler.set("g", [7, 8], 0.5)
+        assert wait_until(lambda: signals_to(control, 8).count(signal.SIGSTOP) >= 3, 3.0)
+        assert cycler.signals_moved == 1
+        assert cycler.pids() == {8}  # the moved process is out of the group, not tried again
+    finally:
+        cycler.stop()
+    assert signals_to(control, 7) == []
+
+
 def test_a_denied_stop_is_logged_once_counted_and_retried(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -901,6 +920,7 @@ _KILL_LOG = {
     SignalResult.SENT: "sent=true ",
     SignalResult.GONE: "sent=false (process gone)",
     SignalResult.DENIED: "sent=false (permission denied)",
+    SignalResult.MOVED: "sent=false (moved to another cgroup since it was attributed)",
 }
 
 
@@ -916,12 +936,21 @@ def test_a_kill_is_logged_with_what_became_of_it(
         control.gone.add(4001)
     elif result is SignalResult.DENIED:
         control.denied.add(4001)
+    elif result is SignalResult.MOVED:
+        control.moved.add(4001)
     enforcer = Enforcer(strict_config(grace_s=0), tmp_path, control=control)
     enforcers.append(enforcer)
-    enforcer.on_snapshot(hand_snapshot([4001], util=0.0, memory_gib=30))
+    published = enforcer.on_snapshot(hand_snapshot([4001], util=0.0, memory_gib=30))
     (line,) = [r.getMessage() for r in caplog.records if "action=kill" in r.getMessage()]
     assert _KILL_LOG[result] in line
+    assert "pod=" in line
+    assert "pid=4001" in line
     assert enforcer.signals_denied == (1 if result is SignalResult.DENIED else 0)
+    # The snapshot /metrics serves counts what was not sent, by reason.
+    assert dict(published.signals_not_sent) == {
+        "permission_denied": 1 if result is SignalResult.DENIED else 0,
+        "moved": 1 if result is SignalResult.MOVED else 0,
+    }
     assert [sig for _, sig in control.sent] == (
         [signal.SIGKILL] if result is SignalResult.SENT else []
     )

@@ -165,6 +165,7 @@ def sample_snapshot(
             pod_resources_ok=True,
         ),
         enforcement=enforcement,
+        signals_not_sent=(("moved", 1), ("permission_denied", 2)),
     )
 
 
@@ -215,6 +216,7 @@ EXPECTED_LABELS: dict[str, set[str]] = {
     "vgpu_container_compute_share_ratio": CONTAINER,
     "vgpu_container_throttled_seconds_total": CONTAINER,
     "vgpu_enforcement_actions_total": CONTAINER | {"kind", "action"},
+    "vgpu_enforcement_signals_not_sent_total": NODE_ONLY | {"reason"},
     "vgpu_allocation_info": (CONTAINER - {"gpu_uuid"}) | {"source", "claim"},
     "vgpu_allocate_duration_seconds_bucket": NODE_ONLY | {"le"},
     "vgpu_allocate_duration_seconds_sum": NODE_ONLY,
@@ -290,6 +292,15 @@ def test_every_series_has_exactly_the_contract_labels() -> None:
         for labels in label_sets:
             assert set(labels) == EXPECTED_LABELS[name], name
             assert labels["node"] == NODE
+
+
+def test_signals_the_enforcer_did_not_send_are_counted_by_reason() -> None:
+    metrics, _ = make(sample_snapshot())
+    not_sent = exposed_values(metrics)["vgpu_enforcement_signals_not_sent_total"]
+    assert sorted((labels["reason"], value) for labels, value in not_sent) == [
+        ("moved", 1.0),
+        ("permission_denied", 2.0),
+    ]
 
 
 def test_series_are_unique() -> None:
