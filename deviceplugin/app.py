@@ -24,10 +24,8 @@ from deviceplugin import __version__
 from deviceplugin.allocation import mps_defaults
 from deviceplugin.config import Config, MpsConfig
 from deviceplugin.dra.settings import DraSettings
-from deviceplugin.enforcer import Enforcer, PsutilControl, RecordingControl
 from deviceplugin.errors import StartupError
 from deviceplugin.gpu.backend import GpuBackend, open_backend
-from deviceplugin.gpu.mps import MpsControlDaemon
 from deviceplugin.kubelet.checkpoint import (
     CHECKPOINT_FILE,
     CheckpointEntry,
@@ -59,9 +57,13 @@ from deviceplugin.usage.metrics import DaemonMetrics, healthz
 from deviceplugin.usage.procs import AllocationResolver, pid_namespace_warning
 
 if TYPE_CHECKING:
-    # Imported where used: both bring the Kubernetes API client (lightkube, httpx), which the
-    # device-plugin mode without per-node configs never needs; its start-up stays lighter.
+    # Imported where used, so that a new process registers sooner: the DRA driver and per-node
+    # configs bring the Kubernetes API client (lightkube, httpx), which the device-plugin mode
+    # without per-node configs never needs; the enforcer starts once the kubelet has the first
+    # device list (see run()); the MPS control daemon is only where MPS is on.
     from deviceplugin.dra.driver import DraDriver
+    from deviceplugin.enforcer import Enforcer
+    from deviceplugin.gpu.mps import MpsControlDaemon
     from deviceplugin.nodeconfig import NodeConfig
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,10 @@ HEALTHZ_STALE_POLLS = 20
 HEALTHZ_STALE_IDLE_POLLS = 5
 HEALTHZ_MIN_STALE_S = 10.0
 HEALTHZ_UNREGISTERED_S = 60.0
+# The enforcer starts once the kubelet has the first device list, checked this often, or after
+# this long at the latest (a kubelet slow to open its stream).
+FIRST_LIST_CHECK_S = 0.005
+FIRST_LIST_WAIT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +179,7 @@ class Daemon:
         )
         # The node's MPS control daemon, when MPS is on: started after the first poll (its
         # defaults follow the slicing), supervised, and sent quit on every exit path.
-        self.mps = MpsControlDaemon(cfg.mps) if cfg.mps.enabled else None
+        self.mps = _mps_control_daemon(cfg.mps) if cfg.mps.enabled else None
         self.reload_metrics = ReloadMetrics(
             self.metrics.registry, settings.node_name, settings.config_hash
         )
@@ -386,7 +392,7 @@ class Daemon:
             log.info("config reload: MPS control daemon stopped")
         if not config.enabled:
             return
-        self.mps = mps = MpsControlDaemon(config)
+        self.mps = mps = _mps_control_daemon(config)
         try:
             await asyncio.to_thread(mps.start, mps_defaults(self.inventory.value.plans))
         except StartupError as e:
@@ -410,8 +416,7 @@ class Daemon:
     def _enforce(self, snapshot: NodeSnapshot) -> NodeSnapshot:
         return snapshot if self.enforcer is None else self.enforcer.on_snapshot(snapshot)
 
-    def _start_enforcer(self) -> Enforcer:
-        cfg = self.settings.config.enforcement
+    def _make_state_dir(self) -> Path:
         state_dir = self.settings.state_dir
         try:
             state_dir.mkdir(parents=True, exist_ok=True)
@@ -420,6 +425,13 @@ class Daemon:
                 f"cannot create the state directory {state_dir}: {e.strerror or e}; "
                 "set --state-dir to a writable directory"
             ) from e
+        return state_dir
+
+    def _start_enforcer(self) -> Enforcer:
+        from deviceplugin.enforcer import Enforcer, PsutilControl, RecordingControl  # noqa: PLC0415
+
+        cfg = self.settings.config.enforcement
+        state_dir = self._make_state_dir()
         # A signal is held back from a process that left its pod container since it was
         # attributed (read afresh right before each SIGKILL or SIGSTOP).
         control = (
@@ -429,6 +441,18 @@ class Daemon:
         # Resume whatever a daemon killed outright left stopped, before anything else runs.
         enforcer.recover()
         return enforcer
+
+    async def _until_listed(self, stop: asyncio.Event) -> None:
+        """Until the kubelet has had a device list from this daemon, a registration has failed
+        (no kubelet to wait for), `stop`, or FIRST_LIST_WAIT_S; at once in DRA mode."""
+        deadline = time.monotonic() + FIRST_LIST_WAIT_S
+        while self.dra is None and not stop.is_set() and time.monotonic() < deadline:
+            if any(
+                e.service.lists_sent or e.lifecycle.stats.registration_failures
+                for e in self.resources
+            ):
+                return
+            await asyncio.sleep(FIRST_LIST_CHECK_S)
 
     def health(self) -> DaemonHealth:
         # Registered only when every resource is and holds its stream (a registration that holds
@@ -477,9 +501,20 @@ class Daemon:
             unregistered_after_s=HEALTHZ_UNREGISTERED_S,
         )
 
-    async def run(self, stop: asyncio.Event, hangup: asyncio.Event | None = None) -> None:
+    async def run(
+        self,
+        stop: asyncio.Event,
+        hangup: asyncio.Event | None = None,
+        *,
+        enforcer_after_listing: bool = False,
+    ) -> None:
         """Run until `stop` is set. The first poll must succeed: nothing can be served before.
-        With a config file, `hangup` set (SIGHUP) or a change of its content reloads it."""
+        With a config file, `hangup` set (SIGHUP) or a change of its content reloads it.
+
+        `enforcer_after_listing` (`serve`, a new process): the enforcer starts once the kubelet
+        has the first device list, and is imported only then, so that the kubelet has it that
+        much sooner; until then polls are not enforced. Otherwise (in-process, where every
+        module is imported already) it starts before the first poll."""
         cfg = self.settings.config
         log.info(
             "starting vgpu device plugin version=%s backend=%s resource=%s device_plugin_dir=%s",
@@ -493,7 +528,10 @@ class Daemon:
         pid_namespace = pid_namespace_warning()
         if pid_namespace:
             log.warning("%s", pid_namespace)
-        self.enforcer = await asyncio.to_thread(self._start_enforcer)
+        if enforcer_after_listing:
+            self._make_state_dir()  # its failure stops the start here, as the enforcer's would
+        else:
+            self.enforcer = await asyncio.to_thread(self._start_enforcer)
         if self.dra is not None:
             try:
                 self.dra.recover()
@@ -566,12 +604,21 @@ class Daemon:
                     self._start_component(
                         "node-labels", functools.partial(self._label, self.node_labels)
                     )
+                if enforcer_after_listing:
+                    # Importing it (with psutil) before would keep a new process from the
+                    # kubelet ~70 ms longer. It resumes at once what a daemon killed outright
+                    # left stopped, and starts even when stopping: that resume is owed.
+                    await self._until_listed(stop)
+                    self.enforcer = await asyncio.to_thread(self._start_enforcer)
+                    if self.enforcer.config != self.settings.config.enforcement:
+                        await self.replace_enforcer()  # a reload changed it while it started
         finally:
             self._tasks = self._stop = None
             self._components.clear()
             try:
                 # Every process it holds stopped runs again, whatever ended the daemon: first.
-                self.enforcer.close()
+                if self.enforcer is not None:
+                    self.enforcer.close()
             finally:
                 if self.mps is not None:
                     self.mps.stop()
@@ -596,6 +643,12 @@ class _ClaimEvidence:
                 for pod, allocation, slices, gpus in self._dra.claim_owners()
             )
         )
+
+
+def _mps_control_daemon(config: MpsConfig) -> MpsControlDaemon:
+    from deviceplugin.gpu.mps import MpsControlDaemon  # noqa: PLC0415 (only where MPS is on)
+
+    return MpsControlDaemon(config)
 
 
 def _set_on_done(event: asyncio.Event, _: asyncio.Future[Any]) -> None:
@@ -626,7 +679,7 @@ async def serve(
     try:
         backend = open_backend(settings.backend, settings.config)
         try:
-            await Daemon(settings, backend).run(stop, hangup)
+            await Daemon(settings, backend).run(stop, hangup, enforcer_after_listing=True)
         finally:
             backend.close()
     finally:
