@@ -28,14 +28,11 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
-
-from prometheus_client.exposition import gzip_accepted
+from typing import Any, Protocol
 
 from deviceplugin.errors import StartupError
 from deviceplugin.logs import brief_list
 from deviceplugin.model import NodeSnapshot
-from deviceplugin.usage.metrics import DaemonMetrics
 from deviceplugin.usage.statusdoc import snapshot_to_json
 
 log = logging.getLogger(__name__)
@@ -85,6 +82,14 @@ class TlsFiles:
     key: Path
     client_ca: Path | None = None
     client_names: frozenset[str] = frozenset()
+
+
+class MetricsExposition(Protocol):
+    """What /metrics renders (a DaemonMetrics): prometheus_client is imported only by the
+    first scrape or by whoever makes it, not with this server, which the daemon starts before
+    its first registration."""
+
+    def render(self, accept: str = "") -> tuple[bytes, str]: ...
 
 
 def certificate_names(cert: Any) -> set[str]:
@@ -244,7 +249,7 @@ class HttpServer:
     def __init__(
         self,
         address: str,
-        metrics: DaemonMetrics,
+        metrics: MetricsExposition,
         get_snapshot: Callable[[], NodeSnapshot | None],
         healthz: Callable[[], tuple[bool, str]],
         *,
@@ -372,6 +377,12 @@ class HttpServer:
         return HTTPStatus.NOT_FOUND, TEXT_TYPE, b"not found: try /metrics, /healthz, /status\n"
 
 
+def _gzip_accepted(accept_encoding: str) -> bool:
+    from prometheus_client.exposition import gzip_accepted  # noqa: PLC0415 (see MetricsExposition)
+
+    return bool(gzip_accepted(accept_encoding))
+
+
 def _json(status: int, doc: Any) -> tuple[int, str, bytes]:
     return status, JSON_TYPE, (json.dumps(doc, allow_nan=False) + "\n").encode()
 
@@ -404,7 +415,7 @@ def _make_handler(owner: HttpServer) -> type[BaseHTTPRequestHandler]:
                 )
             self.send_response(status)
             self.send_header("Content-Type", content_type)
-            if gzip_accepted(self.headers.get("Accept-Encoding", "")):
+            if _gzip_accepted(self.headers.get("Accept-Encoding", "")):
                 body = gzip.compress(body)
                 self.send_header("Content-Encoding", "gzip")
             self.send_header("Content-Length", str(len(body)))

@@ -1,5 +1,6 @@
 """How soon `serve`, a new process, gives the kubelet its devices: nothing it needs only later
-is imported before the first device list, and all of it still comes up right after."""
+is imported before the first device list, and all of it still comes up right after; /healthz
+and /status answer before the kubelet has the devices, as they always did."""
 
 from __future__ import annotations
 
@@ -11,17 +12,17 @@ import urllib.request
 
 from tests.blackbox.daemon_harness import Node, serve_args
 
-# Imported only after the kubelet has the first device list (the enforcer and psutil), or never
-# by this `serve` (the Kubernetes API client: no per-node configs; the MPS control daemon: MPS
-# off).
-LATER = ("deviceplugin.enforcer", "psutil")
+# Imported only after the kubelet has the first device list (the enforcer and psutil, the
+# metrics), or never by this `serve` (the Kubernetes API client: no per-node configs; the MPS
+# control daemon: MPS off).
+LATER = ("deviceplugin.enforcer", "psutil", "prometheus_client", "deviceplugin.usage.metrics")
 NEVER = ("deviceplugin.nodeconfig", "lightkube", "httpx2", "deviceplugin.gpu.mps")
 
 
-async def _serve_until_enforcing(node: Node) -> list[str]:
+async def _serve_until_enforcing(node: Node, path: str = "/healthz") -> tuple[list[str], str]:
     """`serve` under -X importtime (each import's line on stderr as it completes, between the
-    log lines), until it has sent its device list, served HTTP and started its enforcer (and
-    /healthz says ok); its stderr lines."""
+    log lines), until it has sent its device list, served HTTP and started its enforcer; then
+    GET `path` (200 asserted). Its stderr lines, and the body."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-X", "importtime", "-m", "deviceplugin", "serve",
         *serve_args(node), "--metrics-address", "127.0.0.1:0",
@@ -40,16 +41,17 @@ async def _serve_until_enforcing(node: Node) -> list[str]:
             lines.append(line.decode(errors="replace"))
         port = re.search(r"http listening .* port=(\d+)", "".join(lines))
         assert port is not None, "".join(lines)
-        assert await asyncio.to_thread(_status, f"http://127.0.0.1:{port[1]}/healthz") == 200
+        status, body = await asyncio.to_thread(_get, f"http://127.0.0.1:{port[1]}{path}")
+        assert status == 200, body
     finally:
         proc.terminate()
         await asyncio.wait_for(proc.communicate(), 15)
-    return lines
+    return lines, body
 
 
-def _status(url: str) -> int:
+def _get(url: str) -> tuple[int, str]:
     with urllib.request.urlopen(url, timeout=10) as answer:  # noqa: S310 (loopback)
-        return int(answer.status)
+        return int(answer.status), answer.read().decode()
 
 
 def _imported(line: str) -> str | None:
@@ -59,7 +61,7 @@ def _imported(line: str) -> str | None:
 
 
 async def test_serve_lists_its_devices_before_importing_the_enforcer(node: Node) -> None:
-    lines = await _serve_until_enforcing(node)
+    lines, _ = await _serve_until_enforcing(node)
     listed = next(i for i, line in enumerate(lines) if "sending device list" in line)
     before = {_imported(line) for line in lines[:listed]} - {None}
     after = {_imported(line) for line in lines[listed:]} - {None}
@@ -69,3 +71,16 @@ async def test_serve_lists_its_devices_before_importing_the_enforcer(node: Node)
     assert not after & set(NEVER)
     enforcing = next(i for i, line in enumerate(lines) if "enforcer started" in line)
     assert listed < enforcing
+    serving = next(i for i, line in enumerate(lines) if "http listening" in line)
+    assert serving < listed
+
+
+async def test_serve_answers_a_scrape_with_every_metric_after_a_start_this_lean(
+    node: Node,
+) -> None:
+    _, text = await _serve_until_enforcing(node, "/metrics")
+    # The first poll, made before the metrics were, is counted.
+    polls = re.search(r"^vgpu_poll_duration_seconds_count\S* (\S+)$", text, re.MULTILINE)
+    assert polls is not None, text
+    assert float(polls[1]) >= 1
+    assert re.search(r'^vgpu_config_reloads_total\{.*result="applied".*\} 0\.0$', text, re.M)
