@@ -19,6 +19,7 @@ import ipaddress
 import json
 import logging
 import socket
+import socketserver
 import ssl
 import sys
 import threading
@@ -153,6 +154,14 @@ class _Server(ThreadingHTTPServer):
         self._open: dict[Any, tuple[str, float]] = {}
         self._open_lock = threading.Lock()
         super().__init__(*args, **kwargs)
+
+    def server_bind(self) -> None:
+        # The bind alone: HTTPServer's also asks DNS for the host's fully qualified name (a
+        # reverse lookup, seconds where the node's DNS is not up yet, before the daemon
+        # registers) for `server_name`, which nothing here reads.
+        socketserver.TCPServer.server_bind(self)
+        host, port = self.server_address[:2]
+        self.server_name, self.server_port = str(host), int(port)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         """A thread per connection. Past a client's share or the cap, an older connection

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import sys
 import time
 import urllib.request
 
+import pytest
+
+from deviceplugin.usage.httpserver import HttpServer
 from tests.blackbox.daemon_harness import Node, serve_args
 
 # Imported only after the kubelet has the first device list (the enforcer and psutil, the
@@ -84,3 +88,30 @@ async def test_serve_answers_a_scrape_with_every_metric_after_a_start_this_lean(
     assert polls is not None, text
     assert float(polls[1]) >= 1
     assert re.search(r'^vgpu_config_reloads_total\{.*result="applied".*\} 0\.0$', text, re.M)
+
+
+def test_the_http_server_starts_without_asking_dns_for_the_host_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """http.server looks up the fully qualified name of the host it binds (a reverse DNS query:
+    seconds where the node's DNS is not up yet), before the daemon registers; nothing uses it."""
+
+    def stalled(name: str) -> tuple[str, list[str], list[str]]:
+        time.sleep(3)
+        raise OSError("DNS is not up")
+
+    monkeypatch.setattr(socket, "gethostbyaddr", stalled)
+    for address in ("127.0.0.1:0", ":0"):
+        server = HttpServer(address, _NoMetrics(), lambda: None, lambda: (True, "ok"))
+        started = time.monotonic()
+        server.start()
+        try:
+            assert time.monotonic() - started < 1.0
+            assert _get(f"http://127.0.0.1:{server.port}/healthz") == (200, "ok\n")
+        finally:
+            server.stop()
+
+
+class _NoMetrics:
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        return b"", "text/plain"
