@@ -510,10 +510,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _node_config(args: argparse.Namespace) -> NodeConfig | None:
     """Per-node configs from --config-dir, or None. Raises ConfigError on bad flags."""
-    from deviceplugin.nodeconfig import NodeConfig, NodeConfigRules, parse_fallback  # noqa: PLC0415
-
     if not args.config_dir:
         return None
+    # Only here: it brings the Kubernetes API client, which nothing else in `serve` needs.
+    from deviceplugin.nodeconfig import NodeConfig, NodeConfigRules, parse_fallback  # noqa: PLC0415
+
     if args.config:
         raise ConfigError(
             [

@@ -14,6 +14,7 @@ import asyncio
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -24,10 +25,8 @@ from deviceplugin import __version__
 from deviceplugin.allocation import mps_defaults
 from deviceplugin.config import Config, DeviceIdStrategy, MpsConfig
 from deviceplugin.dra.settings import DraSettings
-from deviceplugin.enforcer import Enforcer, PsutilControl, RecordingControl
 from deviceplugin.errors import StartupError
 from deviceplugin.gpu.backend import GpuBackend, open_backend
-from deviceplugin.gpu.mps import MpsControlDaemon
 from deviceplugin.kubelet.checkpoint import (
     CHECKPOINT_FILE,
     CheckpointEntry,
@@ -44,25 +43,25 @@ from deviceplugin.kubelet.tracker import POD_RESOURCES_INTERVAL_S, AllocationTra
 from deviceplugin.model import DaemonHealth, Inventory, NodeSnapshot
 from deviceplugin.nodelabels import NodeLabelFile
 from deviceplugin.poller import Poller, idle_interval_s
-from deviceplugin.reload import (
-    ConfigReloader,
-    ReloadMetrics,
-    apply_config,
-    report_hangups_without_a_config,
-)
 from deviceplugin.slicing import plan_gpus
 from deviceplugin.state import AllocationBook, Published
 from deviceplugin.statedir import check_state_file, claim_state_dir
 from deviceplugin.usage.cgroups import kubelet_layout
 from deviceplugin.usage.httpserver import HttpServer, TlsFiles
-from deviceplugin.usage.metrics import DaemonMetrics, healthz
 from deviceplugin.usage.procs import AllocationResolver, pid_namespace_warning
 
 if TYPE_CHECKING:
-    # Imported where used: both bring the Kubernetes API client (lightkube, httpx), which the
-    # device-plugin mode without per-node configs never needs; its start-up stays lighter.
+    # Imported where used, so that a new process registers sooner: the DRA driver and per-node
+    # configs bring the Kubernetes API client (lightkube, httpx), which the device-plugin mode
+    # without per-node configs never needs; the enforcer starts once the kubelet has the first
+    # device list (see run()), and so do the metrics and the config reload (prometheus_client);
+    # the MPS control daemon is only where MPS is on.
     from deviceplugin.dra.driver import DraDriver
+    from deviceplugin.enforcer import Enforcer
+    from deviceplugin.gpu.mps import MpsControlDaemon
     from deviceplugin.nodeconfig import NodeConfig
+    from deviceplugin.reload import ReloadMetrics
+    from deviceplugin.usage.metrics import DaemonMetrics
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +72,10 @@ HEALTHZ_STALE_POLLS = 20
 HEALTHZ_STALE_IDLE_POLLS = 5
 HEALTHZ_MIN_STALE_S = 10.0
 HEALTHZ_UNREGISTERED_S = 60.0
+# The enforcer starts once the kubelet has the first device list, checked this often, or after
+# this long at the latest (a kubelet slow to open its stream).
+FIRST_LIST_CHECK_S = 0.005
+FIRST_LIST_WAIT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,15 +136,25 @@ class Daemon:
         backend: GpuBackend,
         *,
         pod_resources_interval_s: float = POD_RESOURCES_INTERVAL_S,
+        listing_first: bool = False,
     ) -> None:
+        """`listing_first` (`serve`, a new process): the kubelet gets the first device list
+        before the enforcer, the metrics and the config reload are imported and started (see
+        run()). Otherwise (in-process, where every module is imported already) they are made
+        here and started before registration."""
         self.settings = settings = replace(settings, config=settings.configured(settings.config))
         self.backend = backend
+        self.listing_first = listing_first
         cfg = settings.config
         self.inventory: Published[Inventory] = Published(Inventory())
         self.book = AllocationBook()
-        self.metrics = DaemonMetrics(
-            settings.node_name, lambda: self.poller.snapshot, version=__version__
-        )
+        # Made by _make_metrics(), on first use (a scrape may come first, on an HTTP thread);
+        # until then (listing_first) the durations observed wait in these lists.
+        self._metrics: DaemonMetrics | None = None
+        self._reload_metrics: ReloadMetrics | None = None
+        self._metrics_lock = threading.Lock()
+        self._early_polls: list[float] = []
+        self._early_allocates: list[float] = []
         # Made in run(): its duty-cycle thread must not outlive a daemon that never ran.
         self.enforcer: Enforcer | None = None
         self.dra = self._make_dra(settings)
@@ -159,7 +172,7 @@ class Daemon:
                 lambda: self.resources.known_names,
             ),
             enforce=self._enforce,
-            on_poll_duration=self.metrics.observe_poll,
+            on_poll_duration=self._observe_poll,
             on_inventory=lambda inventory: self.reconcile_resources(),
             trust_host_processes=settings.trust_host_processes,
             resolver=AllocationResolver(
@@ -183,10 +196,7 @@ class Daemon:
         )
         # The node's MPS control daemon, when MPS is on: started after the first poll (its
         # defaults follow the slicing), supervised, and sent quit on every exit path.
-        self.mps = MpsControlDaemon(cfg.mps) if cfg.mps.enabled else None
-        self.reload_metrics = ReloadMetrics(
-            self.metrics.registry, settings.node_name, settings.config_hash
-        )
+        self.mps = _mps_control_daemon(cfg.mps) if cfg.mps.enabled else None
         # Node labels through node feature discovery's feature file, when the config asks.
         self.node_labels = self._make_node_labels(cfg)
         # While running: the task group, the daemon's stop, and the optional components' tasks
@@ -198,7 +208,7 @@ class Daemon:
         if settings.metrics_address:
             self.http = HttpServer(
                 settings.metrics_address,
-                self.metrics,
+                _DaemonMetricsOf(self),
                 lambda: self.poller.snapshot,
                 self.healthz,
                 tls=settings.metrics_tls,
@@ -207,11 +217,68 @@ class Daemon:
         if settings.probe_address:
             self.probes = HttpServer(
                 settings.probe_address,
-                self.metrics,
+                _DaemonMetricsOf(self),
                 lambda: self.poller.snapshot,
                 self.healthz,
                 probes_only=True,
             )
+        if not listing_first:
+            self._make_metrics()
+
+    def _make_metrics(self) -> None:
+        """The metrics and the reload's metrics, once; the durations observed before them."""
+        from deviceplugin.reload import ReloadMetrics  # noqa: PLC0415 (see TYPE_CHECKING above)
+        from deviceplugin.usage.metrics import DaemonMetrics  # noqa: PLC0415
+
+        with self._metrics_lock:
+            if self._metrics is not None:
+                return
+            settings = self.settings
+            metrics = DaemonMetrics(
+                settings.node_name, lambda: self.poller.snapshot, version=__version__
+            )
+            self._reload_metrics = ReloadMetrics(
+                metrics.registry, settings.node_name, settings.config_hash
+            )
+            for seconds in self._early_polls:
+                metrics.observe_poll(seconds)
+            for seconds in self._early_allocates:
+                metrics.observe_allocate(seconds)
+            self._early_polls.clear()
+            self._early_allocates.clear()
+            self._metrics = metrics
+
+    @property
+    def metrics(self) -> DaemonMetrics:
+        if self._metrics is None:
+            self._make_metrics()
+        assert self._metrics is not None
+        return self._metrics
+
+    @property
+    def reload_metrics(self) -> ReloadMetrics:
+        if self._reload_metrics is None:
+            self._make_metrics()
+        assert self._reload_metrics is not None
+        return self._reload_metrics
+
+    def _observe_poll(self, seconds: float) -> None:
+        metrics = self._metrics or self._metrics_or_keep(self._early_polls, seconds)
+        if metrics is not None:
+            metrics.observe_poll(seconds)
+
+    def _observe_allocate(self, seconds: float) -> None:
+        metrics = self._metrics or self._metrics_or_keep(self._early_allocates, seconds)
+        if metrics is not None:
+            metrics.observe_allocate(seconds)
+
+    def _metrics_or_keep(self, early: list[float], seconds: float) -> DaemonMetrics | None:
+        """The metrics if made (by another thread, a scrape, meanwhile); else `seconds` is kept
+        in `early` for them, and None."""
+        with self._metrics_lock:
+            if self._metrics is None:
+                early.append(seconds)
+            return self._metrics
 
     @property
     def service(self) -> DevicePluginService:
@@ -230,6 +297,8 @@ class Daemon:
 
     async def apply_config(self, config: Config) -> None:
         """Apply a new config without a restart: the one entry point of a live reload."""
+        from deviceplugin.reload import apply_config  # noqa: PLC0415 (see TYPE_CHECKING above)
+
         await apply_config(self, config)
 
     def plan_problem(self, config: Config) -> str | None:
@@ -264,7 +333,7 @@ class Daemon:
             self.book,
             generation=lambda: endpoint[0].lifecycle.generation(),  # noqa: PLW0108
             on_stream_end=lambda generation: endpoint[0].lifecycle.stream_ended(generation),  # noqa: PLW0108
-            on_allocate_duration=self.metrics.observe_allocate,
+            on_allocate_duration=self._observe_allocate,
             # The kubelet lists an allocation in pod-resources right after Allocate: ask soon,
             # so that the container's series and any action on it carry its pod's name.
             on_allocated=self.poller.allocated,
@@ -401,7 +470,7 @@ class Daemon:
             log.info("config reload: MPS control daemon stopped")
         if not config.enabled:
             return
-        self.mps = mps = MpsControlDaemon(config)
+        self.mps = mps = _mps_control_daemon(config)
         try:
             await asyncio.to_thread(mps.start, mps_defaults(self.inventory.value.plans))
         except StartupError as e:
@@ -425,8 +494,7 @@ class Daemon:
     def _enforce(self, snapshot: NodeSnapshot) -> NodeSnapshot:
         return snapshot if self.enforcer is None else self.enforcer.on_snapshot(snapshot)
 
-    def _start_enforcer(self) -> Enforcer:
-        cfg = self.settings.config.enforcement
+    def _make_state_dir(self) -> Path:
         state_dir = self.settings.state_dir
         try:
             state_dir.mkdir(parents=True, exist_ok=True)
@@ -435,6 +503,13 @@ class Daemon:
                 f"cannot create the state directory {state_dir}: {e.strerror or e}; "
                 "set --state-dir to a writable directory"
             ) from e
+        return state_dir
+
+    def _start_enforcer(self) -> Enforcer:
+        from deviceplugin.enforcer import Enforcer, PsutilControl, RecordingControl  # noqa: PLC0415
+
+        cfg = self.settings.config.enforcement
+        state_dir = self._make_state_dir()
         # A signal is held back from a process that left its pod container since it was
         # attributed (read afresh right before each SIGKILL or SIGSTOP).
         control = (
@@ -444,6 +519,18 @@ class Daemon:
         # Resume whatever a daemon killed outright left stopped, before anything else runs.
         enforcer.recover()
         return enforcer
+
+    async def _until_listed(self, stop: asyncio.Event) -> None:
+        """Until the kubelet has had a device list from this daemon, a registration has failed
+        (no kubelet to wait for), `stop`, or FIRST_LIST_WAIT_S; at once in DRA mode."""
+        deadline = time.monotonic() + FIRST_LIST_WAIT_S
+        while self.dra is None and not stop.is_set() and time.monotonic() < deadline:
+            if any(
+                e.service.lists_sent or e.lifecycle.stats.registration_failures
+                for e in self.resources
+            ):
+                return
+            await asyncio.sleep(FIRST_LIST_CHECK_S)
 
     def health(self) -> DaemonHealth:
         # Registered only when every resource is and holds its stream (a registration that holds
@@ -478,6 +565,8 @@ class Daemon:
         )
 
     def healthz(self) -> tuple[bool, str]:
+        from deviceplugin.usage.metrics import healthz  # noqa: PLC0415 (see TYPE_CHECKING above)
+
         config = self.settings.config
         interval = config.enforcement.poll_interval_s
         return healthz(
@@ -494,7 +583,12 @@ class Daemon:
 
     async def run(self, stop: asyncio.Event, hangup: asyncio.Event | None = None) -> None:
         """Run until `stop` is set. The first poll must succeed: nothing can be served before.
-        With a config file, `hangup` set (SIGHUP) or a change of its content reloads it."""
+        With a config file, `hangup` set (SIGHUP) or a change of its content reloads it.
+
+        With `listing_first`, the metrics, the config reload and the enforcer are imported and
+        started once the kubelet has the first device list (or a registration failed, or after
+        FIRST_LIST_WAIT_S): a new process reaches the kubelet ~0.15 s sooner. Polls before are
+        not enforced; a scrape before makes the metrics at once."""
         cfg = self.settings.config
         log.info(
             "starting vgpu device plugin version=%s backend=%s resource=%s device_plugin_dir=%s",
@@ -508,7 +602,10 @@ class Daemon:
         pid_namespace = pid_namespace_warning()
         if pid_namespace:
             log.warning("%s", pid_namespace)
-        self.enforcer = await asyncio.to_thread(self._start_enforcer)
+        if self.listing_first:
+            self._make_state_dir()  # its failure stops the start here, as the enforcer's would
+        else:
+            self.enforcer = await asyncio.to_thread(self._start_enforcer)
         if self.dra is not None:
             try:
                 self.dra.recover()
@@ -524,21 +621,7 @@ class Daemon:
                 ) from e
             if self.mps is not None:
                 await asyncio.to_thread(self.mps.start, mps_defaults(self.inventory.value.plans))
-            if self.http is not None:
-                try:
-                    self.http.start()
-                except OSError as e:
-                    raise StartupError(
-                        f"{e.strerror}; set --metrics-address to a free host:port"
-                    ) from e
-                log.info("serving metrics and status address=%s", self.settings.metrics_address)
-            if self.probes is not None:
-                try:
-                    self.probes.start()
-                except OSError as e:
-                    raise StartupError(
-                        f"{e.strerror}; set --probe-address to a free host:port"
-                    ) from e
+            self._start_http()
             # Who holds what, before the first device list goes out: a slice held under a name
             # this node no longer serves must not be offered as free, not even once.
             await self.tracker.prime()
@@ -550,27 +633,8 @@ class Daemon:
                     tasks.create_task(self.dra.run(stop), name="dra")
                 else:
                     tasks.create_task(self.resources.run(stop), name="plugins")
-                node_config = self.settings.node_config
-                if self.settings.config_path is not None or node_config is not None:
-                    reloader = ConfigReloader(
-                        self,
-                        self.settings.config_path,
-                        self.reload_metrics,
-                        self.settings.config_hash,
-                        watch_dir=node_config.rules.directory if node_config else None,
-                    )
-                    tasks.create_task(
-                        reloader.run(stop, hangup or asyncio.Event()), name="config-reload"
-                    )
-                    if node_config is not None:
-                        tasks.create_task(
-                            node_config.run(stop, reloader.switch, reloader.refuse),
-                            name="node-config",
-                        )
-                elif hangup is not None:
-                    tasks.create_task(
-                        report_hangups_without_a_config(stop, hangup), name="config-reload"
-                    )
+                if not self.listing_first:
+                    self._start_reload(tasks, stop, hangup)
                 if self.dra is None:
                     tasks.create_task(
                         self.tracker.run(stop, self.poller.names_wanted), name="pod-resources"
@@ -581,12 +645,15 @@ class Daemon:
                     self._start_component(
                         "node-labels", functools.partial(self._label, self.node_labels)
                     )
+                if self.listing_first:
+                    await self._start_after_listing(tasks, stop, hangup)
         finally:
             self._tasks = self._stop = None
             self._components.clear()
             try:
                 # Every process it holds stopped runs again, whatever ended the daemon: first.
-                self.enforcer.close()
+                if self.enforcer is not None:
+                    self.enforcer.close()
             finally:
                 if self.mps is not None:
                     self.mps.stop()
@@ -595,6 +662,81 @@ class Daemon:
                 if self.probes is not None:
                     self.probes.stop()
         log.info("stopped")
+
+    async def _start_after_listing(
+        self, tasks: asyncio.TaskGroup, stop: asyncio.Event, hangup: asyncio.Event | None
+    ) -> None:
+        """listing_first: once the kubelet has the first device list, import (on a thread, so
+        that the event loop keeps answering the kubelet) and start the metrics, the config
+        reload and the enforcer. The enforcer starts even when stopping: it resumes what a
+        daemon killed outright left stopped, which is owed."""
+        await self._until_listed(stop)
+        await asyncio.to_thread(_import_late_parts)
+        self._make_metrics()
+        if not stop.is_set():
+            self._start_reload(tasks, stop, hangup)
+        self.enforcer = await asyncio.to_thread(self._start_enforcer)
+        if self.enforcer.config != self.settings.config.enforcement:
+            await self.replace_enforcer()  # a reload changed it while it started
+
+    def _start_http(self) -> None:
+        if self.http is not None:
+            try:
+                self.http.start()
+            except OSError as e:
+                raise StartupError(
+                    f"{e.strerror}; set --metrics-address to a free host:port"
+                ) from e
+            log.info("serving metrics and status address=%s", self.settings.metrics_address)
+        if self.probes is not None:
+            try:
+                self.probes.start()
+            except OSError as e:
+                raise StartupError(f"{e.strerror}; set --probe-address to a free host:port") from e
+
+    def _start_reload(
+        self, tasks: asyncio.TaskGroup, stop: asyncio.Event, hangup: asyncio.Event | None
+    ) -> None:
+        """The config file's watch (and SIGHUP), and per-node configs' watch of the Node."""
+        from deviceplugin.reload import (  # noqa: PLC0415 (see TYPE_CHECKING above)
+            ConfigReloader,
+            report_hangups_without_a_config,
+        )
+
+        node_config = self.settings.node_config
+        if self.settings.config_path is not None or node_config is not None:
+            reloader = ConfigReloader(
+                self,
+                self.settings.config_path,
+                self.reload_metrics,
+                self.settings.config_hash,
+                watch_dir=node_config.rules.directory if node_config else None,
+            )
+            tasks.create_task(reloader.run(stop, hangup or asyncio.Event()), name="config-reload")
+            if node_config is not None:
+                tasks.create_task(
+                    node_config.run(stop, reloader.switch, reloader.refuse),
+                    name="node-config",
+                )
+        elif hangup is not None:
+            tasks.create_task(report_hangups_without_a_config(stop, hangup), name="config-reload")
+
+
+def _import_late_parts() -> None:
+    """What listing_first starts after the first device list: imported here, off the loop."""
+    import deviceplugin.enforcer  # noqa: PLC0415
+    import deviceplugin.reload  # noqa: PLC0415
+    import deviceplugin.usage.metrics  # noqa: F401, PLC0415
+
+
+class _DaemonMetricsOf:
+    """The daemon's metrics for its HTTP servers, which start before they are made."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self._daemon = daemon
+
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        return self._daemon.metrics.render(accept)
 
 
 class _ClaimEvidence:
@@ -617,6 +759,12 @@ class _ClaimEvidence:
                 for o in self._dra.claim_owners()
             )
         )
+
+
+def _mps_control_daemon(config: MpsConfig) -> MpsControlDaemon:
+    from deviceplugin.gpu.mps import MpsControlDaemon  # noqa: PLC0415 (only where MPS is on)
+
+    return MpsControlDaemon(config)
 
 
 def _set_on_done(event: asyncio.Event, _: asyncio.Future[Any]) -> None:
@@ -647,7 +795,7 @@ async def serve(
     try:
         backend = open_backend(settings.backend, settings.config)
         try:
-            await Daemon(settings, backend).run(stop, hangup)
+            await Daemon(settings, backend, listing_first=True).run(stop, hangup)
         finally:
             backend.close()
     finally:

@@ -43,13 +43,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
-
 from deviceplugin.config import Config, config_from_bytes
 from deviceplugin.errors import ConfigError
 from deviceplugin.kubelet.dirwatch import DirectoryWatch
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from deviceplugin.app import Daemon
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,10 @@ class ReloadMetrics:
     `vgpu_config_info{hash}`, 1 for the running config."""
 
     def __init__(self, registry: CollectorRegistry, node_name: str, config_hash: str) -> None:
+        # Here, not above: `serve` reads its config with this module before its first
+        # registration, and the exporter comes after it.
+        from prometheus_client import Counter, Gauge  # noqa: PLC0415
+
         self._reloads = Counter(
             "vgpu_config_reloads",
             "Config reloads, by result: applied, or refused (invalid; the running config kept).",

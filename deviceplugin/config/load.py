@@ -20,7 +20,6 @@ import yaml
 from deviceplugin.config.model import (
     Config,
 )
-from deviceplugin.config.nvidia import _NV_TOP_KEYS, _parse_nvidia
 from deviceplugin.config.reader import (
     _Reader,
     _show,
@@ -28,8 +27,10 @@ from deviceplugin.config.reader import (
 from deviceplugin.config.vgpu import _TOP_KEYS, _parse_vgpu
 from deviceplugin.errors import ConfigError
 
-# Top-level keys that only NVIDIA k8s-device-plugin's format has (Go matches them ignoring case).
-_NVIDIA_ONLY_KEYS = frozenset(k for k in _NV_TOP_KEYS if k not in _TOP_KEYS)
+# Top-level keys that only NVIDIA k8s-device-plugin's format has (Go matches them ignoring case):
+# nvidia.py's _NV_TOP_KEYS less vgpu's _TOP_KEYS, written out so that reading a vgpu file does
+# not import NVIDIA's format (the daemon's start-up is that much shorter).
+_NVIDIA_ONLY_KEYS = frozenset({"flags", "resources", "sharing", "imex"})
 
 
 def is_nvidia_config(data: object) -> bool:
@@ -48,6 +49,8 @@ def parse_config(data: object, source: str = "config") -> Config:
     Raises ConfigError listing every problem, each naming its key path and the bad value. Settings
     that are valid but that vgpu does not act on are returned in `Config.warnings`."""
     if is_nvidia_config(data):
+        from deviceplugin.config.nvidia import _NV_TOP_KEYS, _parse_nvidia  # noqa: PLC0415
+
         assert isinstance(data, dict)
         hint = (
             " (this file is read as NVIDIA k8s-device-plugin config because it has a top-level"

@@ -95,6 +95,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         self.open_streams = 0
         # The registration generation of the last ListAndWatch stream the kubelet opened.
         self.opened_generation = -1
+        # Device lists sent on any stream, in all (the daemon starts its enforcer after the first).
+        self.lists_sent = 0
 
     def reconfigure(self, config: Config) -> None:
         """Answer with `config`'s allocation settings from the next call on (a live reload)."""
@@ -131,6 +133,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                         generation,
                     )
                     yield device_list(inventory)
+                    self.lists_sent += 1  # gRPC asks for the next one once this one is sent
                 await self._inventory.wait_change(sent_version)
         finally:
             self.open_streams -= 1

@@ -19,6 +19,7 @@ import ipaddress
 import json
 import logging
 import socket
+import socketserver
 import ssl
 import sys
 import threading
@@ -28,14 +29,11 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
-
-from prometheus_client.exposition import gzip_accepted
+from typing import Any, Protocol
 
 from deviceplugin.errors import StartupError
 from deviceplugin.logs import brief_list
 from deviceplugin.model import NodeSnapshot
-from deviceplugin.usage.metrics import DaemonMetrics
 from deviceplugin.usage.statusdoc import snapshot_to_json
 
 log = logging.getLogger(__name__)
@@ -85,6 +83,14 @@ class TlsFiles:
     key: Path
     client_ca: Path | None = None
     client_names: frozenset[str] = frozenset()
+
+
+class MetricsExposition(Protocol):
+    """What /metrics renders (a DaemonMetrics): prometheus_client is imported only by the
+    first scrape or by whoever makes it, not with this server, which the daemon starts before
+    its first registration."""
+
+    def render(self, accept: str = "") -> tuple[bytes, str]: ...
 
 
 def certificate_names(cert: Any) -> set[str]:
@@ -148,6 +154,14 @@ class _Server(ThreadingHTTPServer):
         self._open: dict[Any, tuple[str, float]] = {}
         self._open_lock = threading.Lock()
         super().__init__(*args, **kwargs)
+
+    def server_bind(self) -> None:
+        # The bind alone: HTTPServer's also asks DNS for the host's fully qualified name (a
+        # reverse lookup, seconds where the node's DNS is not up yet, before the daemon
+        # registers) for `server_name`, which nothing here reads.
+        socketserver.TCPServer.server_bind(self)
+        host, port = self.server_address[:2]
+        self.server_name, self.server_port = str(host), int(port)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         """A thread per connection. Past a client's share or the cap, an older connection
@@ -244,7 +258,7 @@ class HttpServer:
     def __init__(
         self,
         address: str,
-        metrics: DaemonMetrics,
+        metrics: MetricsExposition,
         get_snapshot: Callable[[], NodeSnapshot | None],
         healthz: Callable[[], tuple[bool, str]],
         *,
@@ -372,6 +386,12 @@ class HttpServer:
         return HTTPStatus.NOT_FOUND, TEXT_TYPE, b"not found: try /metrics, /healthz, /status\n"
 
 
+def _gzip_accepted(accept_encoding: str) -> bool:
+    from prometheus_client.exposition import gzip_accepted  # noqa: PLC0415 (see MetricsExposition)
+
+    return bool(gzip_accepted(accept_encoding))
+
+
 def _json(status: int, doc: Any) -> tuple[int, str, bytes]:
     return status, JSON_TYPE, (json.dumps(doc, allow_nan=False) + "\n").encode()
 
@@ -404,7 +424,7 @@ def _make_handler(owner: HttpServer) -> type[BaseHTTPRequestHandler]:
                 )
             self.send_response(status)
             self.send_header("Content-Type", content_type)
-            if gzip_accepted(self.headers.get("Accept-Encoding", "")):
+            if _gzip_accepted(self.headers.get("Accept-Encoding", "")):
                 body = gzip.compress(body)
                 self.send_header("Content-Encoding", "gzip")
             self.send_header("Content-Length", str(len(body)))

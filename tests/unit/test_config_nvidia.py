@@ -255,6 +255,14 @@ def test_any_of_nvidias_own_top_level_keys_makes_an_nvidia_file(data: object) ->
     assert parse_config(data).format is ConfigFormat.NVIDIA
 
 
+def test_every_top_level_key_only_nvidias_format_has_makes_an_nvidia_file() -> None:
+    from deviceplugin.config.nvidia import _NV_TOP_KEYS
+    from deviceplugin.config.vgpu import _TOP_KEYS
+
+    for key in set(_NV_TOP_KEYS) - set(_TOP_KEYS):
+        assert is_nvidia_config({key.upper(): {}}), key
+
+
 @pytest.mark.parametrize(
     "data", [None, {}, {"version": "v1"}, {"health": {"enabled": False}}, {"slicing": {}}]
 )

@@ -1,7 +1,8 @@
 """Device-plugin benchmark on a real kubelet v1.36.2: vgpu against the minimal Python plugin.
 
     VGPU_E2E_K8S_BUNDLE=/path/to/k8s-bundle .venv/bin/python -m tools.bench.bench_k8s \
-        [--rounds 15] [--starts 5] [--runtime fakecri|containerd] [--sizes 8,256]
+        [--rounds 15] [--starts 5] [--runtime fakecri|containerd] [--sizes 8,256] \
+        [--before DIR]
 
 The node is tests/e2e/harness.py's (its own network namespace, loopback only; root needed),
 its kubelet updating the Node's status every 100 ms. Both plugins run as processes inside the
@@ -18,6 +19,9 @@ For each size:
   The ratio is of the medians.
 - vgpu's start-up, split by its own log: interpreter and imports (spawn to its first log line),
   then to registered, then to the first device list sent.
+- `--before DIR`: also start vgpu from another checkout's source tree (DIR holds its
+  `deviceplugin/`, e.g. `git worktree add DIR <commit>`), in turn with the other two, for a
+  before/after comparison measured in the same minutes.
 
 Prints a table, then one JSON line.
 """
@@ -93,11 +97,12 @@ class Node:
     def node_count(self, resource: str) -> int:
         return self.cluster.allocatable(resource) or 0
 
-    def start_vgpu(self, slices: int) -> Daemon:
+    def start_vgpu(self, slices: int, tree: Path | None = None) -> Daemon:
         return self.cluster.start_daemon(
             config=f"slicing: {{replicas: {slices}}}\n",
             gpus=node_gpus(),
             args=["--log-level", "info"],
+            env={"PYTHONPATH": str(tree)} if tree is not None else None,
         )
 
     def start_minimal(self, devices: int) -> subprocess.Popen[bytes]:
@@ -147,47 +152,60 @@ def _counts(count: Callable[[str], int], resource: str, want: int) -> Callable[[
     return lambda: count(resource) == want
 
 
-def bench_starts(node: Node, slices: int, starts: int) -> dict[str, dict[str, float]]:
+def bench_starts(
+    node: Node, slices: int, starts: int, before: Path | None = None
+) -> dict[str, dict[str, float]]:
+    """Each plugin started `starts` times, in turn (the order rotating each round): "vgpu",
+    "minimal" and, with `before`, "vgpu before" (vgpu from that source tree)."""
     devices = GPUS * slices
-    times: dict[str, dict[str, list[float]]] = {
-        r: {"kubelet": [], "node": []} for r in (RESOURCE, MINIMAL)
-    }
-    phases: dict[str, list[float]] = {}
+    labels = ["vgpu", "minimal", *(["vgpu before"] if before is not None else [])]
+    resources = {"vgpu": RESOURCE, "minimal": MINIMAL, "vgpu before": RESOURCE}
+    times: dict[str, dict[str, list[float]]] = {k: {"kubelet": [], "node": []} for k in labels}
+    phases: dict[str, dict[str, list[float]]] = {}
     for i in range(starts):
-        order = (RESOURCE, MINIMAL) if i % 2 == 0 else (MINIMAL, RESOURCE)
-        for resource in order:
+        shift = i % len(labels)
+        for label in labels[shift:] + labels[:shift]:
+            resource = resources[label]
             spawned_wall = time.time()
             t0 = time.perf_counter()
-            if resource == RESOURCE:
-                daemon = node.start_vgpu(slices)
-                proc = daemon.proc
-            else:
+            daemon = None
+            if label == "minimal":
                 proc = node.start_minimal(devices)
+            else:
+                daemon = node.start_vgpu(slices, before if label == "vgpu before" else None)
+                proc = daemon.proc
             _until(_counts(node.kubelet_count, resource, devices), "kubelet has the devices")
-            times[resource]["kubelet"].append(time.perf_counter() - t0)
+            times[label]["kubelet"].append(time.perf_counter() - t0)
             _until(_counts(node.node_count, resource, devices), "Node allocatable")
-            times[resource]["node"].append(time.perf_counter() - t0)
-            if resource == RESOURCE:
+            times[label]["node"].append(time.perf_counter() - t0)
+            if daemon is not None:
                 for name, value in _log_times(daemon.log(), spawned_wall).items():
-                    phases.setdefault(name, []).append(value)
+                    phases.setdefault(label, {}).setdefault(name, []).append(value)
             _stop(proc)
             _until(_counts(node.kubelet_count, resource, 0), "devices gone", 30)
             _until(_counts(node.node_count, resource, 0), "Node allocatable 0", 30)
     result: dict[str, dict[str, float]] = {}
-    for resource, label in ((RESOURCE, "vgpu"), (MINIMAL, "minimal")):
+    for label in labels:
         result[f"start -> kubelet, {devices} devices, {label}"] = {
-            "p50_ms": statistics.median(times[resource]["kubelet"]) * 1000
+            "p50_ms": statistics.median(times[label]["kubelet"]) * 1000
         }
         result[f"start -> Node, {devices} devices, {label}"] = {
-            "p50_ms": statistics.median(times[resource]["node"]) * 1000
+            "p50_ms": statistics.median(times[label]["node"]) * 1000
         }
-    for name, values in phases.items():
-        result[f"vgpu start, {devices} devices: spawn -> {name}"] = {
-            "p50_ms": statistics.median(values) * 1000
-        }
-    ours = statistics.median(times[RESOURCE]["kubelet"])
-    theirs = statistics.median(times[MINIMAL]["kubelet"])
-    result[f"start -> kubelet, {devices} devices, vgpu / minimal"] = {"ratio": ours / theirs}
+    for label, by_name in phases.items():
+        for name, values in by_name.items():
+            result[f"{label} start, {devices} devices: spawn -> {name}"] = {
+                "p50_ms": statistics.median(values) * 1000
+            }
+    for label in labels:
+        if label == "minimal":
+            continue
+        for where in ("kubelet", "Node"):
+            ours = statistics.median(times[label][where.lower()])
+            theirs = statistics.median(times["minimal"][where.lower()])
+            result[f"start -> {where}, {devices} devices, {label} / minimal"] = {
+                "ratio": ours / theirs
+            }
     return result
 
 
@@ -240,9 +258,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--starts", type=int, default=5)
     parser.add_argument("--sizes", default="8,256", help="device counts, multiples of 8")
+    parser.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also time the start of vgpu from this source tree (another checkout's root)",
+    )
     args = parser.parse_args()
     if not args.bundle:
         parser.error(f"name the Kubernetes bundle: --bundle PATH or {BUNDLE_ENV}")
+    if args.before is not None and not (args.before / "deviceplugin" / "__main__.py").is_file():
+        parser.error(f"--before {args.before}: no deviceplugin/__main__.py there")
+    if args.before is not None:
+        args.before = args.before.absolute()
     sizes = [int(s) for s in args.sizes.split(",")]
     results: dict[str, dict[str, float]] = {}
     with Cluster.start(
@@ -251,7 +280,7 @@ def main() -> None:
         node = Node(cluster)
         try:
             for size in sizes:
-                results.update(bench_starts(node, size // GPUS, args.starts))
+                results.update(bench_starts(node, size // GPUS, args.starts, args.before))
                 results.update(bench_admission(node, size // GPUS, args.rounds))
         finally:
             node.channel.close()
