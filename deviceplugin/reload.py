@@ -212,14 +212,18 @@ class ConfigReloader:
 
     async def run(self, stop: asyncio.Event, hangup: asyncio.Event) -> None:
         self._watch.start()
-        log.info(
-            "watching the config for changes path=%s mode=%s hash=%s",
-            self._path,
-            self._watch.mode,
-            self.running_hash,
-        )
         changed = self._watch.changed
         try:
+            if self._path is not None:
+                # The file may have changed since the daemon read it (`serve` starts the watch
+                # after its first device list): compared once now, applied if it did.
+                await self.reload("changed before the watch started")
+            log.info(
+                "watching the config for changes path=%s mode=%s hash=%s",
+                self._path,
+                self._watch.mode,
+                self.running_hash,
+            )
             while not stop.is_set():
                 waiters = {
                     asyncio.ensure_future(stop.wait()),

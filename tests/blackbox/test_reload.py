@@ -141,6 +141,31 @@ async def test_a_configmap_update_reslices_with_a_pod_holding_slices_across_it(
         assert set(after.containers[0].device_ids) == {f"{GPU0}::0", f"{GPU0}::1"}
 
 
+async def test_a_change_made_between_reading_the_config_and_watching_it_is_applied(
+    node: Node,
+) -> None:
+    """`serve` reads its config, registers, then starts the watch: a ConfigMap update that lands
+    in between is found when the watch starts, not left until the next change."""
+    path = configmap(node.root / "cfg", 1, FAST + "slicing:\n  replicas: 4\n")
+    read = read_config(path)
+    configmap(node.root / "cfg", 2, FAST + "slicing:\n  replicas: 2\n")
+    settings = dataclasses.replace(
+        node.settings(read.config), config_path=path, config_hash=read.hash
+    )
+    backend = FakeBackend(node.state_file)
+    daemon = Daemon(settings, backend, pod_resources_interval_s=0.2)
+    stop = asyncio.Event()
+    task = asyncio.create_task(daemon.run(stop, asyncio.Event()))
+    try:
+        await registered(node, 4)
+        assert reloads(daemon, "applied") == 1
+        assert running_hash(daemon) == read_config(path).hash
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        backend.close()
+
+
 async def test_an_invalid_config_is_refused_with_check_configs_messages_and_the_old_one_kept(
     node: Node, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -317,6 +342,11 @@ async def test_sighup_reloads_serve_without_stopping_it(node: Node) -> None:
     try:
         await registered(node, 8)
         pod = await node.sim.admit_pod("held", [("c", 1)])
+        # serve starts the watch after its first device list; a change before it would be
+        # applied when it starts.
+        await eventually(
+            lambda: "watching the config for changes" in log.read_text(), what="the config watch"
+        )
         # Written in place, as the other link sees it: the inode the config's path names.
         (node.root / "elsewhere" / "config.yaml").write_text(FAST + "slicing:\n  replicas: 2\n")
         await asyncio.sleep(0.5)
