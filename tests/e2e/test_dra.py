@@ -95,9 +95,10 @@ def claim_pod(name: str, template: str) -> dict[str, Any]:
     return pod
 
 
-def start_dra(cluster: Cluster) -> Daemon:
+def start_dra(cluster: Cluster, config: str = CONFIG) -> Daemon:
+    """Our daemon as a DRA driver on the node (fake GPUs), registered with the kubelet."""
     daemon = cluster.start_daemon(
-        config=CONFIG,
+        config=config,
         gpus=GPUS,
         args=[
             "--kubelet-api", "dra",

@@ -37,7 +37,7 @@ import pytest
 
 from deviceplugin.gpu.fake import FakeProcess, FakeState
 from tests.e2e.harness import Cluster, Daemon, containerd_available, pod_manifest, wait_until
-from tests.e2e.test_dra import DRIVER, GPU, GPUS, NS, RESOURCE_API, _install, spec_files
+from tests.e2e.test_dra import DRIVER, GPU, GPUS, NS, RESOURCE_API, _install, spec_files, start_dra
 
 pytestmark = pytest.mark.skipif(
     not containerd_available(),
@@ -121,16 +121,7 @@ def spec_file_env(cluster: Cluster, uid: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def dra(cluster: Cluster) -> Iterator[Daemon]:
     _install(cluster)
-    daemon = cluster.start_daemon(
-        config=CONFIG,
-        gpus=GPUS,
-        args=[
-            "--kubelet-api", "dra",
-            "--kubeconfig", str(cluster.paths.pki / "admin.kubeconfig"),
-        ],
-    )  # fmt: skip
-    daemon.wait_http()
-    wait_until(lambda: daemon.status()["health"]["registered"], timeout_s=30, what="registered")
+    daemon = start_dra(cluster, CONFIG)
     yield daemon
     daemon.kill()
 

@@ -9,8 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin.kubelet.checkpoint import parse_checkpoint
-from deviceplugin.model import DaemonHealth, NodeSnapshot, ProcessSample
+from deviceplugin.kubelet.checkpoint import DeviceCheckpoint, parse_checkpoint
+from deviceplugin.model import (
+    AllocationRecord,
+    DaemonHealth,
+    Inventory,
+    NodeSnapshot,
+    ProcessSample,
+)
 from deviceplugin.usage.attribution import AttributionEvidence, SnapshotBuilder
 from deviceplugin.usage.cgroups import CgroupLayout, KubeletTree
 from deviceplugin.usage.containerlogs import ContainerLogIndex, parse_links
@@ -38,8 +44,19 @@ def link(logs: Path, container: str, container_id: str) -> None:
 
 
 def snapshot_of(resolver: AllocationResolver, processes: list[ProcessSample]) -> NodeSnapshot:
-    claims = resolver.resolve({p.pid for p in processes})
     checkpoint = parse_checkpoint(checkpoint_blob((POD_UID, "main", VICTIM.slice_ids)), RESOURCE)
+    return snapshot_with(resolver, processes, checkpoint, INVENTORY, [VICTIM])
+
+
+def snapshot_with(
+    resolver: AllocationResolver,
+    processes: list[ProcessSample],
+    checkpoint: DeviceCheckpoint,
+    inventory: Inventory,
+    allocations: list[AllocationRecord],
+) -> NodeSnapshot:
+    """One poll of GPU 0 running `processes`, attributed with `checkpoint` as the evidence."""
+    claims = resolver.resolve({p.pid for p in processes})
     evidence = AttributionEvidence(
         checkpoint,
         resolver.pod_uid_of,
@@ -50,8 +67,8 @@ def snapshot_of(resolver: AllocationResolver, processes: list[ProcessSample]) ->
     )
     snapshot, _ = SnapshotBuilder("n", 5.0).build(
         reading(gpu0=processes),
-        INVENTORY,
-        [VICTIM],
+        inventory,
+        allocations,
         claims,
         now_s=10.0,
         wall_s=1_700_000_000.0,

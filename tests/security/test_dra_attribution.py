@@ -20,15 +20,14 @@ from deviceplugin.dra.claims import (
     inventory_with_claims,
 )
 from deviceplugin.dra.driver import DraDriver
-from deviceplugin.model import DaemonHealth, NodeSnapshot, ProcessSample
-from deviceplugin.usage.attribution import AttributionEvidence, SnapshotBuilder
+from deviceplugin.model import NodeSnapshot, ProcessSample
 from deviceplugin.usage.containerlogs import ContainerLogIndex
 from deviceplugin.usage.procs import AllocationResolver
 from tests.blackbox.daemon_harness import GiB
 from tests.security.cgroup_support import cid
 from tests.security.test_attribution_attacks import POD_UID, FakeProc, cgroupfs, kills, v2
-from tests.security.test_claims_per_container import link
-from tests.unit.test_usage import INVENTORY, UUID0, reading
+from tests.security.test_claims_per_container import link, snapshot_with
+from tests.unit.test_usage import INVENTORY, UUID0
 
 CLAIM = PreparedClaim(
     uid="11111111-2222-4333-8444-555555555555",
@@ -54,28 +53,14 @@ def snapshot_of(
     users: Mapping[str, Sequence[tuple[str, str]]],
     processes: list[ProcessSample],
 ) -> NodeSnapshot:
-    claims = resolver.resolve({p.pid for p in processes})
     checkpoint = _ClaimEvidence(cast(DraDriver, _Claims(users))).read()
-    evidence = AttributionEvidence(
+    return snapshot_with(
+        resolver,
+        processes,
         checkpoint,
-        resolver.pod_uid_of,
-        cgroup_of=resolver.cgroup_of,
-        container_of=resolver.container_of,
-        containers_known=resolver.containers_known,
-        version=resolver.generation,
-    )
-    snapshot, _ = SnapshotBuilder("n", 5.0).build(
-        reading(gpu0=processes),
         inventory_with_claims(INVENTORY, [CLAIM]),
         [claim_record(CLAIM, "main")],
-        claims,
-        now_s=10.0,
-        wall_s=1_700_000_000.0,
-        health=DaemonHealth(),
-        previous_reading_s=9.0,
-        evidence=evidence,
     )
-    return snapshot
 
 
 def _node(tmp_path: Path) -> AllocationResolver:
