@@ -53,6 +53,7 @@ enforcement:
   pollInterval: 100ms
   idlePollInterval: 100ms
   memory: {action: kill, gracePeriod: 1s}
+  compute: {action: throttle, window: 1s, period: 250ms}
 """
 # (claim, memory, compute): the compute one names none gets the default, one slice's 25.
 CLAIMS = [("c15", "15Gi", "30"), ("c25", "25Gi", None)]
@@ -118,6 +119,37 @@ def spec_file_env(cluster: Cluster, uid: str) -> dict[str, str]:
     return dict(e.split("=", 1) for e in device["containerEdits"]["env"])
 
 
+PODS = {"c15": "p15", "c25": "p25"}
+
+
+def claim_pods(cluster: Cluster) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """The claims of CLAIMS and a Running pod on each (PODS), the CDI spec's environment in its
+    spec: the claims' UIDs and each pod's environment, by claim."""
+    uids = {name: make_claim(cluster, name, memory, compute) for name, memory, compute in CLAIMS}
+    envs = {name: cdi_env(name, uid) for name, uid in uids.items()}
+    for claim, pod in PODS.items():
+        cluster.create_pod(claim_pod(pod, claim, envs[claim]))
+    for pod in PODS.values():
+        cluster.wait_running(pod)
+    return uids, envs
+
+
+def named(dra: Daemon, envs: dict[str, dict[str, str]]) -> dict[str, dict[str, Any]]:
+    """/status's allocation record of each claim, once every one is named with its container."""
+
+    def listed() -> dict[str, dict[str, Any]] | None:
+        records = {a["allocation_id"]: a for a in dra.status()["allocations"]}
+        found = {claim: records.get(env["VGPU_ALLOCATION_ID"]) for claim, env in envs.items()}
+        if all(r is not None and r.get("container") == "main" for r in found.values()):
+            return {k: v for k, v in found.items() if v is not None}
+        return None
+
+    result: dict[str, dict[str, Any]] = wait_until(
+        listed, timeout_s=20, what="both claims named in /status"
+    )
+    return result
+
+
 @pytest.fixture(scope="module")
 def dra(cluster: Cluster) -> Iterator[Daemon]:
     _install(cluster)
@@ -147,13 +179,7 @@ def test_a_claim_over_its_memory_is_killed_its_neighbour_untouched(
     cluster = node
     t0 = time.monotonic()
     timings: dict[str, float] = {}
-    uids = {name: make_claim(cluster, name, memory, compute) for name, memory, compute in CLAIMS}
-    envs = {name: cdi_env(name, uid) for name, uid in uids.items()}
-    pods = {"c15": "p15", "c25": "p25"}
-    for claim, pod in pods.items():
-        cluster.create_pod(claim_pod(pod, claim, envs[claim]))
-    for pod in pods.values():
-        cluster.wait_running(pod)
+    uids, envs = claim_pods(cluster)
     timings["two pods Running"] = time.monotonic() - t0
 
     # The scheduler granted what was asked (c25 the compute default) on the one GPU.
@@ -165,7 +191,7 @@ def test_a_claim_over_its_memory_is_killed_its_neighbour_untouched(
     # The container has exactly what the prepared claim's CDI spec carries.
     assert sorted(spec_files(cluster)) == sorted(f"{DRIVER}-claim_{u}.json" for u in uids.values())
     pids: dict[str, int] = {}
-    for claim, pod in pods.items():
+    for claim, pod in PODS.items():
         written = spec_file_env(cluster, uids[claim])
         has = cluster.container_env(pod, "main")
         assert {k: has.get(k) for k in envs[claim]} == {k: written[k] for k in envs[claim]}
@@ -173,15 +199,8 @@ def test_a_claim_over_its_memory_is_killed_its_neighbour_untouched(
 
     # Attribution's evidence: each claim named with its pod (reservedFor) and its container
     # (the kubelet's pod-resources DRA entries) in /status.
-    def listed() -> dict[str, dict[str, Any]] | None:
-        records = {a["allocation_id"]: a for a in dra.status()["allocations"]}
-        found = {claim: records.get(env["VGPU_ALLOCATION_ID"]) for claim, env in envs.items()}
-        if all(r is not None and r.get("container") == "main" for r in found.values()):
-            return {k: v for k, v in found.items() if v is not None}
-        return None
-
-    records = wait_until(listed, timeout_s=20, what="both claims named in /status")
-    for claim, pod in pods.items():
+    records = named(dra, envs)
+    for claim, pod in PODS.items():
         record = records[claim]
         assert (record["namespace"], record["pod"], record["container"]) == (NS, pod, "main")
         assert (record["source"], record["claim"]) == ("dra", f"{NS}/{claim}")
@@ -297,3 +316,52 @@ def test_a_pod_joining_a_prepared_claim_is_held_to_it_too(node: Cluster, dra: Da
     assert os.path.exists(f"/proc/{first}")
     (status,) = cluster.pod("first")["status"]["containerStatuses"]
     assert status["restartCount"] == 0
+
+
+def test_claims_busy_together_are_held_to_the_compute_they_consumed(
+    node: Cluster, dra: Daemon
+) -> None:
+    """Both claims' processes want the whole GPU: each container's share is the compute its
+    claim consumed (30 and 25), the duty cycle holds the one over its entitlement (the fake GPU
+    gives a stopped process nothing), and once the demand is gone both run free, never killed,
+    never left stopped."""
+    cluster = node
+    _, envs = claim_pods(cluster)
+    named(dra, envs)
+    pids = {pod: cluster.container_init_pid(pod, "main") for pod in PODS.values()}
+    cluster.write_gpus(
+        FakeState(
+            gpus=(
+                dataclasses.replace(
+                    GPU,
+                    processes=tuple(
+                        FakeProcess(pid=pid, used_memory_bytes=GiB, sm_demand_percent=100)
+                        for pid in pids.values()
+                    ),
+                ),
+            )
+        )
+    )
+    try:
+
+        def smaller_share_throttled() -> dict[str, dict[str, Any]] | None:
+            containers = {c["pod"]: c for c in dra.status()["containers"]}
+            return containers if containers.get("p25", {}).get("throttled") else None
+
+        containers = wait_until(smaller_share_throttled, timeout_s=20, what="p25 throttled")
+        assert containers["p15"]["compute_share_ratio"] == pytest.approx(0.30)
+        assert containers["p25"]["compute_share_ratio"] == pytest.approx(0.25)
+        assert containers["p15"]["entitlement_ratio"] > containers["p25"]["entitlement_ratio"]
+        assert ("p25", "throttle") in {(e["pod"], e["action"]) for e in dra.status()["enforcement"]}
+    finally:
+        cluster.write_gpus(GPUS)
+    wait_until(
+        lambda: not any(c["throttled"] for c in dra.status()["containers"]),
+        timeout_s=20,
+        what="throttle released",
+    )
+    for pod, pid in pids.items():
+        (status,) = cluster.pod(pod)["status"]["containerStatuses"]
+        assert status["restartCount"] == 0, pod
+        with open(f"/proc/{pid}/stat") as stat:
+            assert stat.read().rsplit(")", 1)[1].split()[0] != "T", f"{pod} left stopped"
