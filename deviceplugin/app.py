@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from deviceplugin import __version__
 from deviceplugin.allocation import mps_defaults
 from deviceplugin.config import Config, DeviceIdStrategy, MpsConfig
-from deviceplugin.dra.settings import DraSettings
+from deviceplugin.dra.settings import DraSettings, device_ids_ignored
 from deviceplugin.errors import StartupError
 from deviceplugin.gpu.backend import GpuBackend, open_backend
 from deviceplugin.kubelet.checkpoint import (
@@ -359,11 +359,9 @@ class Daemon:
             raise StartupError(str(e)) from None
         # The driver's name is the config's at start: it names the kubelet sockets.
         dra = replace(settings.dra, driver_name=settings.config.dra.driver_name)
-        if settings.config.allocation.device_id_strategy is DeviceIdStrategy.INDEX:
-            log.warning(
-                "deviceIDStrategy index is ignored: the DRA driver names GPUs by UUID, as "
-                "NVIDIA's DRA driver does; it applies to the device plugins only"
-            )
+        ignored = device_ids_ignored(settings.config)
+        if ignored:
+            log.warning("%s", ignored)
         return DraDriver(
             dra,
             lambda: self.settings.config,

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deviceplugin.config import Config, config_from_bytes
+from deviceplugin.dra.settings import device_ids_ignored
 from deviceplugin.errors import ConfigError
 from deviceplugin.kubelet.dirwatch import DirectoryWatch
 
@@ -157,6 +158,10 @@ async def apply_config(daemon: Daemon, new: Config) -> None:
         log.warning(
             "config reload: the health settings take effect at the next restart of the daemon"
         )
+    if daemon.dra is not None and new.allocation != old.allocation:
+        ignored = device_ids_ignored(new)
+        if ignored:
+            log.warning("config reload: %s", ignored)
     for warning in new.warnings:
         log.warning("config: %s", warning)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from deviceplugin.config import DraConfig
+from deviceplugin.config import Config, DeviceIdStrategy, DraConfig
 
 DEFAULT_DRIVER_NAME = "vgpu.dev"
 DEFAULT_KUBELET_ROOT_DIR = "/var/lib/kubelet"
@@ -22,6 +22,16 @@ SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
 PLUGIN_TYPE = "DRAPlugin"
 
 MIB = 1024**2
+
+
+def device_ids_ignored(config: Config) -> str:
+    """What the DRA driver says of a config that names GPUs by index; empty when it does not."""
+    if config.allocation.device_id_strategy is DeviceIdStrategy.INDEX:
+        return (
+            "deviceIDStrategy index is ignored: the DRA driver names GPUs by UUID, as NVIDIA's "
+            "DRA driver does; it applies to the device plugins only"
+        )
+    return ""
 
 
 class GpuCdi(StrEnum):

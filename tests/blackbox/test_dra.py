@@ -713,6 +713,27 @@ async def test_a_pod_joining_a_prepared_claim_is_named_and_becomes_its_evidence(
         await server.stop(None)
 
 
+async def test_a_reload_asking_for_device_ids_by_index_says_the_dra_driver_ignores_it(
+    node: Node, api: FakeApiServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = _dra(node, api)
+    async with dra_daemon(node, api) as daemon:
+        await _register(settings)
+        assert "deviceIDStrategy index is ignored" not in caplog.text
+        config = daemon.settings.config
+        by_index = dataclasses.replace(
+            config,
+            allocation=dataclasses.replace(
+                config.allocation, device_id_strategy=DeviceIdStrategy.INDEX
+            ),
+        )
+        await daemon.apply_config(by_index)
+        assert "config reload: deviceIDStrategy index is ignored: the DRA driver" in caplog.text
+        api.put_claim(_claim("u-idx", "10Gi", "50"))
+        assert (await _prepare(settings.service_socket, "u-idx")).error == ""
+        assert _env(_spec(node, "u-idx"))["NVIDIA_VISIBLE_DEVICES"] == GPU0.uuid
+
+
 async def test_the_dra_driver_names_gpus_by_uuid_whatever_the_device_id_strategy(
     node: Node, api: FakeApiServer, caplog: pytest.LogCaptureFixture
 ) -> None:
