@@ -159,8 +159,29 @@ def _header(doc: Mapping[str, Any], width: int) -> list[str]:
     return [first, _clip(", ".join(flags), width)]
 
 
+def _claims_of(doc: Mapping[str, Any]) -> dict[str, str]:
+    """allocation ID -> the DRA claim (namespace/name) it was prepared for."""
+    return {
+        str(a.get("allocation_id")): _text(a["claim"])
+        for a in doc.get("allocations") or []
+        if a.get("claim")
+    }
+
+
+def _held(c: Mapping[str, Any], claims: Mapping[str, str]) -> str:
+    """What the container holds: its DRA claim, or its slice count."""
+    claim = claims.get(str(c.get("allocation_id")))
+    if claim:
+        return f"claim {claim}"
+    slices = _int(c.get("slices"))
+    return f"{slices} slice{'s' if slices != 1 else ''}"
+
+
 def _gpu_lines(
-    g: Mapping[str, Any], containers: Sequence[Mapping[str, Any]], width: int
+    g: Mapping[str, Any],
+    containers: Sequence[Mapping[str, Any]],
+    width: int,
+    claims: Mapping[str, str],
 ) -> list[str]:
     slices = g.get("slices") or {}
     health = "healthy" if g.get("healthy") else "UNHEALTHY"
@@ -198,7 +219,7 @@ def _gpu_lines(
     )
 
     for c in containers:
-        tail_parts = [f"{_int(c.get('slices'))} slice{'s' if _int(c.get('slices')) != 1 else ''}"]
+        tail_parts = [_held(c, claims)]
         share = _float(c.get("compute_share_ratio"))
         entitled = _float(c.get("entitlement_ratio"))
         if entitled is not None:
@@ -267,6 +288,7 @@ def _render_full(doc: Mapping[str, Any], width: int) -> list[str]:
     lines = _header(doc, width)
     gpus = list(doc.get("gpus") or [])
     containers = list(doc.get("containers") or [])
+    claims = _claims_of(doc)
     by_gpu: dict[str, list[Mapping[str, Any]]] = {}
     for c in containers:
         by_gpu.setdefault(str(c.get("gpu_uuid", "")), []).append(c)
@@ -280,10 +302,10 @@ def _render_full(doc: Mapping[str, Any], width: int) -> list[str]:
     top = [g for g in gpus if not g.get("parent_gpu_uuid")]
     for g in [*top, *children.get("", [])]:
         lines.append("")
-        lines.extend(_gpu_lines(g, by_gpu.get(str(g.get("uuid", "")), []), width))
+        lines.extend(_gpu_lines(g, by_gpu.get(str(g.get("uuid", "")), []), width, claims))
         for device in children.get(str(g.get("uuid", "")), []) if g in top else []:
             device_lines = _gpu_lines(
-                device, by_gpu.get(str(device.get("uuid", "")), []), width - 2
+                device, by_gpu.get(str(device.get("uuid", "")), []), width - 2, claims
             )
             lines.extend("  " + line for line in device_lines)
     orphans = [c for c in containers if str(c.get("gpu_uuid", "")) not in known]

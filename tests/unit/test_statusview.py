@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from deviceplugin.model import ContainerUsage, MpsStatus, NodeSnapshot
+from deviceplugin.model import SOURCE_DRA, ContainerUsage, MpsStatus, NodeSnapshot
 from deviceplugin.usage.statusdoc import snapshot_to_json
 from deviceplugin.usage.statusview import (
     container_name,
@@ -403,3 +403,19 @@ def test_the_header_counts_gpus_and_mig_devices_apart() -> None:
     header = "\n".join(render_status(doc_of(snapshot), width=120)[:3])
     assert f"GPUs {healthy}/2 healthy" in header
     assert "MIG devices 2/2 healthy" in header
+
+
+def test_view_names_the_dra_claim_a_container_holds() -> None:
+    snapshot = sample_snapshot()
+    claimed = tuple(
+        dataclasses.replace(a, source=SOURCE_DRA, claim="team-a/gpu-15")
+        if a.allocation_id == NAMED_A.allocation_id
+        else a
+        for a in snapshot.allocations
+    )
+    lines = render_status(doc_of(dataclasses.replace(snapshot, allocations=claimed)))
+    named = next(line for line in lines if "team-a/trainer-0/main" in line)
+    assert "claim team-a/gpu-15" in named
+    assert "slices" not in named
+    # A device-plugin allocation still shows its slice count.
+    assert "1 slice" in next(line for line in lines if "team-b/" in line)
