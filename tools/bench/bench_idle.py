@@ -62,8 +62,9 @@ from pathlib import Path
 
 import psutil
 
-from deviceplugin.gpu.fake import FakeGpu, FakeProcess, FakeState, write_state_file
+from deviceplugin.gpu.fake import FakeProcess, FakeState, write_state_file
 from deviceplugin.sim.kubelet import KubeletSimulator
+from tools.bench.fake_node import fake_gpu
 
 RESOURCE = "nvidia.com/vgpu"
 MiB = 1024**2
@@ -74,17 +75,6 @@ PROCESSES_PER_CONTAINER = 2
 SETTLE_S = 30.0
 # `busy`: how often a different process per GPU is stopped.
 CHURN_S = 0.25
-
-
-def fake_gpu(i: int) -> FakeGpu:
-    return FakeGpu(
-        uuid=f"GPU-00000000-0000-4000-8000-{i:012d}",
-        index=i,
-        name="NVIDIA H200",
-        memory_total_bytes=141 * 1024**3,
-        minor=i,
-        numa_node=i // 4,
-    )
 
 
 # Runs `python -m deviceplugin` with every Python thread's OS name set to its Python name

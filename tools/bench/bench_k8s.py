@@ -44,7 +44,7 @@ from pathlib import Path
 
 import grpc
 
-from deviceplugin.gpu.fake import FakeGpu, FakeState
+from deviceplugin.gpu.fake import FakeState
 from deviceplugin.kubelet.proto import podres, podres_grpc
 from tests.e2e.harness import (
     BUNDLE_ENV,
@@ -54,6 +54,7 @@ from tests.e2e.harness import (
     resolve_bundle,
     wait_until,
 )
+from tools.bench.fake_node import fake_gpu
 
 RESOURCE = "nvidia.com/vgpu"
 MINIMAL = "example.com/minimal"
@@ -64,19 +65,7 @@ MINIMAL_PLUGIN = Path(__file__).with_name("minimal_plugin.py")
 
 
 def node_gpus() -> FakeState:
-    return FakeState(
-        gpus=tuple(
-            FakeGpu(
-                uuid=f"GPU-00000000-0000-4000-8000-{i:012d}",
-                index=i,
-                name="NVIDIA H200",
-                memory_total_bytes=141 * 1024**3,
-                minor=i,
-                numa_node=i // 4,
-            )
-            for i in range(GPUS)
-        )
-    )
+    return FakeState(gpus=tuple(fake_gpu(i) for i in range(GPUS)))
 
 
 def percentile(values: list[float], p: float) -> float:

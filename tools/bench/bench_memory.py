@@ -33,8 +33,9 @@ from pathlib import Path
 
 import psutil
 
-from deviceplugin.gpu.fake import FakeGpu, FakeProcess, FakeState, write_state_file
+from deviceplugin.gpu.fake import FakeProcess, FakeState, write_state_file
 from deviceplugin.sim.kubelet import KubeletSimulator
+from tools.bench.fake_node import fake_gpu
 
 GPUS = 8
 SLICES = 32
@@ -55,17 +56,7 @@ class Node:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.state = root / "gpus.json"
-        self.gpus = [
-            FakeGpu(
-                uuid=f"GPU-00000000-0000-4000-8000-{i:012d}",
-                index=i,
-                name="NVIDIA H200",
-                memory_total_bytes=141 * 1024**3,
-                minor=i,
-                numa_node=i // 4,
-            )
-            for i in range(GPUS)
-        ]
+        self.gpus = [fake_gpu(i) for i in range(GPUS)]
         # pod name -> (gpu uuid, processes)
         self.work: dict[str, tuple[str, list[subprocess.Popen[bytes]]]] = {}
         self.write()

@@ -40,10 +40,11 @@ import grpc
 
 from deviceplugin.app import Daemon, DaemonSettings
 from deviceplugin.config import Config, EnforcementConfig, SliceRule, SlicingConfig
-from deviceplugin.gpu.fake import FakeBackend, FakeGpu, FakeState, write_state_file
+from deviceplugin.gpu.fake import FakeBackend, FakeState, write_state_file
 from deviceplugin.kubelet.lifecycle import endpoint_name
 from deviceplugin.kubelet.proto import DEVICE_PLUGIN_VERSION, KUBELET_SOCKET, dp, dp_grpc
 from deviceplugin.sim.kubelet import KubeletSimulator
+from tools.bench.fake_node import fake_gpu
 from tools.bench.minimal_plugin import MinimalPlugin
 
 GPUS = 8
@@ -65,17 +66,7 @@ def percentile(values: list[float], p: float) -> float:
 
 def write_node(root: Path) -> Path:
     state = root / "gpus.json"
-    gpus = tuple(
-        FakeGpu(
-            uuid=f"GPU-00000000-0000-4000-8000-{i:012d}",
-            index=i,
-            name="NVIDIA H200",
-            memory_total_bytes=141 * 1024**3,
-            minor=i,
-            numa_node=i // 4,
-        )
-        for i in range(GPUS)
-    )
+    gpus = tuple(fake_gpu(i) for i in range(GPUS))
     write_state_file(state, FakeState(gpus=gpus))
     return state
 
