@@ -6,19 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import grpc
-
 from deviceplugin._proto.podresources.v1 import api_pb2 as podres
 from deviceplugin._proto.podresources.v1 import api_pb2_grpc as podres_grpc
-
-# As for the device-plugin side's pod-resources client: no retries of gRPC's own, and
-# subchannels of its own (the global pool would hand this channel one still in its reconnect
-# backoff from before a kubelet restart).
-_CHANNEL_OPTIONS = (
-    ("grpc.enable_retries", 0),
-    ("grpc.keepalive_time_ms", 2**31 - 1),
-    ("grpc.use_local_subchannel_pool", 1),
-)
+from deviceplugin.localgrpc import local_channel
 
 
 async def claim_containers(
@@ -26,7 +16,7 @@ async def claim_containers(
 ) -> dict[tuple[str, str], list[tuple[str, str]]]:
     """(claim namespace, claim name) -> [(pod, container)] for every claim with a device of
     `driver_name`. Raises grpc.aio.AioRpcError when the kubelet does not answer."""
-    async with grpc.aio.insecure_channel(f"unix://{socket}", options=_CHANNEL_OPTIONS) as channel:
+    async with local_channel(socket) as channel:
         stub = podres_grpc.PodResourcesListerStub(channel)
         reply = await stub.List(podres.ListPodResourcesRequest(), timeout=timeout_s)
     found: dict[tuple[str, str], list[tuple[str, str]]] = {}

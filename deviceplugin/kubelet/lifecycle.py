@@ -37,6 +37,7 @@ import grpc
 from deviceplugin.kubelet.dirwatch import DEFAULT_FALLBACK_INTERVAL_S, DirectoryWatch
 from deviceplugin.kubelet.proto import DEVICE_PLUGIN_VERSION, KUBELET_SOCKET, dp, dp_grpc
 from deviceplugin.kubelet.server import DevicePluginService
+from deviceplugin.localgrpc import local_channel
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +46,6 @@ log = logging.getLogger(__name__)
 # that cannot (it dials a socket its start-up cleanup removed, for 10 s) must not hold us.
 REGISTER_TIMEOUT_FIRST_S = 1.0
 REGISTER_TIMEOUT_S = 5.0
-# Subchannels of its own: gRPC's global pool hands a new channel the subchannel of a closed one,
-# still in its reconnect backoff when it failed while the kubelet was down, and a Register call
-# to the restarted kubelet would then fail at once with that old error.
-REGISTER_CHANNEL_OPTIONS = (("grpc.use_local_subchannel_pool", 1),)
 BACKOFF_FIRST_S = 0.01
 BACKOFF_MAX_S = 5.0
 WAITING_REPORT_EVERY_S = 30.0
@@ -369,9 +366,7 @@ class PluginLifecycle:
             options=dp.DevicePluginOptions(get_preferred_allocation_available=True),
         )
         try:
-            async with grpc.aio.insecure_channel(
-                f"unix://{self._kubelet_socket}", options=REGISTER_CHANNEL_OPTIONS
-            ) as channel:
+            async with local_channel(self._kubelet_socket) as channel:
                 await dp_grpc.RegistrationStub(channel).Register(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
             return f"{e.code().name}: {e.details()}"

@@ -8,17 +8,7 @@ from pathlib import Path
 import grpc
 
 from deviceplugin.kubelet.proto import podres, podres_grpc
-
-# A local unix socket: no retries or keepalive pings of gRPC's own (a failed call is asked again
-# at the next refresh), so that a channel kept between refreshes costs nothing while it waits.
-# Subchannels of its own: gRPC's global pool hands a new channel the subchannel of a closed one,
-# still in its reconnect backoff after the kubelet's socket went away, and a call on the new
-# channel then fails with that old "No such file or directory" although the kubelet is back.
-LOCAL_CHANNEL_OPTIONS = (
-    ("grpc.enable_retries", 0),
-    ("grpc.keepalive_time_ms", 2**31 - 1),
-    ("grpc.use_local_subchannel_pool", 1),
-)
+from deviceplugin.localgrpc import local_channel
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +37,7 @@ class PodResourcesClient:
         """Every container's device IDs, per resource. Raises grpc.aio.AioRpcError when the
         kubelet does not answer within the timeout."""
         if self._channel is None or self._stub is None:
-            self._channel = grpc.aio.insecure_channel(
-                f"unix://{self.socket}", options=LOCAL_CHANNEL_OPTIONS
-            )
+            self._channel = local_channel(self.socket)
             self._stub = podres_grpc.PodResourcesListerStub(self._channel)
             self.channels_opened += 1
         try:

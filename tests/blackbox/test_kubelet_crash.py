@@ -13,7 +13,7 @@ import pytest
 
 from deviceplugin._proto.deviceplugin.v1beta1.api_pb2 import RegisterRequest
 from deviceplugin._proto.deviceplugin.v1beta1.api_pb2_grpc import RegistrationStub
-from deviceplugin.kubelet import lifecycle as lifecycle_module
+from deviceplugin.localgrpc import local_channel
 from tests.blackbox.daemon_harness import RESOURCE, Node, eventually, registered, running_daemon
 
 
@@ -79,9 +79,7 @@ async def test_registration_with_a_restarted_kubelet_is_not_failed_by_an_earlier
         # subchannel waits out gRPC's reconnect backoff, as a Register channel closed while the
         # kubelet was down may for a moment after its close.
         kubelet_socket = node.plugin_dir / "kubelet.sock"
-        stale = grpc.aio.insecure_channel(
-            f"unix://{kubelet_socket}", options=lifecycle_module.REGISTER_CHANNEL_OPTIONS
-        )
+        stale = local_channel(kubelet_socket)
         try:
             with pytest.raises(grpc.aio.AioRpcError, match="No such file"):
                 await RegistrationStub(stale).Register(RegisterRequest(), timeout=2.0)

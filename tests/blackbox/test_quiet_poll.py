@@ -29,10 +29,10 @@ from deviceplugin.dra import podresources as dra_podresources
 from deviceplugin.gpu.fake import FakeBackend, FakeProcess
 from deviceplugin.kubelet.limits import device_list_problem
 from deviceplugin.kubelet.podresources import (
-    LOCAL_CHANNEL_OPTIONS,
     ContainerDevices,
     PodResourcesClient,
 )
+from deviceplugin.localgrpc import local_channel
 from deviceplugin.model import Inventory, NodeReading
 from deviceplugin.sim.kubelet import KubeletSimulator
 from tests.blackbox.daemon_harness import (
@@ -193,13 +193,11 @@ async def test_pod_resources_refreshes_share_one_connection_and_reconnect_after_
         await sim.stop()
 
 
-async def _channel_in_reconnect_backoff(
-    socket: Path, options: tuple[tuple[str, int], ...]
-) -> grpc.aio.Channel:
+async def _channel_in_reconnect_backoff(socket: Path) -> grpc.aio.Channel:
     """A channel with the client's settings whose connection to the missing socket failed: its
     subchannel waits out gRPC's reconnect backoff, as a channel closed while the kubelet was down
     may for a moment after its close."""
-    channel = grpc.aio.insecure_channel(f"unix://{socket}", options=options)
+    channel = local_channel(socket)
     with pytest.raises(grpc.aio.AioRpcError, match="No such file"):
         await PodResourcesListerStub(channel).List(ListPodResourcesRequest(), timeout=2.0)
     return channel
@@ -209,7 +207,7 @@ async def test_a_refresh_after_the_kubelet_is_back_is_not_failed_by_an_earlier_c
     short_tmp: Path,
 ) -> None:
     socket = short_tmp / "podres.sock"
-    stale = await _channel_in_reconnect_backoff(socket, LOCAL_CHANNEL_OPTIONS)
+    stale = await _channel_in_reconnect_backoff(socket)
     sim = KubeletSimulator(short_tmp / "dp", socket)
     await sim.start()
     client = PodResourcesClient(socket, timeout_s=2.0)
@@ -225,7 +223,7 @@ async def test_the_dra_claim_lookup_after_the_kubelet_is_back_is_not_failed_by_a
     short_tmp: Path,
 ) -> None:
     socket = short_tmp / "podres.sock"
-    stale = await _channel_in_reconnect_backoff(socket, dra_podresources._CHANNEL_OPTIONS)
+    stale = await _channel_in_reconnect_backoff(socket)
     sim = KubeletSimulator(short_tmp / "dp", socket)
     await sim.start()
     try:
