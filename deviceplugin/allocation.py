@@ -253,6 +253,73 @@ def device_env_suffix(uuid: str) -> str:
     return "".join(c if c.isascii() and c.isalnum() else "_" for c in uuid.upper())
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceLimits:
+    """What a container holds of one visible device, in CUDA ordinal order: its memory, what
+    one of its processes may hold there (less with MPS: one slice), its compute share in whole
+    percent, and the device's memory."""
+
+    uuid: str
+    memory_bytes: int
+    process_bytes: int
+    share_percent: int
+    total_bytes: int
+
+
+def limits_env(
+    alloc_id: str, devices: Sequence[DeviceLimits], cfg: AllocationConfig, mps: MpsConfig
+) -> dict[str, str]:
+    """The environment of §3 but for NVIDIA_VISIBLE_DEVICES: the allocation ID, the limits per
+    ordinal and per device, the MPS variables, the framework hints. Allocate and a prepared DRA
+    claim's CDI spec both carry it."""
+    envs = {ENV_ALLOCATION_ID: alloc_id}
+    memory_mib = [d.memory_bytes // MIB for d in devices]
+    for ordinal, (mib, d) in enumerate(zip(memory_mib, devices, strict=True)):
+        envs[f"{ENV_MEMORY_LIMIT_MIB_PREFIX}{ordinal}"] = str(mib)
+        envs[f"{ENV_COMPUTE_SHARE_PERCENT_PREFIX}{ordinal}"] = str(d.share_percent)
+    suffixes = [device_env_suffix(d.uuid) for d in devices]
+    for suffix, mib, d in zip(suffixes, memory_mib, devices, strict=True):
+        envs[f"{ENV_ALLOCATION_ID}_{suffix}"] = alloc_id
+        envs[f"{ENV_MEMORY_LIMIT_MIB_PREFIX}{suffix}"] = str(mib)
+        envs[f"{ENV_COMPUTE_SHARE_PERCENT_PREFIX}{suffix}"] = str(d.share_percent)
+    if mps.enabled:
+        envs[ENV_MPS_PINNED_DEVICE_MEM_LIMIT] = ",".join(
+            f"{ordinal}={mib}M" for ordinal, mib in enumerate(memory_mib)
+        )
+        envs[ENV_MPS_ACTIVE_THREAD_PERCENTAGE] = str(max(1, min(d.share_percent for d in devices)))
+        envs[ENV_MPS_PIPE_DIRECTORY] = mps_pipe_directory(mps.root)
+    if cfg.framework_hints:
+        hints = framework_hints(
+            [d.process_bytes for d in devices],
+            [d.total_bytes for d in devices],
+            cfg.context_reserve_bytes,
+        )
+        for ordinal, suffix in enumerate(suffixes):
+            fraction = hints.get(f"{ENV_MEMORY_FRACTION_PREFIX}{ordinal}")
+            if fraction is not None:
+                hints[f"{ENV_MEMORY_FRACTION_PREFIX}{suffix}"] = fraction
+        envs.update(hints)
+    return envs
+
+
+def mps_mounts(mps: MpsConfig) -> list[MountSpec]:
+    """With MPS on, what a container mounts to reach the node's control daemon."""
+    if not mps.enabled:
+        return []
+    # The pipe directory read-only: the MPS client connects to sockets there (which needs no
+    # write access to the mount), and a pod must not replace the control daemon's files.
+    # /dev/shm read-write: the client shares memory with the MPS server through it.
+    pipe = mps_pipe_directory(mps.root)
+    return [
+        MountSpec(container_path=pipe, host_path=pipe, read_only=True),
+        MountSpec(
+            container_path=MPS_SHM_CONTAINER_PATH,
+            host_path=mps_shm_directory(mps.root),
+            read_only=False,
+        ),
+    ]
+
+
 def build_container_allocation(
     device_ids: Sequence[str],
     inventory: Inventory,
@@ -280,20 +347,16 @@ def build_container_allocation(
     alloc_id = allocation_id(s.device_id for s in slices)
     envs: dict[str, str] = {}
     gpus: list[GpuInfo] = []
-    memory_mib: list[int] = []
-    share_percent: list[int] = []
-    memory_bytes: list[int] = []
-    # What one process may hold on each GPU: with MPS, the GPU holds every client process to one
-    # slice, whatever the container holds (a client cannot raise the control daemon's limit).
-    process_bytes: list[int] = []
+    limits: list[DeviceLimits] = []
     for gpu_slices in by_gpu.values():
         gpu, replicas = _gpu_info(inventory, gpu_slices[0])
         gpus.append(gpu)
-        memory_bytes.append(sum(s.memory_limit_bytes for s in gpu_slices))
-        memory_mib.append(memory_bytes[-1] // MIB)
-        one_slice = min(s.memory_limit_bytes for s in gpu_slices)
-        process_bytes.append(one_slice if mps.enabled else memory_bytes[-1])
-        share_percent.append(len(gpu_slices) * 100 // replicas)
+        memory = sum(s.memory_limit_bytes for s in gpu_slices)
+        # What one process may hold: with MPS, the GPU holds every client process to one slice,
+        # whatever the container holds (a client cannot raise the control daemon's limit).
+        process = min(s.memory_limit_bytes for s in gpu_slices) if mps.enabled else memory
+        share = len(gpu_slices) * 100 // replicas
+        limits.append(DeviceLimits(gpu.uuid, memory, process, share, gpu.memory_total_bytes))
     uuids = [g.uuid for g in gpus]
     # What the runtime is told each device is called; the daemon's own keys keep the UUIDs.
     runtime_ids = [runtime_device_id(g, cfg.device_id_strategy) for g in gpus]
@@ -308,29 +371,7 @@ def build_container_allocation(
         envs[ENV_VISIBLE_DEVICES] = VOLUME_MOUNTS_ROOT
     else:
         envs[ENV_VISIBLE_DEVICES] = VISIBLE_DEVICES_VOID
-    envs[ENV_ALLOCATION_ID] = alloc_id
-    for ordinal, (mib, percent) in enumerate(zip(memory_mib, share_percent, strict=True)):
-        envs[f"{ENV_MEMORY_LIMIT_MIB_PREFIX}{ordinal}"] = str(mib)
-        envs[f"{ENV_COMPUTE_SHARE_PERCENT_PREFIX}{ordinal}"] = str(percent)
-    suffixes = [device_env_suffix(uuid) for uuid in uuids]
-    for suffix, mib, percent in zip(suffixes, memory_mib, share_percent, strict=True):
-        envs[f"{ENV_ALLOCATION_ID}_{suffix}"] = alloc_id
-        envs[f"{ENV_MEMORY_LIMIT_MIB_PREFIX}{suffix}"] = str(mib)
-        envs[f"{ENV_COMPUTE_SHARE_PERCENT_PREFIX}{suffix}"] = str(percent)
-    if mps.enabled:
-        envs[ENV_MPS_PINNED_DEVICE_MEM_LIMIT] = ",".join(
-            f"{ordinal}={mib}M" for ordinal, mib in enumerate(memory_mib)
-        )
-        envs[ENV_MPS_ACTIVE_THREAD_PERCENTAGE] = str(max(1, min(share_percent)))
-        envs[ENV_MPS_PIPE_DIRECTORY] = mps_pipe_directory(mps.root)
-    if cfg.framework_hints:
-        totals = [g.memory_total_bytes for g in gpus]
-        hints = framework_hints(process_bytes, totals, cfg.context_reserve_bytes)
-        for ordinal, suffix in enumerate(suffixes):
-            fraction = hints.get(f"{ENV_MEMORY_FRACTION_PREFIX}{ordinal}")
-            if fraction is not None:
-                hints[f"{ENV_MEMORY_FRACTION_PREFIX}{suffix}"] = fraction
-        envs.update(hints)
+    envs.update(limits_env(alloc_id, limits, cfg, mps))
 
     mounts: list[MountSpec] = []
     if DeviceListStrategy.VOLUME_MOUNTS in strategies or mounts_too:
@@ -342,19 +383,7 @@ def build_container_allocation(
             )
             for device in runtime_ids
         )
-    if mps.enabled:
-        # The pipe directory read-only: the MPS client connects to sockets there (which needs
-        # no write access to the mount), and a pod must not replace the control daemon's files.
-        # /dev/shm read-write: the client shares memory with the MPS server through it.
-        pipe = mps_pipe_directory(mps.root)
-        mounts.append(MountSpec(container_path=pipe, host_path=pipe, read_only=True))
-        mounts.append(
-            MountSpec(
-                container_path=MPS_SHM_CONTAINER_PATH,
-                host_path=mps_shm_directory(mps.root),
-                read_only=False,
-            )
-        )
+    mounts.extend(mps_mounts(mps))
 
     cdi_names = tuple(f"{CDI_KIND}={device}" for device in runtime_ids)
     annotations: dict[str, str] = {}
@@ -393,14 +422,17 @@ __all__ = [
     "ENV_TF_ALLOW_GROWTH",
     "ENV_VISIBLE_DEVICES",
     "ENV_XLA_MEM_FRACTION",
+    "DeviceLimits",
     "MpsDefaults",
     "build_container_allocation",
     "device_env_suffix",
     "format_hundredths",
     "framework_hints",
+    "limits_env",
     "memory_fraction_hundredths",
     "mps_defaults",
     "mps_log_directory",
+    "mps_mounts",
     "mps_pipe_directory",
     "mps_shm_directory",
     "runtime_device_id",
