@@ -24,16 +24,11 @@ from typing import Any
 
 from deviceplugin.allocation import (
     CONTROL_DEVICE_NODES,
-    ENV_ALLOCATION_ID,
-    ENV_COMPUTE_SHARE_PERCENT_PREFIX,
-    ENV_MEMORY_LIMIT_MIB_PREFIX,
-    ENV_MPS_ACTIVE_THREAD_PERCENTAGE,
-    ENV_MPS_PINNED_DEVICE_MEM_LIMIT,
-    ENV_MPS_PIPE_DIRECTORY,
     ENV_VISIBLE_DEVICES,
     GPU_DEVICE_NODE_PREFIX,
-    framework_hints,
-    mps_pipe_directory,
+    DeviceLimits,
+    limits_env,
+    mps_mounts,
 )
 from deviceplugin.config import AllocationConfig, MpsConfig
 from deviceplugin.dra.slices import device_name, device_plans
@@ -229,41 +224,23 @@ class ContainerEdits:
 def claim_edits(
     claim: PreparedClaim, cfg: AllocationConfig, mps: MpsConfig, *, device_nodes: bool
 ) -> ContainerEdits:
-    """The docs/design.md §3 environment for a claim, with its consumed amounts as limits."""
+    """The docs/design.md §3 environment for a claim, with its consumed amounts as limits: the
+    same as Allocate's (limits_env), with each GPU by UUID, and the same MPS mounts."""
     per_gpu = claim.per_gpu()
-    env: dict[str, str] = {
-        ENV_VISIBLE_DEVICES: ",".join(d.gpu_uuid for d, _, _ in per_gpu),
-        ENV_ALLOCATION_ID: claim.allocation_id,
-    }
-    memory_mib = [memory // MIB for _, memory, _ in per_gpu]
-    percents = [int(compute) for _, _, compute in per_gpu]
-    for ordinal, (mib, percent) in enumerate(zip(memory_mib, percents, strict=True)):
-        env[f"{ENV_MEMORY_LIMIT_MIB_PREFIX}{ordinal}"] = str(mib)
-        env[f"{ENV_COMPUTE_SHARE_PERCENT_PREFIX}{ordinal}"] = str(percent)
-    mounts: list[tuple[str, str, bool]] = []
-    if mps.enabled:
-        env[ENV_MPS_PINNED_DEVICE_MEM_LIMIT] = ",".join(
-            f"{ordinal}={mib}M" for ordinal, mib in enumerate(memory_mib)
-        )
-        env[ENV_MPS_ACTIVE_THREAD_PERCENTAGE] = str(max(1, min(percents)))
-        pipe = mps_pipe_directory(mps.root)
-        env[ENV_MPS_PIPE_DIRECTORY] = pipe
-        mounts.append((pipe, pipe, False))
-    if cfg.framework_hints:
-        env.update(
-            framework_hints(
-                [memory for _, memory, _ in per_gpu],
-                [d.memory_total_bytes for d, _, _ in per_gpu],
-                cfg.context_reserve_bytes,
-            )
-        )
+    env: dict[str, str] = {ENV_VISIBLE_DEVICES: ",".join(d.gpu_uuid for d, _, _ in per_gpu)}
+    limits = [
+        DeviceLimits(d.gpu_uuid, memory, memory, int(compute), d.memory_total_bytes)
+        for d, memory, compute in per_gpu
+    ]
+    env.update(limits_env(claim.allocation_id, limits, cfg, mps))
+    mounts = tuple((m.host_path, m.container_path, m.read_only) for m in mps_mounts(mps))
     nodes: tuple[str, ...] = ()
     if device_nodes:
         nodes = (
             *CONTROL_DEVICE_NODES,
             *(f"{GPU_DEVICE_NODE_PREFIX}{d.minor}" for d, _, _ in per_gpu),
         )
-    return ContainerEdits(env, tuple(mounts), nodes)
+    return ContainerEdits(env, mounts, nodes)
 
 
 def claim_slices(claim: PreparedClaim, healthy: bool = True) -> list[Slice]:

@@ -10,6 +10,11 @@ from typing import Any
 
 import pytest
 
+from deviceplugin.allocation import (
+    MPS_SHM_CONTAINER_PATH,
+    mps_pipe_directory,
+    mps_shm_directory,
+)
 from deviceplugin.config import AllocationConfig, MpsConfig, SlicingConfig
 from deviceplugin.dra import cdi
 from deviceplugin.dra.claims import (
@@ -116,8 +121,20 @@ def test_two_shares_of_one_gpu_add_up_and_two_gpus_get_two_ordinals() -> None:
             },
         )
     )
-    env = claim_edits(claim, AllocationConfig(), MpsConfig(enabled=True), device_nodes=True).env
+    mps_edits = claim_edits(claim, AllocationConfig(), MpsConfig(enabled=True), device_nodes=True)
+    env = mps_edits.env
+    # Allocate's MPS mounts: the pipe directory read-only (a pod must not replace the control
+    # daemon's files), the shared memory read-write.
+    root = MpsConfig(enabled=True).root
+    assert mps_edits.mounts == (
+        (mps_pipe_directory(root), mps_pipe_directory(root), True),
+        (mps_shm_directory(root), MPS_SHM_CONTAINER_PATH, False),
+    )
     assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-aaaa,GPU-bbbb"
+    # Per device as well as per ordinal, as Allocate gives them: keys that two claims of one
+    # container on different GPUs do not both set.
+    assert env["VGPU_MEMORY_LIMIT_MIB_GPU_AAAA"] == str(10 * 1024)
+    assert env["VGPU_ALLOCATION_ID_GPU_BBBB"] == claim.allocation_id
     assert env["VGPU_MEMORY_LIMIT_MIB_0"] == str(10 * 1024)
     assert env["VGPU_COMPUTE_SHARE_PERCENT_0"] == "25"
     assert env["VGPU_MEMORY_LIMIT_MIB_1"] == str(4 * 1024)
