@@ -51,7 +51,7 @@ from deviceplugin.dra.grpcserver import (
 )
 from deviceplugin.dra.kubeapi import ApiCallError, KubeApi
 from deviceplugin.dra.podresources import claim_containers
-from deviceplugin.dra.settings import DraSettings, GpuCdi, RequestPolicy
+from deviceplugin.dra.settings import DraSettings, GpuCdi
 from deviceplugin.dra.slices import build_devices, build_slice, device_plans, inventory_health
 from deviceplugin.dra.slices import device_name as plan_device_name
 from deviceplugin.dra.store import ClaimStore
@@ -138,8 +138,9 @@ class DraDriver:
 
     def _devices(self) -> list[dict[str, Any]]:
         # The request policies of the current config: a reload republishes the slice.
-        policy = RequestPolicy.of(self._config().dra)
-        return build_devices(self._built, policy, self.settings.driver_name, self._reasons())
+        return build_devices(
+            self._built, self._config().dra, self.settings.driver_name, self._reasons()
+        )
 
     def claim_owners(self) -> list[ClaimOwner]:
         """Attribution's evidence in DRA mode: each prepared claim held by the containers the

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from deviceplugin.config import Config, DeviceIdStrategy, DraConfig
+from deviceplugin.config import Config, DeviceIdStrategy
 
 DEFAULT_DRIVER_NAME = "vgpu.dev"
 DEFAULT_KUBELET_ROOT_DIR = "/var/lib/kubelet"
@@ -20,8 +20,6 @@ PLUGINS = "plugins"
 # The plugin service versions this driver serves, as the kubelet names them.
 SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
 PLUGIN_TYPE = "DRAPlugin"
-
-MIB = 1024**2
 
 
 def device_ids_ignored(config: Config) -> str:
@@ -45,38 +43,6 @@ class GpuCdi(StrEnum):
 
     NVIDIA = "nvidia"
     DEVICE_NODES = "device-nodes"
-
-
-@dataclass(frozen=True, slots=True)
-class RequestPolicy:
-    """What a claim may ask of one device's capacities (KEP-5075 request policies).
-
-    Memory: at least `memory_min_bytes`, in steps of `memory_step_bytes` (the scheduler rounds a
-    request up to the next step); a claim naming no memory gets one device-plugin slice's memory
-    of that device. Compute: percent of the device, at least `compute_min`, in steps of
-    `compute_step`; a claim naming no compute gets one slice's share (100 / replicas). The
-    scheduler records what it granted in the claim's `consumedCapacity`, and the enforcer holds
-    the claim to exactly that, so the two never disagree."""
-
-    memory_min_bytes: int = 256 * MIB
-    memory_step_bytes: int = 256 * MIB
-    compute_min: int = 1
-    compute_step: int = 1
-    # None: one slice's worth of the device.
-    memory_default_bytes: int | None = None
-    compute_default: int | None = None
-
-    @classmethod
-    def of(cls, cfg: DraConfig) -> RequestPolicy:
-        """The config's `dra` section's policies."""
-        return cls(
-            memory_min_bytes=cfg.memory_min_bytes,
-            memory_step_bytes=cfg.memory_step_bytes,
-            compute_min=cfg.compute_min,
-            compute_step=cfg.compute_step,
-            memory_default_bytes=cfg.memory_default_bytes,
-            compute_default=cfg.compute_default,
-        )
 
 
 @dataclass(frozen=True, slots=True)

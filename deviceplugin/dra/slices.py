@@ -8,8 +8,11 @@ One device per GPU the plan slices, and one per MIG device when the MIG strategy
   `migProfile` and `parentUUID`;
 - consumable capacities `memory` (bytes) and `compute` (100 = the whole device), with
   `allowMultipleAllocations: true` so that many claims share it, each consuming an amount. A
-  request policy bounds what a claim may ask and says what it gets when it names nothing: one
-  device-plugin slice's worth (`settings.RequestPolicy`);
+  request policy (the config's `dra` section, KEP-5075) bounds what a claim may ask, at least a
+  minimum in steps (the scheduler rounds a request up to the next step), and says what it gets
+  when it names nothing: one device-plugin slice's worth of memory and compute. The scheduler
+  records what it granted in the claim's `consumedCapacity`, and the enforcer holds the claim to
+  exactly that, so the two never disagree;
 - a taint when unhealthy: `vgpu.dev/unhealthy` (NoSchedule) keeps new claims off it, and
   `vgpu.dev/lost` (NoExecute) for a GPU that has fallen off the bus evicts the pods using it.
 
@@ -24,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from deviceplugin.dra.settings import RequestPolicy
+from deviceplugin.config import DraConfig
 from deviceplugin.model import GpuPlan, Inventory
 
 API_VERSION = "resource.k8s.io/v1"
@@ -76,7 +79,7 @@ def device_plans(inventory: Inventory) -> list[GpuPlan]:
 
 
 def build_device(
-    plan: GpuPlan, policy: RequestPolicy, health: DeviceHealth, driver_name: str
+    plan: GpuPlan, policy: DraConfig, health: DeviceHealth, driver_name: str
 ) -> dict[str, Any]:
     gpu = plan.gpu
     attributes: dict[str, dict[str, Any]] = {
@@ -152,7 +155,7 @@ def inventory_health(inventory: Inventory, reasons: Mapping[str, str]) -> dict[s
 
 def build_devices(
     inventory: Inventory,
-    policy: RequestPolicy,
+    policy: DraConfig,
     driver_name: str,
     reasons: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from deviceplugin.config import MigConfig, MigStrategy, SlicingConfig
+from deviceplugin.config import DraConfig, MigConfig, MigStrategy, SlicingConfig
 from deviceplugin.config.model import SliceRule
-from deviceplugin.dra.settings import RequestPolicy
 from deviceplugin.dra.slices import build_devices, build_slice, slice_name
 from deviceplugin.model import GpuInfo, GpuReading, Inventory, NodeReading
 from deviceplugin.slicing import build_inventory
@@ -35,7 +34,7 @@ def _inventory(*readings: GpuReading, mig: MigConfig | None = None, replicas: in
 
 def test_one_device_per_gpu_with_both_capacities_and_one_slice_as_default() -> None:
     inventory = _inventory(GpuReading(_gpu(0)), GpuReading(_gpu(1)))
-    devices = build_devices(inventory, RequestPolicy(), "vgpu.dev")
+    devices = build_devices(inventory, DraConfig(), "vgpu.dev")
     assert [d["name"] for d in devices] == ["gpu-0", "gpu-1"]
     d = devices[0]
     assert d["allowMultipleAllocations"] is True
@@ -60,7 +59,7 @@ def test_default_lands_on_the_step_grid() -> None:
     # 39.9 GiB / 3 is not a multiple of 256 MiB: the default is rounded down onto the grid
     # (the API server refuses a default the range does not allow).
     odd = replace(_gpu(0), memory_total_bytes=40_000 << 20)
-    devices = build_devices(_inventory(GpuReading(odd), replicas=3), RequestPolicy(), "vgpu.dev")
+    devices = build_devices(_inventory(GpuReading(odd), replicas=3), DraConfig(), "vgpu.dev")
     default = int(devices[0]["capacity"]["memory"]["requestPolicy"]["default"])
     step = 256 << 20
     assert default % step == 0
@@ -78,7 +77,7 @@ def test_unhealthy_gpu_is_tainted_noschedule_and_a_lost_one_noexecute() -> None:
         "GPU-0000": "Xid 48: double-bit ECC error",
         "GPU-0001": "Xid 79: GPU has fallen off the bus",
     }
-    devices = build_devices(inventory, RequestPolicy(), "vgpu.dev", reasons)
+    devices = build_devices(inventory, DraConfig(), "vgpu.dev", reasons)
     assert devices[0]["taints"] == [{"key": "vgpu.dev/unhealthy", "effect": "NoSchedule"}]
     assert devices[1]["taints"] == [{"key": "vgpu.dev/lost", "effect": "NoExecute"}]
     assert "taints" not in devices[2]
@@ -96,11 +95,11 @@ def test_mig_devices_are_devices_when_the_strategy_is_not_none() -> None:
     )
     mig = replace(mig, uuid="MIG-1")
     reading = (GpuReading(parent), GpuReading(mig))
-    none = build_devices(_inventory(*reading, mig=MigConfig()), RequestPolicy(), "vgpu.dev")
+    none = build_devices(_inventory(*reading, mig=MigConfig()), DraConfig(), "vgpu.dev")
     assert none == []
     single = build_devices(
         _inventory(*reading, mig=MigConfig(strategy=MigStrategy.SINGLE)),
-        RequestPolicy(),
+        DraConfig(),
         "vgpu.dev",
     )
     assert [d["name"] for d in single] == ["gpu-0-mig-1-0"]
@@ -121,7 +120,6 @@ def test_slice_is_the_nodes_pool_owned_by_its_node() -> None:
 
 def test_request_policies_come_from_the_config() -> None:
     from deviceplugin.config.load import config_from_bytes
-    from deviceplugin.dra.settings import RequestPolicy
 
     cfg = config_from_bytes(
         b"dra:\n  driverName: gpu.example.com\n"
@@ -130,7 +128,7 @@ def test_request_policies_come_from_the_config() -> None:
         "test",
     )
     assert cfg.dra.driver_name == "gpu.example.com"
-    (d,) = build_devices(_inventory(GpuReading(_gpu(0))), RequestPolicy.of(cfg.dra), "x")
+    (d,) = build_devices(_inventory(GpuReading(_gpu(0))), cfg.dra, "x")
     memory = d["capacity"]["memory"]["requestPolicy"]
     assert memory == {
         "default": str(4 * GIB),
