@@ -104,3 +104,26 @@ def find_drift(
                 )
             )
     return found
+
+
+def restore_drifted(
+    command: ControlCommand,
+    defaults: MpsDefaults,
+    unreadable: Callable[[str], None],
+    count: Callable[[str], None],
+    where: str,
+) -> None:
+    """Read the defaults back; set again, log and `count` each one that a client changed.
+    Raises MpsCommandError."""
+    for drift in find_drift(command, defaults, unreadable):
+        command.send(drift.restore)
+        count(drift.change)
+        log.warning(
+            "an MPS default was changed through the control socket, not by this daemon "
+            "(MPS does not say which client sent it); set again setting=%s found=%s "
+            "restored=%s pipe_directory=%s",
+            drift.change,
+            drift.found,
+            drift.wanted,
+            where,
+        )

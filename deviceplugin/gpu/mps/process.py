@@ -18,14 +18,25 @@ import os
 import select
 import signal
 import subprocess
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from deviceplugin.gpu.mps.directories import PID_FILE, MpsDirectories, close_quietly
+from deviceplugin.gpu.mps.directories import (
+    OUTPUT_FILE,
+    PID_FILE,
+    MpsDirectories,
+    close_quietly,
+)
+from deviceplugin.gpu.mps.protocol import process_protocol
+from deviceplugin.gpu.mps.runner import ControlCommand, MpsCommandError
 
 log = logging.getLogger(__name__)
 
 ENV_PIPE_DIRECTORY = "CUDA_MPS_PIPE_DIRECTORY"
+# How long the control daemon has to write its PID file after it starts, and to exit after quit
+# or SIGTERM.
+SETTLE_TIMEOUT_S = 5.0
 # Reading another process's environment or PID file: more than this is not what MPS writes.
 _PROC_READ_LIMIT = 1 << 20
 
@@ -192,3 +203,70 @@ def spawn(argv: list[str], env: Mapping[str, str], output_fd: int) -> ControlPro
     finally:
         os.close(output_fd)
     return ControlProcess(pid=child.pid, pidfd=os.pidfd_open(child.pid), child=child)
+
+
+def running_protocol(process: ControlProcess) -> int:
+    """The MPS protocol a control daemon runs with (2 when /proc cannot tell)."""
+    try:
+        argv = read_proc(process.pid, "cmdline").split(b"\0")
+        environ = read_proc(process.pid, "environ").split(b"\0")
+    except OSError:
+        return 2
+    return process_protocol(argv, environ)
+
+
+def wait_for_pid_file(process: ControlProcess, directories: MpsDirectories, command: str) -> None:
+    """Until the child has written its PID file. Raises MpsCommandError when it exits first
+    or takes longer than SETTLE_TIMEOUT_S."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while directories.read_pid_file() != process.pid:
+        status = process.exit_status()
+        if status is not None:
+            raise MpsCommandError(
+                f"{command} exited with {status}; see {directories.log / OUTPUT_FILE}"
+            )
+        if time.monotonic() > deadline:
+            raise MpsCommandError(
+                f"{command} runs, but has not written its PID to "
+                f"{directories.pipe / PID_FILE} after {SETTLE_TIMEOUT_S:g} s; see "
+                f"{directories.log / OUTPUT_FILE}"
+            )
+        time.sleep(0.02)
+
+
+def quit_control_daemon(
+    runner: ControlCommand, process: ControlProcess | None, *, force_after_s: int | None = None
+) -> None:
+    """`quit` (`quit -t <force_after_s>`: MPS forces its servers down after that long); then
+    SIGTERM and SIGKILL, each after SETTLE_TIMEOUT_S, to `process`, the control daemon this
+    daemon started or verified (and to nothing else): it must not outlive us. Closes
+    `process`'s pidfd."""
+    took = True
+    try:
+        runner.send("quit" if force_after_s is None else f"quit -t {force_after_s}")
+    except MpsCommandError as e:
+        if process is None:
+            log.debug("MPS quit sent with no control daemon running error=%s", e)
+            return
+        log.warning("MPS control daemon did not take quit pid=%d error=%s", process.pid, e)
+        took = False
+    if process is None:
+        log.info("MPS control daemon stopped")
+        return
+    try:
+        if not process.alive() or (took and process.wait_gone(SETTLE_TIMEOUT_S)):
+            log.info("MPS control daemon stopped pid=%d", process.pid)
+            return
+        for signum in (signal.SIGTERM, signal.SIGKILL):
+            log.warning(
+                "MPS control daemon still runs; sending %s pid=%d",
+                signal.Signals(signum).name,
+                process.pid,
+            )
+            process.signal(signum)
+            if process.wait_gone(SETTLE_TIMEOUT_S):
+                log.info("MPS control daemon stopped pid=%d", process.pid)
+                return
+        log.error("MPS control daemon still runs after SIGKILL pid=%d", process.pid)
+    finally:
+        process.close()

@@ -46,31 +46,14 @@ class ControlCommand:
         """One run with `args` and `stdin`; what it printed, stripped. Raises MpsCommandError
         (MpsTimeoutError past `timeout_s`, by default COMMAND_TIMEOUT_S)."""
         shown = " ".join([self.command, *args]) + (f" <<< {stdin.strip()}" if stdin else "")
-        try:
-            proc = subprocess.Popen(
-                [self.command, *args],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=self.env,
-                # The daemon's own umask is 077; the control daemon's socket must be reachable
-                # by clients of any user, as when it is started by hand.
-                umask=0o022,
-            )
-        except (FileNotFoundError, PermissionError) as e:
-            raise self.not_runnable(e) from e
         limit_s = COMMAND_TIMEOUT_S if timeout_s is None else timeout_s
         try:
-            out, err = bounded_output(proc, (stdin or "").encode(), shown, limit_s)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-        if proc.returncode != 0:
+            code, out, err = run_bounded([self.command, *args], self.env, stdin, limit_s, shown)
+        except (FileNotFoundError, PermissionError) as e:
+            raise self.not_runnable(e) from e
+        if code != 0:
             said = (err or out).strip().splitlines()
-            raise MpsCommandError(
-                f"{shown} exited with {proc.returncode}" + (f": {said[-1]}" if said else "")
-            )
+            raise MpsCommandError(f"{shown} exited with {code}" + (f": {said[-1]}" if said else ""))
         return out.strip()
 
     def send(self, command: str, *, timeout_s: float | None = None) -> str:
@@ -86,6 +69,31 @@ class ControlCommand:
                 "mps.controlCommand"
             )
         return MpsCommandError(f"the MPS control command {self.command!r} is not executable")
+
+
+def run_bounded(
+    argv: list[str], env: Mapping[str, str], stdin: str | None, timeout_s: float, shown: str
+) -> tuple[int, str, str]:
+    """Run `argv` with `stdin`; its exit status, stdout and stderr, read as `bounded_output`
+    does (the process is killed past either bound). Raises MpsCommandError, and
+    FileNotFoundError or PermissionError when `argv[0]` cannot be run."""
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(env),
+        # The daemon's own umask is 077; the control daemon's socket must be reachable by
+        # clients of any user, as when it is started by hand.
+        umask=0o022,
+    )
+    try:
+        out, err = bounded_output(proc, (stdin or "").encode(), shown, timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    return proc.returncode, out, err
 
 
 def bounded_output(

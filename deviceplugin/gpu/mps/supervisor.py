@@ -1,18 +1,27 @@
 """The node's CUDA MPS control daemon: started with the daemon, supervised, and sent `quit`.
 
-It runs in the foreground as this daemon's own child, `<mps.controlCommand> -f`, with
-`CUDA_MPS_PIPE_DIRECTORY=<mps.root>/pipe` and `CUDA_MPS_LOG_DIRECTORY=<mps.root>/log`; its output
-goes to `<mps.root>/log/control-output.log` (the directories: deviceplugin.gpu.mps.directories;
-which process is the control daemon, and taking over one left running:
-deviceplugin.gpu.mps.process; each command a bounded run of the control command:
-deviceplugin.gpu.mps.runner).
+It runs in the foreground as this daemon's own child, `<mps.controlCommand> -f` (MPS v3:
+`-p 3 -m -f`, with CUDA_MPS_PROTOCOL_VERSION=3), with `CUDA_MPS_PIPE_DIRECTORY=<mps.root>/pipe`
+and `CUDA_MPS_LOG_DIRECTORY=<mps.root>/log`; its output goes to
+`<mps.root>/log/control-output.log` (the directories: deviceplugin.gpu.mps.directories; which
+process is the control daemon, and taking over one left running: deviceplugin.gpu.mps.process;
+each command a bounded run of the control command: deviceplugin.gpu.mps.runner).
 
-Once it runs, it is given one slice's limits per GPU (deviceplugin.gpu.mps.defaults). Every
-`check_interval_s` the supervisor checks that the control daemon runs, starts it again when it
-has gone (a crash, or a client that sent `quit`: both are restarts, counted), and reads the
-defaults back: a default that a client changed through the control socket is set again, logged
-and counted (`drift_total`). A change of the defaults (a GPU added, a new slicing) is sent to the
-running control daemon; it applies to MPS servers started afterwards.
+Once it runs, it is configured: under MPS v2 with one slice's limits per GPU as its defaults
+(deviceplugin.gpu.mps.defaults), under MPS v3 with a server per GPU and the namespaces held
+(deviceplugin.gpu.mps.namespaces). Every `check_interval_s` the supervisor checks that the
+control daemon runs, starts it again when it has gone (a crash, or a client that sent `quit`:
+both are restarts, counted) and configures it again, and reads its configuration back: a v2
+default or a v3 namespace that a client changed is set again, logged and counted
+(`drift_total`). A change of the defaults (a GPU added, a new slicing) is sent to the running
+control daemon.
+
+Stopping an MPS client: `drain` and `stop_client` terminate it through the control daemon first
+(deviceplugin.gpu.mps.drain); a terminate that does not return in time is a wedge. With a
+canary (deviceplugin.gpu.mps.canary), a client that left without a drain, and every
+`canary_interval_s`, send a canary through each server's (v3) or GPU's (v2) pipe directory; one
+that hangs is a wedge. A wedge is logged and counted, and MPS is restarted (`quit -t`, then
+SIGTERM and SIGKILL as at stop), configured as before.
 
 `stop()` sends `quit`, then SIGTERM, then SIGKILL, each after SETTLE_TIMEOUT_S, to the control
 daemon it started or verified, and to nothing else. The daemon calls it on every exit path.
@@ -24,42 +33,44 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
-from deviceplugin.allocation import MpsDefaults
+from deviceplugin.allocation import DeviceLimits, MpsDefaults
 from deviceplugin.config import MpsConfig
 from deviceplugin.errors import StartupError
-from deviceplugin.gpu.mps.defaults import DRIFT_QUIT, apply_defaults, find_drift
-from deviceplugin.gpu.mps.directories import (
-    DEFAULT_SHM_PATH,
-    OUTPUT_FILE,
-    PID_FILE,
-    MpsDirectories,
-)
+from deviceplugin.gpu.mps.canary import canary_targets, run_canary
+from deviceplugin.gpu.mps.defaults import DRIFT_QUIT, apply_defaults, restore_drifted
+from deviceplugin.gpu.mps.directories import DEFAULT_SHM_PATH, MpsDirectories
+from deviceplugin.gpu.mps.drain import ClientWatch, Drain, Drainer, DrainOutcome
+from deviceplugin.gpu.mps.namespaces import MpsNamespaceError, NamespaceBook
+from deviceplugin.gpu.mps.options import MpsOptions
 from deviceplugin.gpu.mps.process import (
     ENV_PIPE_DIRECTORY,
+    SETTLE_TIMEOUT_S,
     ControlProcess,
+    quit_control_daemon,
+    running_protocol,
     spawn,
     take_over,
+    wait_for_pid_file,
 )
-from deviceplugin.gpu.mps.runner import (
-    ControlCommand,
-    MpsCommandError,
-    MpsPathError,
-)
-from deviceplugin.model import MpsStatus
+from deviceplugin.gpu.mps.protocol import ENV_PROTOCOL_VERSION, V3
+from deviceplugin.gpu.mps.runner import ControlCommand, MpsCommandError, MpsPathError
+from deviceplugin.model import MpsNamespace, MpsStatus
 
 log = logging.getLogger(__name__)
 
 ENV_LOG_DIRECTORY = "CUDA_MPS_LOG_DIRECTORY"
-# How long the control daemon has to write its PID file after it starts, and to exit after quit
-# or SIGTERM.
-SETTLE_TIMEOUT_S = 5.0
 RESTART_BACKOFF_MAX_S = 30.0
+# `quit -t`: how long MPS gives its servers before it forces them down, after a wedge.
+WEDGE_QUIT_TIMEOUT_S = 2
+T = TypeVar("T")
+
+__all__ = ["SETTLE_TIMEOUT_S", "MpsControlDaemon"]
 
 
 class MpsControlDaemon:
@@ -70,36 +81,59 @@ class MpsControlDaemon:
         self,
         config: MpsConfig,
         *,
+        options: MpsOptions | None = None,
         shm_path: Path = DEFAULT_SHM_PATH,
         check_interval_s: float = 1.0,
         environ: Mapping[str, str] | None = None,
     ) -> None:
+        self.options = options = options or MpsOptions()
+        self.protocol = options.protocol
         self.directories = MpsDirectories(config.root, shm_path)
         self.root = self.directories.root
         self.pipe_directory = self.directories.pipe
         self.log_directory = self.directories.log
         self.shm_directory = self.directories.shm
         self.check_interval_s = check_interval_s
-        self.runner = ControlCommand(
-            config.control_command,
-            {
-                **(os.environ if environ is None else environ),
-                ENV_PIPE_DIRECTORY: str(self.pipe_directory),
-                ENV_LOG_DIRECTORY: str(self.log_directory),
-            },
-        )
+        env = {
+            **(os.environ if environ is None else environ),
+            ENV_PIPE_DIRECTORY: str(self.pipe_directory),
+            ENV_LOG_DIRECTORY: str(self.log_directory),
+        }
+        if self.protocol == V3:
+            env[ENV_PROTOCOL_VERSION] = "3"
+        self.runner = ControlCommand(config.control_command, env)
         self._lock = threading.Lock()
         self._process: ControlProcess | None = None
+        self._defaults = MpsDefaults()
         self._applied: tuple[str, ...] = ()
         self._attempted = False
         self._unreadable_warned = False
         self._next_restart_s = 0.0
         self._backoff_s = 1.0
         self._drift: dict[str, int] = {}
+        self._restarts = 0
+        self._drains = 0
+        self._undrained = 0
+        self._wedges = 0
+        self._canary_error = ""
+        self._book = (
+            NamespaceBook(
+                self.runner,
+                self.pipe_directory,
+                timing=options.namespaces,
+                count_drift=self._count_drift,
+            )
+            if self.protocol == V3
+            else None
+        )
+        self._drainer = Drainer(self.runner, self.protocol, options.drain_timeout_s)
+        self._watch = ClientWatch()
+        self._next_canary_s = 0.0
         self.status = MpsStatus(
             pipe_directory=str(self.pipe_directory),
             down_since_s=time.monotonic(),
             error="not started yet",
+            protocol=self.protocol,
         )
 
     def send(self, command: str) -> str:
@@ -119,12 +153,22 @@ class MpsControlDaemon:
         self.status = MpsStatus(
             up=up,
             pid=pid,
-            restarts_total=old.restarts_total,
+            restarts_total=self._restarts,
             down_since_s=down_since,
             pipe_directory=str(self.pipe_directory),
             error=error,
             drift_total=tuple(sorted(self._drift.items())),
+            protocol=self.protocol,
+            drains_total=self._drains,
+            undrained_total=self._undrained,
+            wedges_total=self._wedges,
+            canary_error=self._canary_error,
+            namespaces=() if self._book is None else self._book.held(),
         )
+
+    def _refresh_status(self) -> None:
+        old = self.status
+        self._set_status(up=old.up, pid=old.pid, error=old.error)
 
     def _count_drift(self, change: str) -> None:
         self._drift[change] = self._drift.get(change, 0) + 1
@@ -132,12 +176,22 @@ class MpsControlDaemon:
     # --- life cycle -------------------------------------------------------------------------
 
     def _start_once(self, defaults: MpsDefaults) -> int:
-        """Start the control daemon (or take over one left running) and set its defaults; its
+        """Start the control daemon (or take over one left running) and configure it; its
         PID. Raises MpsCommandError."""
         self._attempted = True
+        self._defaults = defaults
         self.directories.prepare()
         try:
             process = take_over(self.directories, self.runner.binary())
+            if process is not None and running_protocol(process) != self.protocol:
+                log.warning(
+                    "the MPS control daemon left running speaks another protocol; sending it "
+                    "quit and starting one with protocol %d pid=%d",
+                    self.protocol,
+                    process.pid,
+                )
+                quit_control_daemon(self.runner, process)
+                process = None
             if process is None:
                 process = self._spawn()
         except OSError as e:
@@ -146,56 +200,35 @@ class MpsControlDaemon:
             ) from e
         if process.child is not None:
             self._process = process
-            self._wait_for_pid_file(process)
+            wait_for_pid_file(process, self.directories, " ".join(self._argv()))
         self._process = process
         self._applied = ()
-        self._apply(defaults)
+        self._watch.reset()
+        self._configure(defaults, fresh=process.child is not None)
         return process.pid
+
+    def _argv(self) -> list[str]:
+        flags = ["-p", "3", "-m", "-f"] if self.protocol == V3 else ["-f"]
+        return [self.runner.command, *flags]
 
     def _spawn(self) -> ControlProcess:
         output = self.directories.output_file()
         try:
-            return spawn([self.runner.command, "-f"], self.runner.env, output)
+            return spawn(self._argv(), self.runner.env, output)
         except (FileNotFoundError, PermissionError) as e:
             raise self.runner.not_runnable(e) from e
 
-    def _wait_for_pid_file(self, process: ControlProcess) -> None:
-        """Until the child has written its PID file. Raises MpsCommandError when it exits first
-        or takes longer than SETTLE_TIMEOUT_S."""
-        command = self.runner.command
-        deadline = time.monotonic() + SETTLE_TIMEOUT_S
-        while self.directories.read_pid_file() != process.pid:
-            status = process.exit_status()
-            if status is not None:
-                raise MpsCommandError(
-                    f"{command} -f exited with {status}; see {self.log_directory / OUTPUT_FILE}"
-                )
-            if time.monotonic() > deadline:
-                raise MpsCommandError(
-                    f"{command} -f runs, but has not written its PID to "
-                    f"{self.pipe_directory / PID_FILE} after {SETTLE_TIMEOUT_S:g} s; see "
-                    f"{self.log_directory / OUTPUT_FILE}"
-                )
-            time.sleep(0.02)
-
-    def _apply(self, defaults: MpsDefaults) -> None:
-        self._applied = apply_defaults(self.runner, defaults, str(self.pipe_directory))
+    def _configure(self, defaults: MpsDefaults, *, fresh: bool) -> None:
+        if self._book is not None:
+            self._book.configure(defaults, fresh=fresh)
+            self._applied = defaults.commands()
+        else:
+            self._applied = apply_defaults(self.runner, defaults, str(self.pipe_directory))
 
     def _restore_drifted(self, defaults: MpsDefaults) -> None:
-        """Read the defaults back; set again, log and count each one that a client changed.
-        Raises MpsCommandError."""
-        for drift in find_drift(self.runner, defaults, self._unreadable):
-            self.send(drift.restore)
-            self._count_drift(drift.change)
-            log.warning(
-                "an MPS default was changed through the control socket, not by this daemon "
-                "(MPS does not say which client sent it); set again setting=%s found=%s "
-                "restored=%s pipe_directory=%s",
-                drift.change,
-                drift.found,
-                drift.wanted,
-                self.pipe_directory,
-            )
+        restore_drifted(
+            self.runner, defaults, self._unreadable, self._count_drift, str(self.pipe_directory)
+        )
 
     def _unreadable(self, answer: str) -> None:
         if not self._unreadable_warned:
@@ -220,20 +253,23 @@ class MpsControlDaemon:
                 raise StartupError(f"cannot start the MPS control daemon: {e}") from e
             self._set_status(up=True, pid=pid)
             log.info(
-                "MPS control daemon started pid=%d pipe_directory=%s log_directory=%s",
+                "MPS control daemon started pid=%d protocol=%d pipe_directory=%s log_directory=%s",
                 pid,
+                self.protocol,
                 self.pipe_directory,
                 self.log_directory,
             )
 
     def supervise_once(self, defaults: MpsDefaults) -> None:
-        """One supervision step: start the control daemon again if it has gone (and set its
-        defaults again), send defaults that changed, restore defaults a client changed. Never
-        raises."""
+        """One supervision step: start the control daemon again if it has gone (and configure
+        it again), send defaults that changed, restore what a client changed, watch for
+        wedges. Never raises."""
         with self._lock:
+            self._defaults = defaults
             process = self._process
             if process is not None and process.alive():
-                self._check_running(process, defaults)
+                if self._check_running(process, defaults):
+                    self._watch_for_wedges()
                 return
             now = time.monotonic()
             if process is not None:
@@ -244,20 +280,25 @@ class MpsControlDaemon:
                 return
             self._restart(defaults, now)
 
-    def _check_running(self, process: ControlProcess, defaults: MpsDefaults) -> None:
+    def _check_running(self, process: ControlProcess, defaults: MpsDefaults) -> bool:
+        """Configuration sent or read back; False (status set) when the control daemon did not
+        answer."""
         try:
-            if self._applied != defaults.commands():
-                self._apply(defaults)
+            if self._book is not None:
+                self._book.check(defaults)
+            elif self._applied != defaults.commands():
+                self._configure(defaults, fresh=False)
             else:
                 self._restore_drifted(defaults)
         except MpsCommandError as e:
             # Once per failure, not once a second while it lasts.
             level = logging.DEBUG if self.status.error == str(e) else logging.WARNING
-            log.log(level, "MPS defaults not sent or read; retrying error=%s", e)
+            log.log(level, "MPS configuration not sent or read; retrying error=%s", e)
             self._applied = ()
             self._set_status(up=True, pid=process.pid, error=str(e))
-            return
+            return False
         self._set_status(up=True, pid=process.pid)
+        return True
 
     def _restart(self, defaults: MpsDefaults, now: float) -> None:
         """Start the control daemon again after it has gone; back off while that fails."""
@@ -273,18 +314,9 @@ class MpsControlDaemon:
             self._backoff_s = min(self._backoff_s * 2, RESTART_BACKOFF_MAX_S)
             self._set_status(up=False, error=str(e))
             return
-        self.status = MpsStatus(
-            up=True,
-            pid=pid,
-            restarts_total=self.status.restarts_total + 1,
-            pipe_directory=str(self.pipe_directory),
-            drift_total=tuple(sorted(self._drift.items())),
-        )
-        log.warning(
-            "MPS control daemon started again pid=%d restarts=%d",
-            pid,
-            self.status.restarts_total,
-        )
+        self._restarts += 1
+        self._set_status(up=True, pid=pid)
+        log.warning("MPS control daemon started again pid=%d restarts=%d", pid, self._restarts)
 
     def _gone(self, process: ControlProcess) -> None:
         """The control daemon exited without being asked by this daemon: a client's quit (it
@@ -318,40 +350,9 @@ class MpsControlDaemon:
                 return
             await asyncio.to_thread(self.supervise_once, defaults())
 
-    def _quit(self) -> None:
-        """`quit`; then SIGTERM and SIGKILL, each after SETTLE_TIMEOUT_S, to the control daemon
-        this daemon started or verified (and to nothing else): it must not outlive us."""
-        process = self._process
-        took = True
-        try:
-            self.send("quit")
-        except MpsCommandError as e:
-            if process is None:
-                log.debug("MPS quit sent with no control daemon running error=%s", e)
-                return
-            log.warning("MPS control daemon did not take quit pid=%d error=%s", process.pid, e)
-            took = False
-        if process is None:
-            log.info("MPS control daemon stopped")
-            return
-        self._process = None
-        try:
-            if not process.alive() or (took and process.wait_gone(SETTLE_TIMEOUT_S)):
-                log.info("MPS control daemon stopped pid=%d", process.pid)
-                return
-            for signum in (signal.SIGTERM, signal.SIGKILL):
-                log.warning(
-                    "MPS control daemon still runs; sending %s pid=%d",
-                    signal.Signals(signum).name,
-                    process.pid,
-                )
-                process.signal(signum)
-                if process.wait_gone(SETTLE_TIMEOUT_S):
-                    log.info("MPS control daemon stopped pid=%d", process.pid)
-                    return
-            log.error("MPS control daemon still runs after SIGKILL pid=%d", process.pid)
-        finally:
-            process.close()
+    def _quit(self, force_after_s: int | None = None) -> None:
+        process, self._process = self._process, None
+        quit_control_daemon(self.runner, process, force_after_s=force_after_s)
 
     def stop(self) -> None:
         """Send `quit`, if a start was ever attempted, and make sure (bounded) that the control
@@ -362,3 +363,125 @@ class MpsControlDaemon:
             self._attempted = False
             self._quit()
             self._set_status(up=False, error="stopped")
+
+    # --- MPS v3 namespaces ------------------------------------------------------------------
+
+    def provision(self, owner: str, devices: Sequence[DeviceLimits]) -> MpsNamespace:
+        """The MPS v3 namespace of `owner` (an allocation ID or a claim UID) on the GPUs of
+        `devices`, capped at their share and memory: made before the container starts, its
+        pipe directory the one the container mounts. Idempotent for the same caps. Raises
+        MpsNamespaceError (under MPS v2, with the control daemon down, or when MPS refuses)."""
+        with self._lock:
+            if self._book is None:
+                raise MpsNamespaceError("MPS v2 has no namespaces: the per-slice defaults hold")
+            if self._process is None or not self._process.alive():
+                raise MpsNamespaceError(
+                    f"the MPS control daemon is not running ({self.status.error or 'down'}); "
+                    "the container cannot be given an MPS namespace now"
+                )
+            try:
+                return self._book.provision(owner, devices)
+            finally:
+                self._refresh_status()
+
+    def release(self, owner: str) -> None:
+        """`owner`'s container is gone: its namespace is deleted, now or as soon as no client
+        is attached. Never raises; a no-op under MPS v2 or for an unknown owner."""
+        with self._lock:
+            if self._book is None:
+                return
+            self._book.release(owner)
+            self._refresh_status()
+
+    # --- drains and wedges ------------------------------------------------------------------
+
+    def drain(self, pid: int) -> Drain:
+        """Terminate `pid` through the control daemon, if it is an MPS client, bounded by
+        `options.drain_timeout_s`; a wedge restarts MPS. Logged and counted. Never raises."""
+        with self._lock:
+            return self._drain(pid)
+
+    def stop_client(self, pid: int, kill: Callable[[], T]) -> T:
+        """`kill()` (which stops process `pid`) after draining `pid`: the callable the
+        enforcer is given as its way to stop a process safely. The caller resumes a stopped
+        process first."""
+        with self._lock:
+            self._drain(pid)
+            return kill()
+
+    def _drain(self, pid: int) -> Drain:
+        process = self._process
+        took_s = 0.0
+        if process is None or not process.alive():
+            drain = Drain(DrainOutcome.UNREACHABLE, "the MPS control daemon is not running")
+        else:
+            started = time.monotonic()
+            drain = self._drainer.drain(pid)
+            took_s = time.monotonic() - started
+        if drain.outcome is DrainOutcome.NOT_A_CLIENT:
+            return drain
+        if drain.outcome is DrainOutcome.DRAINED:
+            self._drains += 1
+            self._watch.note_drained(pid)
+            log.warning("MPS client drained before its stop pid=%d took_s=%.2f", pid, took_s)
+        elif drain.outcome is DrainOutcome.UNREACHABLE:
+            self._undrained += 1
+            log.error(
+                "MPS client cannot be drained before its stop: the control daemon did not "
+                "answer; stopped without a drain pid=%d error=%s",
+                pid,
+                drain.detail,
+            )
+        else:
+            self._wedged(f"the drain of client {pid} did not return: {drain.detail}")
+        self._refresh_status()
+        return drain
+
+    def _watch_for_wedges(self) -> None:
+        """With a canary: run it where a client left without a drain, and every
+        `canary_interval_s` everywhere."""
+        options = self.options
+        if options.canary is None:
+            return
+        now = time.monotonic()
+        try:
+            left = self._watch.left_undrained(self._drainer.clients())
+        except MpsCommandError as e:
+            log.debug("MPS clients not listed error=%s", e)
+            return
+        periodic = options.canary_interval_s > 0 and now >= self._next_canary_s
+        if not left and not periodic:
+            return
+        if periodic:
+            self._next_canary_s = now + options.canary_interval_s
+        if left:
+            log.info(
+                "MPS clients left without a drain; running the canary pids=%s",
+                ",".join(map(str, sorted(left))),
+            )
+        servers = None if self._book is None else sorted(self._book.servers())
+        for target in canary_targets(self.pipe_directory, servers, self._defaults):
+            result = run_canary(options.canary, self.runner.env, target, options.canary_timeout_s)
+            if result.hung:
+                self._wedged(result.error)
+                return
+            if result.error and result.error != self._canary_error:
+                log.warning(
+                    "MPS canary failed (not a hang: not taken for a wedge) error=%s", result.error
+                )
+            self._canary_error = result.error
+        self._refresh_status()
+
+    def _wedged(self, why: str) -> None:
+        """The GPU is wedged: log, count, restart MPS (configured again)."""
+        self._wedges += 1
+        log.error(
+            "MPS is wedged; restarting it (every MPS client on the node loses its server) "
+            "wedges=%d reason=%s",
+            self._wedges,
+            why,
+        )
+        self._quit(force_after_s=WEDGE_QUIT_TIMEOUT_S)
+        self._attempted = True
+        self._set_status(up=False, error=f"restarting after a wedge: {why}")
+        self._restart(self._defaults, time.monotonic())
