@@ -15,7 +15,12 @@ from pathlib import Path
 import pytest
 
 from tests.support.fake_mps.client import FAKE_CONTROL, FakeClient
-from tests.support.fake_mps.harness import FakeControlDaemon, events, fake_env
+from tests.support.fake_mps.harness import (
+    FakeControlDaemon,
+    events,
+    eventually_events,
+    fake_env,
+)
 
 
 @pytest.fixture
@@ -88,7 +93,7 @@ def test_a_client_killed_with_work_in_flight_wedges_the_gpu_until_a_restart(
             timeout=1,
             check=False,
         )
-    lost = events(fake.root, "client-lost")
+    lost = eventually_events(fake.root, "client-lost")
     assert lost == [{**lost[0], "client": victim.pid, "terminated": False, "work_in_flight": True}]
     # A new control daemon knows nothing of it.
     fake.stop()
@@ -120,7 +125,7 @@ def test_terminate_drains_so_that_the_kill_wedges_nothing(
     after = FakeClient(directory, work=False)
     clients.append(after)
     assert after.attached
-    assert events(fake.root, "client-lost")[0]["terminated"] is True
+    assert eventually_events(fake.root, "client-lost")[0]["terminated"] is True
 
 
 def test_terminate_waits_for_a_stopped_client_and_can_be_made_to_hang(

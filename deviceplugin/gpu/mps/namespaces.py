@@ -212,6 +212,12 @@ class NamespaceBook:
         if self._defaults is None:
             raise MpsNamespaceError("the MPS control daemon has not been configured yet")
         uuids = tuple(d.uuid for d in devices)
+        served = {uuid for uuid, _ in self._defaults.pinned_mem_limit_mib}
+        if not set(uuids) <= served:
+            raise MpsNamespaceError(
+                f"no MPS server serves GPU {', '.join(sorted(set(uuids) - served))}: MPS runs "
+                "on this node's sliced GPUs only"
+            )
         server = server_name(uuids[0]) if len(uuids) == 1 else ALL_SERVER
         name = namespace_name(owner)
         directory = self._pipe / server / name

@@ -37,6 +37,15 @@ def events(root: Path, name: str) -> list[dict[str, Any]]:
     return [r for r in records(root) if r["event"] == name]
 
 
+def eventually_events(root: Path, name: str, count: int = 1) -> list[dict[str, Any]]:
+    """The events `name` once there are `count` of them (the fake records a client's end from
+    a thread of its own, after the process is gone), or whatever there is after 10 s."""
+    deadline = time.monotonic() + 10
+    while len(found := events(root, name)) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return found
+
+
 class FakeControlDaemon:
     """`fake_mps_control.py [-p 3 -m] -f` in the foreground, as the test's child."""
 
