@@ -149,10 +149,10 @@ def test_a_client_killed_by_someone_else_wedges_and_the_canary_restarts_mps(
     daemon.supervise_once(DEFAULTS)  # sees the client
     victim.process.kill()  # the kubelet's SIGKILL at pod deletion: no drain
     victim.process.wait()
+    assert lost(made.root)[0]["wedged"] is True  # the fake has seen it go
     daemon.supervise_once(DEFAULTS)
     status = daemon.status
     assert (status.wedges_total, status.restarts_total, status.up) == (1, 1, True)
-    assert lost(made.root)[0]["wedged"] is True
     assert made.client(ns.pipe_directory).attached
 
 

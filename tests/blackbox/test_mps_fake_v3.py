@@ -84,16 +84,20 @@ def test_a_client_killed_with_work_in_flight_wedges_the_gpu_until_a_restart(
     clients.append(victim)
     victim.process.kill()
     victim.process.wait()
-    # The canary now hangs in its attach, as a CUDA init does on a wedged GPU.
-    with pytest.raises(subprocess.TimeoutExpired):
-        subprocess.run(
-            [str(FAKE_CONTROL), "canary"],
-            env=fake_env(fake.root, CUDA_MPS_PIPE_DIRECTORY=str(directory)),
-            capture_output=True,
-            timeout=1,
-            check=False,
-        )
     lost = eventually_events(fake.root, "client-lost")
+    # The canary now hangs in its attach, as a CUDA init does on a wedged GPU.
+    canary = subprocess.Popen(
+        [str(FAKE_CONTROL), "canary"],
+        env=fake_env(fake.root, CUDA_MPS_PIPE_DIRECTORY=str(directory)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert eventually_events(fake.root, "attach-hangs")[0]["client"] == canary.pid
+        assert canary.poll() is None
+    finally:
+        canary.kill()
+        canary.wait()
     assert lost == [{**lost[0], "client": victim.pid, "terminated": False, "work_in_flight": True}]
     # A new control daemon knows nothing of it.
     fake.stop()
@@ -135,15 +139,28 @@ def test_terminate_waits_for_a_stopped_client_and_can_be_made_to_hang(
     client = FakeClient(directory)
     clients.append(client)
     os.kill(client.pid, signal.SIGSTOP)
-    with pytest.raises(subprocess.TimeoutExpired):
-        fake.run(f"client terminate {client.pid}", timeout_s=0.5)
-    os.kill(client.pid, signal.SIGCONT)
-    (fake.root / "fake-terminate-hangs").touch()
-    other = FakeClient(directory)
-    clients.append(other)
-    with pytest.raises(subprocess.TimeoutExpired):
-        fake.run(f"client terminate {other.pid}", timeout_s=0.5)
-    assert [e["stopped"] for e in events(fake.root, "terminate")][:1] == [True]
+    waiting = fake.start(f"client terminate {client.pid}")
+    try:
+        (terminate,) = eventually_events(fake.root, "terminate")
+        assert (terminate["client"], terminate["stopped"]) == (client.pid, True)
+        assert waiting.poll() is None  # it cannot take the terminate while stopped
+        os.kill(client.pid, signal.SIGCONT)
+        assert waiting.wait(timeout=10) == 0
+        assert client.line() == "terminated"
+        # Made to hang: the run never returns (a wedged GPU).
+        (fake.root / "fake-terminate-hangs").touch()
+        other = FakeClient(directory)
+        clients.append(other)
+        hanging = fake.start(f"client terminate {other.pid}")
+        try:
+            assert eventually_events(fake.root, "terminate-hangs")[0]["client"] == other.pid
+            assert hanging.poll() is None
+        finally:
+            hanging.kill()
+            hanging.wait()
+    finally:
+        waiting.kill()
+        waiting.wait()
 
 
 def test_v2_clients_and_terminate_client(short_tmp: Path, clients: list[FakeClient]) -> None:

@@ -81,6 +81,20 @@ class FakeControlDaemon:
             check=False,
         )
 
+    def start(self, *commands: str) -> subprocess.Popen[str]:
+        """A run of the control command with `commands`, left running (the test reaps it)."""
+        process = subprocess.Popen(
+            [str(FAKE_CONTROL)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            env=fake_env(self.root),
+        )
+        assert process.stdin is not None
+        process.stdin.write("".join(f"{c}\n" for c in commands))
+        process.stdin.close()
+        return process
+
     def ok(self, *commands: str) -> str:
         """The answer of commands that must succeed."""
         done = self.run(*commands)
