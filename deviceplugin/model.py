@@ -383,6 +383,23 @@ class EnforcementCount:
 
 
 @dataclass(frozen=True, slots=True)
+class MpsNamespace:
+    """An MPS v3 namespace held for one container (device plugin) or claim (DRA): every client
+    whose pipe directory is `pipe_directory` shares its caps on the GPUs it holds."""
+
+    # The allocation ID or claim UID it was made for.
+    owner: str
+    server: str
+    name: str
+    # `<mps.root>/pipe/<server>/<name>`: what the container mounts (read-only, at the same
+    # path) and names in CUDA_MPS_PIPE_DIRECTORY.
+    pipe_directory: str
+    gpu_uuids: tuple[str, ...]
+    active_thread_percentage: int
+    pinned_memory_mib: int
+
+
+@dataclass(frozen=True, slots=True)
 class MpsStatus:
     """The node's MPS control daemon, as the daemon that supervises it sees it."""
 
@@ -396,8 +413,20 @@ class MpsStatus:
     # Why it is down, or why the last start or command failed; "" when all is well.
     error: str = ""
     # Changes made through the control socket behind the daemon's back, each undone: (what,
-    # count), what being pinned_mem_limit, active_thread_percentage or quit.
+    # count), what being pinned_mem_limit, active_thread_percentage, quit or namespace.
     drift_total: tuple[tuple[str, int], ...] = ()
+    # The MPS protocol it runs: 2, or 3 (namespaces) where the driver has it.
+    protocol: int = 2
+    # MPS clients terminated through the control daemon before a stop (a drain), and clients
+    # stopped without one because the control daemon could not be reached.
+    drains_total: int = 0
+    undrained_total: int = 0
+    # Wedges found (a drain past its bound, a canary that hung), each followed by a restart.
+    wedges_total: int = 0
+    # Why the last canary failed without hanging ("" when it passed or none ran).
+    canary_error: str = ""
+    # MPS v3: the namespaces held, by owner.
+    namespaces: tuple[MpsNamespace, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@ from deviceplugin.enforcer.policy import (
     Release,
     SetDuty,
 )
+from deviceplugin.enforcer.stopping import StopProcess, plain_stop
 
 __all__ = [
     "STOPPED_RECORD_NAME",
@@ -44,8 +45,10 @@ __all__ = [
     "Release",
     "SetDuty",
     "SignalResult",
+    "StopProcess",
     "StoppedRecord",
     "load_stopped_record",
+    "plain_stop",
     "read_stopped_record",
     "write_stopped_record",
 ]

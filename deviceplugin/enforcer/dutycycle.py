@@ -114,6 +114,17 @@ class DutyCycler:
             self._prune_denied()
             self._cond.notify_all()
 
+    def withdraw(self, pid: int) -> None:
+        """Take `pid` out of every group, resuming it if a group held it stopped: it is about
+        to be stopped for good. A later `set` that names it takes it in again."""
+        with self._cond:
+            for key, group in self._groups.items():
+                if pid in group.pids:
+                    self._resume(key, group, pid)
+                    group.pids = group.pids - {pid}
+                    self._account(key, group, self._clock())
+            self._cond.notify_all()
+
     def release_all(self) -> None:
         """End every duty cycle, and try once more to resume the unresumed PIDs."""
         with self._cond:

@@ -62,6 +62,7 @@ from deviceplugin.enforcer.record import (
     write_stopped_record,
 )
 from deviceplugin.enforcer.stopped import STRAY_SCAN_S, StoppedBook
+from deviceplugin.enforcer.stopping import StopProcess, plain_stop
 from deviceplugin.errors import DevicePluginError
 from deviceplugin.model import EnforcementCount, NodeSnapshot
 
@@ -97,8 +98,10 @@ class Enforcer:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         tuning: ControllerTuning | None = None,
+        stop_process: StopProcess = plain_stop,
     ) -> None:
         self.config = config
+        self._stop_process = stop_process
         self.policy = EnforcementPolicy(config, tuning)
         self._control: ProcessControl = control if control is not None else PsutilControl()
         self._clock = clock
@@ -243,7 +246,7 @@ class Enforcer:
     def _apply(self, d: Decision) -> None:
         dry = self._control.dry_run
         if isinstance(d, Kill):
-            result = self._control.send(d.pid, signal.SIGKILL)
+            result = self._kill(d.pid)
             if result is SignalResult.DENIED:
                 self._signals_denied += 1
             elif result is SignalResult.MOVED:
@@ -258,6 +261,17 @@ class Enforcer:
             self._actions.released(d, self._cycler.stopped_seconds(key), dry)
         else:
             self._actions.recorded(d)
+
+    def _kill(self, pid: int) -> SignalResult:
+        """SIGKILL `pid`, out of every duty cycle and resumed first if one held it stopped (a
+        stopped MPS client cannot be drained), through `stop_process` (with MPS: after a drain).
+        A dry run drains nothing."""
+        self._cycler.withdraw(pid)
+
+        def kill() -> SignalResult:
+            return self._control.send(pid, signal.SIGKILL)
+
+        return kill() if self._control.dry_run else self._stop_process(pid, kill)
 
     def _forget_gone(self, snapshot: NodeSnapshot) -> None:
         """Drop what is kept about containers whose allocation is gone."""
