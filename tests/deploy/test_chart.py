@@ -441,7 +441,10 @@ def serve_help() -> str:
 
 
 def test_every_setting_the_chart_passes_is_one_serve_reads() -> None:
-    docs = render(CHART / "ci" / "per-node-values.yaml", sets=("metrics.tls.enabled=true",))
+    docs = render(
+        CHART / "ci" / "per-node-values.yaml",
+        sets=("metrics.tls.enabled=true", "enforceNvidiaConfig=true"),
+    )
     help_text = " ".join(serve_help().split())
     names = {name for name in env_of(docs) if name.startswith("VGPU_")}
     assert {
@@ -449,6 +452,7 @@ def test_every_setting_the_chart_passes_is_one_serve_reads() -> None:
         "VGPU_DEFAULT_CONFIG",
         "VGPU_FAIL_ON_INIT_ERROR",
         "VGPU_DEVICE_ID_STRATEGY",
+        "VGPU_ENFORCE_NVIDIA_CONFIG",
     } <= names
     assert "VGPU_NODE_FEATURES_DIR" in names
     for name in sorted(names):

@@ -321,3 +321,19 @@ def test_the_migration_guide_says_what_becomes_of_the_labels_the_daemonset_needs
         assert f"`{key}=true`" in section, key
     assert "devicePlugin.enabled=false" in section
     assert "prune" in section
+
+
+def test_enforce_nvidia_config_turns_enforcement_on_keeping_the_file(tmp_path: Path) -> None:
+    """An NVIDIA file runs in monitor mode unless enforceNvidiaConfig: the value reaches the
+    daemon, the file stays as given."""
+    nvidia = tmp_path / "nvidia-config.yaml"
+    nvidia.write_text(NVIDIA_MPS.replace("mps", "timeSlicing"))
+    monitored = render(files=(f"config={nvidia}",))
+    assert "VGPU_ENFORCE_NVIDIA_CONFIG" not in env_of(monitored)
+    enforced = render(files=(f"config={nvidia}",), sets=("enforceNvidiaConfig=true",))
+    assert env_of(enforced)["VGPU_ENFORCE_NVIDIA_CONFIG"] == "true"
+    assert (
+        config_map_data(enforced)
+        == config_map_data(monitored)
+        == {"config.yaml": nvidia.read_text()}
+    )

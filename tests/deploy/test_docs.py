@@ -182,3 +182,23 @@ def test_running_guide_deploys_in_an_order_that_works() -> None:
         "helm install"
     )
     assert "--create-namespace" not in deploying  # it would create the namespace unlabelled
+
+
+def test_the_migration_docs_say_an_nvidia_file_starts_in_monitor_mode() -> None:
+    """The README's migration section and docs/migrating.md tell an NVIDIA user that nothing is
+    killed or paused at first, and the one setting that turns enforcement on, by the names
+    `serve` and the chart read."""
+    from deviceplugin.enforcement_mode import CHART_VALUE, ENV, FLAG
+
+    readme = section((ROOT / "README.md").read_text(), "Migrate from NVIDIA's device plugin")
+    guide = (ROOT / "docs" / "migrating.md").read_text()
+    chart_values = yaml.safe_load((DEPLOY / "chart" / "values.yaml").read_text())
+    assert chart_values[CHART_VALUE] is False
+    for text in (readme, guide):
+        flat = " ".join(text.split())
+        assert "monitor mode" in flat
+        assert "would_kill" in flat
+        assert CHART_VALUE in flat
+        assert ENV in flat
+    assert FLAG in guide
+    assert "Only vgpu's own format can turn enforcement" not in guide

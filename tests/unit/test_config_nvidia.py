@@ -618,9 +618,10 @@ def test_an_unknown_top_level_key_is_ignored_as_nvidia_ignores_it() -> None:
 # --- what check-config says ---------------------------------------------------------------------
 
 
-def check(path: Path) -> list[str]:
+def check(path: Path, *, enforce_nvidia_config: bool = False) -> list[str]:
     out, err = io.StringIO(), io.StringIO()
-    assert check_config(path, "", out, err) == EXIT_OK, err.getvalue()
+    code = check_config(path, "", out, err, enforce_nvidia_config=enforce_nvidia_config)
+    assert code == EXIT_OK, err.getvalue()
     return out.getvalue().splitlines()
 
 
@@ -638,13 +639,34 @@ def test_the_plan_says_how_an_nvidia_file_is_read_and_what_vgpu_adds() -> None:
         "read as NVIDIA k8s-device-plugin's config: nvidia.com/gpu, 10 per GPU shared by"
         " time-slicing; MIG strategy none"
     )
+    # Monitor mode, until the operator turns enforcement on: said first, then under the plan.
+    assert lines[2].startswith(
+        "enforcement: monitor mode, as the config is NVIDIA k8s-device-plugin's format: vgpu"
+        " decides, logs and counts what it would do (would kill, would throttle) and signals"
+        " nothing; to enforce, keeping the file as it is: serve --enforce-nvidia-config true"
+    )
+    beyond = lines[lines.index("beyond NVIDIA's plugin, vgpu also:") :]
+    text = " ".join(beyond)
+    assert "would kill a container's largest GPU process after 2s above it" in text
+    assert "(logs and counts it as would_kill, signals nothing)" in text
+    assert "would pause a container above its compute share" in text
+    assert "(logs and counts it as would_throttle)" in text
+    assert "monitor mode: to enforce, serve --enforce-nvidia-config true" in text
+    assert "per GPU and per container" in text
+    # The demo's H100 is in MIG mode: NVIDIA's plugin (migStrategy none) would serve it whole.
+    assert "differs from NVIDIA's plugin: GPU 2 in MIG mode is left out" in text
+    assert max(len(line) for line in beyond) <= 80
+
+
+def test_with_enforcement_turned_on_the_plan_says_what_vgpu_enforces() -> None:
+    lines = check(CORPUS / "time-slicing-10.yaml", enforce_nvidia_config=True)
+
+    assert lines[2].startswith("enforcement: on for this NVIDIA-format config")
     beyond = lines[lines.index("beyond NVIDIA's plugin, vgpu also:") :]
     text = " ".join(beyond)
     assert "kills a container's largest GPU process after 2s" in text
     assert "pauses a container above its compute share" in text
-    assert "per GPU and per container" in text
-    # The demo's H100 is in MIG mode: NVIDIA's plugin (migStrategy none) would serve it whole.
-    assert "differs from NVIDIA's plugin: GPU 2 in MIG mode is left out" in text
+    assert "would" not in text
     assert max(len(line) for line in beyond) <= 80
 
 
@@ -663,6 +685,9 @@ def test_a_vgpu_file_gets_no_nvidia_lines(tmp_path: Path) -> None:
     lines = check(path)
 
     assert not any("NVIDIA's" in line or "k8s-device-plugin" in line for line in lines)
+    # Enforced as it says, whatever the flag: no mode line.
+    assert not any(line.startswith("enforcement:") for line in lines)
+    assert check(path, enforce_nvidia_config=True) == lines
 
 
 # --- serve with an NVIDIA file and the daemon's flags -------------------------------------------
