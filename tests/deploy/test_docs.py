@@ -202,3 +202,18 @@ def test_the_migration_docs_say_an_nvidia_file_starts_in_monitor_mode() -> None:
         assert ENV in flat
     assert FLAG in guide
     assert "Only vgpu's own format can turn enforcement" not in guide
+
+
+def test_the_docs_claim_no_refusal_that_nvidias_plugin_does_not_make() -> None:
+    """Not every file vgpu refuses is refused by NVIDIA's plugin (it takes replicas: 2000): the
+    README and the migration guide say which are vgpu's own, with the bound vgpu holds."""
+    from deviceplugin.config import MAX_REPLICAS
+
+    readme = section((ROOT / "README.md").read_text(), "Migrate from NVIDIA's device plugin")
+    guide = (ROOT / "docs" / "migrating.md").read_text()
+    for text in (readme, guide):
+        flat = " ".join(text.split())
+        assert "refused here is refused by NVIDIA's plugin too" not in flat
+        assert f"more than {MAX_REPLICAS} replicas" in flat or f"above {MAX_REPLICAS}" in flat
+    assert "| a resource listed twice under one `sharing` section | serves the larger" in guide
+    assert "| vgpu's own keys" in guide

@@ -48,12 +48,15 @@ class Meaning:
     """What NVIDIA's plugin makes of a file, as vgpu must make it too.
 
     refused: (key path, a piece of NVIDIA's reason) of each problem, in order; empty when the file
-    is accepted. Then: the resource full GPUs are served as, with its replicas per GPU, MPS or
-    not, the MIG strategy, the replicas of MIG profiles (mixed), what the container runtime is
+    is accepted. nvidia_takes: a refusal of vgpu's own, where NVIDIA's plugin takes the file.
+    Then: the resource full GPUs are served as, with its replicas per GPU, MPS or not, the MIG
+    strategy, the replicas of MIG profiles (mixed), what the container runtime is
     told a GPU is called, and the key path each warning starts with, in order (no other
     warning)."""
 
     refused: tuple[tuple[str, str], ...] = ()
+    # Refused by vgpu only: NVIDIA's plugin takes the file, and the refusal says what it does.
+    nvidia_takes: bool = False
     resource: str = GPU
     replicas: int = 1
     mps: bool = False
@@ -65,6 +68,11 @@ class Meaning:
 
 def refused(*problems: tuple[str, str]) -> Meaning:
     return Meaning(refused=problems)
+
+
+def vgpu_refuses(*problems: tuple[str, str]) -> Meaning:
+    """Refused by vgpu, where NVIDIA's plugin takes the file (docs/migrating.md lists these)."""
+    return Meaning(refused=problems, nvidia_takes=True)
 
 
 TS = "sharing.timeSlicing"
@@ -170,8 +178,11 @@ CASES: dict[str, Meaning] = {
     "device-id-strategy-unknown.yaml": refused(
         ("flags.plugin.deviceIDStrategy", '"serial" is not one of')
     ),
-    # vgpu's keys are not read from NVIDIA's file: refused, so nobody believes them in force.
-    "vgpu-key-mixed-in.yaml": refused(("top level", 'unknown key "nodeLabels"')),
+    # What vgpu refuses and NVIDIA's plugin takes, saying so. vgpu's keys are not read from
+    # NVIDIA's file: refused, so nobody believes them in force.
+    "vgpu-key-mixed-in.yaml": vgpu_refuses(("top level", 'unknown key "nodeLabels"')),
+    "replicas-2000.yaml": vgpu_refuses((f"{TS0}.replicas", "vgpu serves at most 1024 per GPU")),
+    "resource-listed-twice.yaml": vgpu_refuses((f"{TS}.resources[1]", "is listed twice")),
 }
 
 
@@ -190,6 +201,10 @@ def test_an_nvidia_file_means_what_nvidias_plugin_makes_of_it(name: str) -> None
         for problem, (path, reason) in zip(problems, meaning.refused, strict=True):
             assert problem.startswith(f"{path}: "), problem
             assert reason in problem
+            # A refusal NVIDIA's plugin does not make says what NVIDIA's plugin does instead.
+            if meaning.nvidia_takes:
+                assert "NVIDIA's plugin" in problem, problem
+                assert "NVIDIA's plugin refuses" not in problem, problem
         return
 
     config = load_config(CORPUS / name)
