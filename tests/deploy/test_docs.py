@@ -116,9 +116,9 @@ def test_top_level_readme_points_to_the_operator_guide() -> None:
     text = (ROOT / "README.md").read_text()
     install = section(text, "Install")
     assert "daemonset/README.md" in install
-    assert "kubectl apply -k daemonset/" in install
+    assert "kubectl apply -k ../my-vgpu" in install
     # The image exists before anything that pulls it is applied.
-    assert install.index("podman push") < install.index("kubectl apply -k daemonset/")
+    assert install.index("podman push") < install.index("kubectl apply -k ../my-vgpu")
     assert install.index("pod-security.kubernetes.io/enforce=privileged") < install.index(
         "helm install"
     )
@@ -176,7 +176,7 @@ def test_running_guide_deploys_in_an_order_that_works() -> None:
     text = (ROOT / "docs" / "running.md").read_text()
     deploying = section(text, "Deploying")
     push = deploying.index("podman push")
-    assert push < deploying.index("kubectl apply -k daemonset/")
+    assert push < deploying.index("kubectl apply -k ../my-vgpu")
     assert push < deploying.index("helm install")
     assert deploying.index("pod-security.kubernetes.io/enforce=privileged") < deploying.index(
         "helm install"
