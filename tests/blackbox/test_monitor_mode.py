@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator
 
 import pytest
 
@@ -31,6 +30,9 @@ from tests.blackbox.daemon_harness import (
     running_daemon,
     with_processes,
 )
+from tests.blackbox.test_enforcement_daemon import alive, workloads
+
+__all__ = ["workloads"]  # the fixture, shared with the daemon's enforcement tests
 
 NVIDIA = b"""\
 version: v1
@@ -56,23 +58,6 @@ QUICK = EnforcementConfig(
 def quick(content: bytes) -> Config:
     config = config_from_bytes(content, "config.yaml")
     return dataclasses.replace(config, enforcement=QUICK)
-
-
-@pytest.fixture
-def workloads() -> Iterator[Workloads]:
-    w = Workloads()
-    try:
-        yield w
-    finally:
-        w.close()
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 async def over_its_limit(node: Node, workloads: Workloads, pod: str) -> int:
