@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 from deviceplugin import __version__, logs
 from deviceplugin.config import Config, DeviceIdStrategy
 from deviceplugin.dra.settings import DraSettings, GpuCdi
+from deviceplugin.enforcement_mode import ENV as ENFORCE_ENV
+from deviceplugin.enforcement_mode import FLAG as ENFORCE_FLAG
 from deviceplugin.errors import BackendError, ConfigError, StartupError
 from deviceplugin.kubelet.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
 
@@ -233,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
         "MIG device), as NVIDIA's --device-id-strategy; wins over the config file's "
         "deviceIDStrategy (default: the config file's, uuid; env VGPU_DEVICE_ID_STRATEGY)",
     )
+    _add_enforce_nvidia_config_flag(serve)
     serve.add_argument(
         "--trust-host-processes",
         action="store_true",
@@ -268,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan for the GPUs of this backend; exit 3 if it cannot start while the config "
         "is valid (default: the demo's GPUs; env VGPU_BACKEND)",
     )
+    _add_enforce_nvidia_config_flag(check)
 
     sub.add_parser(
         "config-schema",
@@ -324,6 +328,19 @@ def build_parser() -> argparse.ArgumentParser:
     for command in sub.choices.values():
         command.set_defaults(command_parser=command)
     return parser
+
+
+def _add_enforce_nvidia_config_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        ENFORCE_FLAG,
+        metavar="true|false",
+        type=_one_of(("true", "false")),
+        default=_env(ENFORCE_ENV, "false"),
+        help="true: enforce an NVIDIA-format config (kill, throttle) as a vgpu-format one is; "
+        "false: such a config runs in monitor mode, deciding, logging and counting what it "
+        "would do and signalling nothing; a vgpu-format config is enforced as it says either "
+        f"way (default: false; env {ENFORCE_ENV})",
+    )
 
 
 KUBELET_APIS = ("device-plugin", "dra")
@@ -446,6 +463,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             device_id_strategy=(
                 DeviceIdStrategy(args.device_id_strategy) if args.device_id_strategy else None
             ),
+            enforce_nvidia_config=args.enforce_nvidia_config == "true",
         )
     except ConfigError as e:
         for problem in e.problems:
@@ -590,7 +608,13 @@ def run_until_signalled(
 def cmd_check_config(args: argparse.Namespace) -> int:
     from deviceplugin.check import check_config  # noqa: PLC0415
 
-    return check_config(Path(args.path), args.backend, sys.stdout, sys.stderr)
+    return check_config(
+        Path(args.path),
+        args.backend,
+        sys.stdout,
+        sys.stderr,
+        enforce_nvidia_config=args.enforce_nvidia_config == "true",
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

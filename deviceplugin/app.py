@@ -25,6 +25,7 @@ from deviceplugin import __version__
 from deviceplugin.allocation import mps_defaults
 from deviceplugin.config import Config, DeviceIdStrategy, MpsConfig
 from deviceplugin.dra.settings import DraSettings, device_ids_ignored
+from deviceplugin.enforcement_mode import as_run, in_monitor_mode, mode_line
 from deviceplugin.errors import StartupError
 from deviceplugin.gpu.backend import GpuBackend, open_backend
 from deviceplugin.kubelet.checkpoint import (
@@ -118,9 +119,14 @@ class DaemonSettings:
     # --device-id-strategy: wins over every config file's deviceIDStrategy, as NVIDIA's flag
     # (DEVICE_ID_STRATEGY) wins over its config file; None: the file's.
     device_id_strategy: DeviceIdStrategy | None = None
+    # --enforce-nvidia-config: an NVIDIA-format config is enforced; else it runs in monitor
+    # mode, a dry run (deviceplugin/enforcement_mode.py).
+    enforce_nvidia_config: bool = False
 
     def configured(self, config: Config) -> Config:
-        """`config` with the flags that win over the config file applied."""
+        """`config` with the flags that win over the config file applied, and in monitor mode
+        where it is NVIDIA's format and enforcement is not turned on."""
+        config = as_run(config, self.enforce_nvidia_config)
         if self.device_id_strategy is None:
             return config
         allocation = replace(config.allocation, device_id_strategy=self.device_id_strategy)
@@ -299,7 +305,17 @@ class Daemon:
         """Apply a new config without a restart: the one entry point of a live reload."""
         from deviceplugin.reload import apply_config  # noqa: PLC0415 (see TYPE_CHECKING above)
 
+        old = self.settings.config
         await apply_config(self, config)
+        self._log_mode_change(old, self.settings.config)
+
+    def _log_mode_change(self, old: Config, new: Config) -> None:
+        """Say so when a reload turns monitor mode (or a dry run) on or off."""
+        enforce = self.settings.enforce_nvidia_config
+        if old.enforcement.dry_run == new.enforcement.dry_run:
+            return
+        line = mode_line(new, enforce) or "enforcement: on, as the config says"
+        log.warning("config reload: %s", line)
 
     def plan_problem(self, config: Config) -> str | None:
         """Why `config`'s slicing plan cannot be advertised on this node's GPUs (its device list
@@ -597,6 +613,10 @@ class Daemon:
         )
         for warning in cfg.warnings:
             log.warning("config: %s", warning)
+        mode = mode_line(cfg, self.settings.enforce_nvidia_config)
+        if mode:
+            monitor = in_monitor_mode(cfg, self.settings.enforce_nvidia_config)
+            log.log(logging.WARNING if monitor else logging.INFO, "%s", mode)
         pid_namespace = pid_namespace_warning()
         if pid_namespace:
             log.warning("%s", pid_namespace)

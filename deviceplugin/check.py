@@ -22,6 +22,8 @@ from deviceplugin.config import (
     format_size,
     load_config,
 )
+from deviceplugin.enforcement_mode import FLAG as ENFORCE_FLAG
+from deviceplugin.enforcement_mode import in_monitor_mode, mode_line
 from deviceplugin.errors import BackendError, ConfigError
 from deviceplugin.kubelet.limits import device_list_problem
 from deviceplugin.model import GpuInfo, GpuPlan
@@ -163,26 +165,41 @@ def nvidia_meaning(config: Config) -> str:
     return f"read as NVIDIA k8s-device-plugin's config: {served}; MIG strategy {mig}"
 
 
-def beyond_nvidia(plans: tuple[GpuPlan, ...], config: Config) -> list[str]:
+def beyond_nvidia(
+    plans: tuple[GpuPlan, ...], config: Config, *, enforce_nvidia_config: bool = False
+) -> list[str]:
     """What vgpu does with an NVIDIA config that NVIDIA's plugin does not, and where the two
     serve a GPU differently: the lines under the plan, so that nobody moving over is surprised
-    by a kill, a pause or a missing GPU."""
+    by a kill, a pause or a missing GPU. In monitor mode (deviceplugin/enforcement_mode.py)
+    the kills and pauses are only what vgpu would do."""
     shared = [p for p in plans if p.sliced and p.replicas > 1]
     e = config.enforcement
+    monitor = in_monitor_mode(config, enforce_nvidia_config)
     lines = ["beyond NVIDIA's plugin, vgpu also:"]
     if shared:
         grace = format_duration(e.memory.grace_period_s)
         lines.append("  holds each slice to its share of the GPU's memory (MEM/SLICE):")
-        lines.append(
-            f"    kills a container's largest GPU process after {grace} above it"
-            if e.memory.action is MemoryAction.KILL
-            else "    records (does not stop) a container above it"
-        )
+        if e.memory.action is MemoryAction.KILL:
+            kills = "would kill" if monitor else "kills"
+            lines.append(f"    {kills} a container's largest GPU process after {grace} above it")
+            if monitor:
+                lines.append("    (logs and counts it as would_kill, signals nothing)")
+        else:
+            lines.append("    records (does not stop) a container above it")
         if e.compute.action is ComputeAction.THROTTLE and not config.mps.enabled:
-            lines.append("  pauses a container above its compute share (COMPUTE/SLICE) while")
-            lines.append("    others wait; NVIDIA's time-slicing gives every process equal turns")
-        lines.append("  (to only record, write the config in vgpu's format with")
-        lines.append("    enforcement: {memory: {action: monitor}, compute: {action: monitor}})")
+            lines.append(
+                f"  {'would pause' if monitor else 'pauses'} a container above its compute share"
+                " (COMPUTE/SLICE)"
+            )
+            lines.append("    while others wait; NVIDIA's time-slicing gives every process")
+            lines.append(
+                "    equal turns" + (" (logs and counts it as would_throttle)" if monitor else "")
+            )
+        if monitor:
+            lines.append(f"  (monitor mode: to enforce, serve {ENFORCE_FLAG} true; the file")
+            lines.append("    stays as it is)")
+        else:
+            lines.append(f"  ({ENFORCE_FLAG} true: to only record, leave it false)")
     else:
         lines.append("  nothing to enforce on whole GPUs: a container has all of its GPU")
     lines.append("  measures memory and utilisation per GPU and per container (/metrics,")
@@ -197,7 +214,9 @@ def beyond_nvidia(plans: tuple[GpuPlan, ...], config: Config) -> list[str]:
     return lines
 
 
-def check_config(path: Path, backend_spec: str, out: TextIO, err: TextIO) -> int:
+def check_config(
+    path: Path, backend_spec: str, out: TextIO, err: TextIO, *, enforce_nvidia_config: bool = False
+) -> int:
     try:
         config = load_config(path)
     except ConfigError as e:
@@ -209,6 +228,9 @@ def check_config(path: Path, backend_spec: str, out: TextIO, err: TextIO) -> int
     print(f"{path}: valid ({describe(config)})", file=out)
     if config.format is ConfigFormat.NVIDIA:
         print(nvidia_meaning(config), file=out)
+    mode = mode_line(config, enforce_nvidia_config)
+    if mode:
+        print(mode, file=out)
     for warning in config.warnings:
         print(f"warning: {warning}", file=out)
     if backend_spec:
@@ -243,6 +265,6 @@ def check_config(path: Path, backend_spec: str, out: TextIO, err: TextIO) -> int
     for line in render_limits(plans, config):
         print(line, file=out)
     if config.format is ConfigFormat.NVIDIA:
-        for line in beyond_nvidia(plans, config):
+        for line in beyond_nvidia(plans, config, enforce_nvidia_config=enforce_nvidia_config):
             print(line, file=out)
     return EXIT_OK

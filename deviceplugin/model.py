@@ -375,7 +375,7 @@ class EnforcementCount:
     allocation_id: str
     gpu_uuid: str
     kind: str  # "memory" | "compute"
-    action: str  # "kill" | "throttle" | "monitor"
+    action: str  # "kill" | "throttle" | "monitor"; a dry run: "would_kill" | "would_throttle"
     count: int
     namespace: str = ""
     pod: str = ""

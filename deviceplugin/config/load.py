@@ -54,8 +54,9 @@ def parse_config(data: object, source: str = "config") -> Config:
         assert isinstance(data, dict)
         hint = (
             " (this file is read as NVIDIA k8s-device-plugin config because it has a top-level"
-            " flags, sharing, resources or imex key; vgpu keys cannot be mixed into it; to use"
-            " them, write the file in vgpu's format)"
+            " flags, sharing, resources or imex key; vgpu keys cannot be mixed into it: NVIDIA's"
+            " plugin would ignore them, vgpu refuses them so that none seems in force that is"
+            " not; to use them, write the file in vgpu's format)"
         )
         reader = _Reader(
             null_is_absent=True,

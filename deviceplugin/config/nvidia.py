@@ -1,7 +1,8 @@
 """NVIDIA k8s-device-plugin's config format (api/config/v1 of NVIDIA/k8s-device-plugin, v0.20).
 
 Users bring the file they already have, and it means what NVIDIA's plugin makes of it: the same
-resources with the same replicas, the same refusals with NVIDIA's reason, and NVIDIA's warnings
+resources with the same replicas, the same refusals with NVIDIA's reason (and a few of vgpu's
+own, each saying what NVIDIA's plugin does instead), and NVIDIA's warnings
 for what it ignores. Where vgpu cannot do the same, a warning names the difference.
 
 What NVIDIA's plugin makes of a file:
@@ -257,7 +258,12 @@ def _nvidia_replicas(r: _Reader, value: object, path: str) -> int | None:
         )
         return None
     if value > MAX_REPLICAS:
-        r.error(path, f"{value} is too large (vgpu serves at most {MAX_REPLICAS} per GPU)")
+        r.error(
+            path,
+            f"{value} is too large: vgpu serves at most {MAX_REPLICAS} per GPU (each would be held"
+            f" to 1/{value} of its GPU's memory), where NVIDIA's plugin takes any number from 2;"
+            " use fewer",
+        )
         return None
     return value
 
@@ -424,7 +430,11 @@ def _nvidia_resources(
     gpu_listed = False
     for resource in resources:
         if resource.name in seen:
-            r.error(resource.path, f"{resource.name} is listed twice; keep one entry")
+            r.error(
+                resource.path,
+                f"{resource.name} is listed twice; keep one entry (vgpu refuses it, where"
+                " NVIDIA's plugin serves the larger of the two replica counts)",
+            )
             continue
         seen.add(resource.name)
         if resource.name == NVIDIA_GPU_RESOURCE:

@@ -30,6 +30,13 @@ _KILL_OUTCOME = {
 }
 
 _Names = tuple[str, str, str, int]  # namespace, pod, container, GPU index
+# A dry run's kill: decided and counted, never sent.
+_DRY_OUTCOME = "false (dry run: would kill)"
+
+
+def would(action: str) -> str:
+    """What a dry run (monitor mode) counts and logs for `action`: would_kill, would_throttle."""
+    return f"would_{action}"
 
 
 class ActionLog:
@@ -43,14 +50,17 @@ class ActionLog:
         self._names_from: tuple[object, ...] = ()
 
     def killed(self, d: Kill, result: SignalResult, dry: bool) -> None:
-        """A SIGKILL for a memory violation, and what became of it."""
+        """A SIGKILL for a memory violation, and what became of it; in a dry run (monitor mode
+        too) the kill it would have sent, counted as would_kill."""
         key = (d.allocation_id, d.gpu_uuid)
-        self.count(key, MEMORY, KILL)
+        action = would(KILL) if dry else KILL
+        self.count(key, MEMORY, action)
         ns, pod, container, index = self.names_of(key)
         log.warning(
-            "memory limit exceeded action=kill namespace=%s pod=%s container=%s "
+            "memory limit exceeded action=%s namespace=%s pod=%s container=%s "
             "allocation=%s gpu=%s gpu_index=%d pid=%d used_bytes=%d limit_bytes=%d "
             "process_used_bytes=%d over_for_s=%.2f sent=%s dry_run=%s",
+            action,
             ns,
             pod,
             container,
@@ -62,22 +72,25 @@ class ActionLog:
             d.limit_bytes,
             d.process_used_bytes,
             d.over_for_s,
-            _KILL_OUTCOME[result],
+            _DRY_OUTCOME if dry else _KILL_OUTCOME[result],
             dry,
         )
 
     def throttled(self, d: SetDuty, dry: bool) -> None:
-        """A duty cycle set (counted when it starts an episode)."""
+        """A duty cycle set (counted when it starts an episode); in a dry run the one it would
+        have set, counted as would_throttle."""
         key = (d.allocation_id, d.gpu_uuid)
+        action = would(THROTTLE) if dry else THROTTLE
         if d.started:
-            self.count(key, COMPUTE, THROTTLE)
+            self.count(key, COMPUTE, action)
         ns, pod, container, index = self.names_of(key)
         log.log(
             logging.WARNING if d.started else logging.DEBUG,
-            "compute share %s action=throttle namespace=%s pod=%s container=%s "
+            "compute share %s action=%s namespace=%s pod=%s container=%s "
             "allocation=%s gpu=%s gpu_index=%d pid=%s used_ratio=%.3f limit_ratio=%.3f "
             "share_ratio=%.3f duty=%.3f dry_run=%s",
             "exceeded" if d.started else "throttled",
+            action,
             ns,
             pod,
             container,
@@ -97,8 +110,9 @@ class ActionLog:
         key = (d.allocation_id, d.gpu_uuid)
         ns, pod, container, index = self.names_of(key)
         log.warning(
-            "compute throttle released action=resume namespace=%s pod=%s container=%s "
+            "compute throttle released action=%s namespace=%s pod=%s container=%s "
             "allocation=%s gpu=%s gpu_index=%d throttled_s=%.2f reason=%r dry_run=%s",
+            would("resume") if dry else "resume",
             ns,
             pod,
             container,

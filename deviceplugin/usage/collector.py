@@ -186,7 +186,8 @@ class SnapshotCollector(Collector):
         enforcement = _counter(
             "vgpu_enforcement_actions",
             "Enforcement actions taken on the container, by kind (memory, compute) and action "
-            "(kill, throttle, monitor), a count.",
+            "(kill, throttle, monitor; in a dry run or monitor mode would_kill, would_throttle), "
+            "a count.",
             ENFORCEMENT_LABELS,
         )
         not_sent = _counter(

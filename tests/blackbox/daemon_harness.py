@@ -111,6 +111,7 @@ async def running_daemon(
     backend: GpuBackend | None = None,
     kubelet_cgroup_root: str = "",
     device_id_strategy: DeviceIdStrategy | None = None,
+    enforce_nvidia_config: bool = False,
 ) -> AsyncIterator[Daemon]:
     """Run a daemon until the block ends (on `backend`, default: the node's fake GPUs, closed at
     the end either way); fail the test if it died on its own. `kubelet_cgroup_root`: the
@@ -124,6 +125,8 @@ async def running_daemon(
         settings = dataclasses.replace(settings, pod_resources_socket=pod_resources_socket)
     if device_id_strategy is not None:  # --device-id-strategy
         settings = dataclasses.replace(settings, device_id_strategy=device_id_strategy)
+    if enforce_nvidia_config:  # --enforce-nvidia-config true
+        settings = dataclasses.replace(settings, enforce_nvidia_config=True)
     if backend is None:
         backend = FakeBackend(node.state_file)
     daemon = Daemon(settings, backend, pod_resources_interval_s=pod_resources_interval_s)

@@ -183,6 +183,16 @@ def test_check_config_accepts_nvidia_time_slicing_file(short_tmp: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "resource nvidia.com/gpu" in result.stdout
     assert "total: 10 slices" in result.stdout
+    assert "enforcement: monitor mode" in result.stdout
+    # The flag serve takes, or its variable as the DaemonSet sets it, says what serve would do.
+    on = run_cli("check-config", str(config), "--enforce-nvidia-config", "true")
+    assert "enforcement: on for this NVIDIA-format config" in on.stdout
+    env = {**os.environ, "VGPU_ENFORCE_NVIDIA_CONFIG": "true"}
+    by_env = subprocess.run(
+        [*CLI, "check-config", str(config)], capture_output=True, text=True, timeout=60,
+        check=False, env=env,
+    )  # fmt: skip
+    assert by_env.stdout == on.stdout
 
 
 def test_demo_shows_slices_pods_and_env_then_cleans_up() -> None:

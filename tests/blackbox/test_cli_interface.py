@@ -75,6 +75,7 @@ def test_serve_help_shows_every_default_and_its_environment_variable() -> None:
         "--kubeconfig": "VGPU_KUBECONFIG",
         "--fail-on-init-error": "VGPU_FAIL_ON_INIT_ERROR",
         "--device-id-strategy": "VGPU_DEVICE_ID_STRATEGY",
+        "--enforce-nvidia-config": "VGPU_ENFORCE_NVIDIA_CONFIG",
         "--node-features-file": "VGPU_NODE_FEATURES_FILE",
         "--kubelet-cgroup-driver": "VGPU_KUBELET_CGROUP_DRIVER",
         "--kubelet-cgroup-root": "VGPU_KUBELET_CGROUP_ROOT",

@@ -440,11 +440,20 @@ def test_a_dry_run_signals_nothing_but_reports_what_it_would_do(
     assert (a.pid, signal.SIGSTOP) in dry.sent
     assert {pid for pid, _ in dry.sent} == {a.pid}
     assert node.container(A).duty_cycle_ratio is not None
-    assert node.counts()[(A, "memory", "kill")] == 1
+    # Counted as what it would have done, not as a kill or a throttle: an alert on kills stays
+    # quiet, and the operator sees what enforcement would do.
+    assert node.counts() == {(A, "memory", "would_kill"): 1, (A, "compute", "would_throttle"): 1}
     assert not (node.state_dir / STOPPED_RECORD_NAME).exists()
     actions = [r.getMessage() for r in caplog.records if "action=" in r.getMessage()]
     assert actions
     assert all("dry_run=True" in line for line in actions)
+    kills = [line for line in actions if line.startswith("memory limit exceeded")]
+    assert kills
+    assert all("action=would_kill" in line for line in kills)
+    assert all("sent=false (dry run: would kill)" in line for line in kills)
+    throttles = [line for line in actions if line.startswith("compute share exceeded")]
+    assert throttles
+    assert all("action=would_throttle" in line for line in throttles)
 
 
 def test_nothing_is_stopped_while_the_stopped_process_record_cannot_be_written(

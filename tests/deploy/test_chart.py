@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
+from packaging.version import Version
 
 import deviceplugin
 from deviceplugin.config import (
@@ -28,7 +29,13 @@ from deviceplugin.config import (
     parse_config,
 )
 from tests.deploy.support import CHART, DEPLOY, MONITORING, NAMESPACE, ROOT, Manifest
-from tests.deploy.test_manifests import KUBERNETES_VERSIONS, is_crd, kustomize, validate
+from tests.deploy.test_manifests import (
+    KUBERNETES_VERSIONS,
+    NEWER_KINDS,
+    is_crd,
+    kustomize,
+    validate,
+)
 from tools import fetch_k8s_tools
 
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
@@ -37,6 +44,15 @@ HASH_SUFFIX = re.compile(r"-[a-z0-9]{10}$")
 # As the README installs it: objects named vgpu-device-plugin, as kustomize names them.
 RELEASE = "vgpu-device-plugin"
 CONFIG_MAP = f"{RELEASE}-config"
+# Objects of no namespace.
+CLUSTER_WIDE = (
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "DeviceClass",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+)
 
 
 def helm() -> str:
@@ -163,9 +179,10 @@ def test_rendered_objects_match_the_kubernetes_schema(values: Path | None, versi
     docs = render(*([values] if values else []))
     assert docs
     for doc in docs:
-        if doc["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
+        if doc["kind"] not in CLUSTER_WIDE:
             assert doc["metadata"]["namespace"] == NAMESPACE, doc["metadata"]["name"]
-        if not is_crd(doc):
+        since = NEWER_KINDS.get(str(doc["kind"]), "0")
+        if not is_crd(doc) and Version(version) >= Version(since):
             validate(doc, version, f"helm template with {values.name if values else 'defaults'}")
 
 
@@ -424,7 +441,10 @@ def serve_help() -> str:
 
 
 def test_every_setting_the_chart_passes_is_one_serve_reads() -> None:
-    docs = render(CHART / "ci" / "per-node-values.yaml", sets=("metrics.tls.enabled=true",))
+    docs = render(
+        CHART / "ci" / "per-node-values.yaml",
+        sets=("metrics.tls.enabled=true", "enforceNvidiaConfig=true"),
+    )
     help_text = " ".join(serve_help().split())
     names = {name for name in env_of(docs) if name.startswith("VGPU_")}
     assert {
@@ -432,6 +452,7 @@ def test_every_setting_the_chart_passes_is_one_serve_reads() -> None:
         "VGPU_DEFAULT_CONFIG",
         "VGPU_FAIL_ON_INIT_ERROR",
         "VGPU_DEVICE_ID_STRATEGY",
+        "VGPU_ENFORCE_NVIDIA_CONFIG",
     } <= names
     assert "VGPU_NODE_FEATURES_DIR" in names
     for name in sorted(names):

@@ -116,9 +116,9 @@ def test_top_level_readme_points_to_the_operator_guide() -> None:
     text = (ROOT / "README.md").read_text()
     install = section(text, "Install")
     assert "daemonset/README.md" in install
-    assert "kubectl apply -k daemonset/" in install
+    assert "kubectl apply -k ../my-vgpu" in install
     # The image exists before anything that pulls it is applied.
-    assert install.index("podman push") < install.index("kubectl apply -k daemonset/")
+    assert install.index("podman push") < install.index("kubectl apply -k ../my-vgpu")
     assert install.index("pod-security.kubernetes.io/enforce=privileged") < install.index(
         "helm install"
     )
@@ -176,9 +176,44 @@ def test_running_guide_deploys_in_an_order_that_works() -> None:
     text = (ROOT / "docs" / "running.md").read_text()
     deploying = section(text, "Deploying")
     push = deploying.index("podman push")
-    assert push < deploying.index("kubectl apply -k daemonset/")
+    assert push < deploying.index("kubectl apply -k ../my-vgpu")
     assert push < deploying.index("helm install")
     assert deploying.index("pod-security.kubernetes.io/enforce=privileged") < deploying.index(
         "helm install"
     )
     assert "--create-namespace" not in deploying  # it would create the namespace unlabelled
+
+
+def test_the_migration_docs_say_an_nvidia_file_starts_in_monitor_mode() -> None:
+    """The README's migration section and docs/migrating.md tell an NVIDIA user that nothing is
+    killed or paused at first, and the one setting that turns enforcement on, by the names
+    `serve` and the chart read."""
+    from deviceplugin.enforcement_mode import CHART_VALUE, ENV, FLAG
+
+    readme = section((ROOT / "README.md").read_text(), "Migrate from NVIDIA's device plugin")
+    guide = (ROOT / "docs" / "migrating.md").read_text()
+    chart_values = yaml.safe_load((DEPLOY / "chart" / "values.yaml").read_text())
+    assert chart_values[CHART_VALUE] is False
+    for text in (readme, guide):
+        flat = " ".join(text.split())
+        assert "monitor mode" in flat
+        assert "would_kill" in flat
+        assert CHART_VALUE in flat
+        assert ENV in flat
+    assert FLAG in guide
+    assert "Only vgpu's own format can turn enforcement" not in guide
+
+
+def test_the_docs_claim_no_refusal_that_nvidias_plugin_does_not_make() -> None:
+    """Not every file vgpu refuses is refused by NVIDIA's plugin (it takes replicas: 2000): the
+    README and the migration guide say which are vgpu's own, with the bound vgpu holds."""
+    from deviceplugin.config import MAX_REPLICAS
+
+    readme = section((ROOT / "README.md").read_text(), "Migrate from NVIDIA's device plugin")
+    guide = (ROOT / "docs" / "migrating.md").read_text()
+    for text in (readme, guide):
+        flat = " ".join(text.split())
+        assert "refused here is refused by NVIDIA's plugin too" not in flat
+        assert f"more than {MAX_REPLICAS} replicas" in flat or f"above {MAX_REPLICAS}" in flat
+    assert "| a resource listed twice under one `sharing` section | serves the larger" in guide
+    assert "| vgpu's own keys" in guide

@@ -48,12 +48,15 @@ class Meaning:
     """What NVIDIA's plugin makes of a file, as vgpu must make it too.
 
     refused: (key path, a piece of NVIDIA's reason) of each problem, in order; empty when the file
-    is accepted. Then: the resource full GPUs are served as, with its replicas per GPU, MPS or
-    not, the MIG strategy, the replicas of MIG profiles (mixed), what the container runtime is
+    is accepted. nvidia_takes: a refusal of vgpu's own, where NVIDIA's plugin takes the file.
+    Then: the resource full GPUs are served as, with its replicas per GPU, MPS or not, the MIG
+    strategy, the replicas of MIG profiles (mixed), what the container runtime is
     told a GPU is called, and the key path each warning starts with, in order (no other
     warning)."""
 
     refused: tuple[tuple[str, str], ...] = ()
+    # Refused by vgpu only: NVIDIA's plugin takes the file, and the refusal says what it does.
+    nvidia_takes: bool = False
     resource: str = GPU
     replicas: int = 1
     mps: bool = False
@@ -65,6 +68,11 @@ class Meaning:
 
 def refused(*problems: tuple[str, str]) -> Meaning:
     return Meaning(refused=problems)
+
+
+def vgpu_refuses(*problems: tuple[str, str]) -> Meaning:
+    """Refused by vgpu, where NVIDIA's plugin takes the file (docs/migrating.md lists these)."""
+    return Meaning(refused=problems, nvidia_takes=True)
 
 
 TS = "sharing.timeSlicing"
@@ -170,8 +178,11 @@ CASES: dict[str, Meaning] = {
     "device-id-strategy-unknown.yaml": refused(
         ("flags.plugin.deviceIDStrategy", '"serial" is not one of')
     ),
-    # vgpu's keys are not read from NVIDIA's file: refused, so nobody believes them in force.
-    "vgpu-key-mixed-in.yaml": refused(("top level", 'unknown key "nodeLabels"')),
+    # What vgpu refuses and NVIDIA's plugin takes, saying so. vgpu's keys are not read from
+    # NVIDIA's file: refused, so nobody believes them in force.
+    "vgpu-key-mixed-in.yaml": vgpu_refuses(("top level", 'unknown key "nodeLabels"')),
+    "replicas-2000.yaml": vgpu_refuses((f"{TS0}.replicas", "vgpu serves at most 1024 per GPU")),
+    "resource-listed-twice.yaml": vgpu_refuses((f"{TS}.resources[1]", "is listed twice")),
 }
 
 
@@ -190,6 +201,10 @@ def test_an_nvidia_file_means_what_nvidias_plugin_makes_of_it(name: str) -> None
         for problem, (path, reason) in zip(problems, meaning.refused, strict=True):
             assert problem.startswith(f"{path}: "), problem
             assert reason in problem
+            # A refusal NVIDIA's plugin does not make says what NVIDIA's plugin does instead.
+            if meaning.nvidia_takes:
+                assert "NVIDIA's plugin" in problem, problem
+                assert "NVIDIA's plugin refuses" not in problem, problem
         return
 
     config = load_config(CORPUS / name)
@@ -618,9 +633,10 @@ def test_an_unknown_top_level_key_is_ignored_as_nvidia_ignores_it() -> None:
 # --- what check-config says ---------------------------------------------------------------------
 
 
-def check(path: Path) -> list[str]:
+def check(path: Path, *, enforce_nvidia_config: bool = False) -> list[str]:
     out, err = io.StringIO(), io.StringIO()
-    assert check_config(path, "", out, err) == EXIT_OK, err.getvalue()
+    code = check_config(path, "", out, err, enforce_nvidia_config=enforce_nvidia_config)
+    assert code == EXIT_OK, err.getvalue()
     return out.getvalue().splitlines()
 
 
@@ -638,13 +654,34 @@ def test_the_plan_says_how_an_nvidia_file_is_read_and_what_vgpu_adds() -> None:
         "read as NVIDIA k8s-device-plugin's config: nvidia.com/gpu, 10 per GPU shared by"
         " time-slicing; MIG strategy none"
     )
+    # Monitor mode, until the operator turns enforcement on: said first, then under the plan.
+    assert lines[2].startswith(
+        "enforcement: monitor mode, as the config is NVIDIA k8s-device-plugin's format: vgpu"
+        " decides, logs and counts what it would do (would kill, would throttle) and signals"
+        " nothing; to enforce, keeping the file as it is: serve --enforce-nvidia-config true"
+    )
+    beyond = lines[lines.index("beyond NVIDIA's plugin, vgpu also:") :]
+    text = " ".join(beyond)
+    assert "would kill a container's largest GPU process after 2s above it" in text
+    assert "(logs and counts it as would_kill, signals nothing)" in text
+    assert "would pause a container above its compute share" in text
+    assert "(logs and counts it as would_throttle)" in text
+    assert "monitor mode: to enforce, serve --enforce-nvidia-config true" in text
+    assert "per GPU and per container" in text
+    # The demo's H100 is in MIG mode: NVIDIA's plugin (migStrategy none) would serve it whole.
+    assert "differs from NVIDIA's plugin: GPU 2 in MIG mode is left out" in text
+    assert max(len(line) for line in beyond) <= 80
+
+
+def test_with_enforcement_turned_on_the_plan_says_what_vgpu_enforces() -> None:
+    lines = check(CORPUS / "time-slicing-10.yaml", enforce_nvidia_config=True)
+
+    assert lines[2].startswith("enforcement: on for this NVIDIA-format config")
     beyond = lines[lines.index("beyond NVIDIA's plugin, vgpu also:") :]
     text = " ".join(beyond)
     assert "kills a container's largest GPU process after 2s" in text
     assert "pauses a container above its compute share" in text
-    assert "per GPU and per container" in text
-    # The demo's H100 is in MIG mode: NVIDIA's plugin (migStrategy none) would serve it whole.
-    assert "differs from NVIDIA's plugin: GPU 2 in MIG mode is left out" in text
+    assert "would" not in text
     assert max(len(line) for line in beyond) <= 80
 
 
@@ -663,6 +700,9 @@ def test_a_vgpu_file_gets_no_nvidia_lines(tmp_path: Path) -> None:
     lines = check(path)
 
     assert not any("NVIDIA's" in line or "k8s-device-plugin" in line for line in lines)
+    # Enforced as it says, whatever the flag: no mode line.
+    assert not any(line.startswith("enforcement:") for line in lines)
+    assert check(path, enforce_nvidia_config=True) == lines
 
 
 # --- serve with an NVIDIA file and the daemon's flags -------------------------------------------

@@ -76,12 +76,19 @@ def test_dra_deployment(rendered: dict[str, list[dict[str, Any]]], how: str) -> 
     (role,) = by_kind["ClusterRole"]
     assert role["rules"] == RBAC
     assert "Role" not in by_kind
-    (binding,) = by_kind["ClusterRoleBinding"]
-    assert binding["subjects"][0]["name"] == "vgpu-device-plugin"
-    (policy,) = by_kind["ValidatingAdmissionPolicy"]
-    assert "authentication.kubernetes.io/node-name" in str(policy["spec"]["variables"])
     (ds,) = by_kind["DaemonSet"]
     pod = ds["spec"]["template"]["spec"]
+    # The binding and the policy name the DaemonSet's own service account, whatever the
+    # release is called (the chart is rendered as release "vgpu").
+    (binding,) = by_kind["ClusterRoleBinding"]
+    assert binding["subjects"][0]["name"] == pod["serviceAccountName"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    (policy,) = by_kind["ValidatingAdmissionPolicy"]
+    assert "authentication.kubernetes.io/node-name" in str(policy["spec"]["variables"])
+    (condition,) = policy["spec"]["matchConditions"]
+    namespace = binding["subjects"][0]["namespace"]
+    user = f"system:serviceaccount:{namespace}:{pod['serviceAccountName']}"
+    assert f'"{user}"' in condition["expression"]
     assert pod["automountServiceAccountToken"] is True
     (container,) = pod["containers"]
     env = {e["name"]: e.get("value") for e in container["env"]}

@@ -198,7 +198,8 @@ def test_nvidia_single_strategy_slices_mig_devices_like_gpus() -> None:
     [
         (
             "sharing: {timeSlicing: {resources: [{name: a, replicas: 2}, {name: a, replicas: 3}]}}",
-            "sharing.timeSlicing.resources[1]: nvidia.com/a is listed twice; keep one entry",
+            "sharing.timeSlicing.resources[1]: nvidia.com/a is listed twice; keep one entry (vgpu"
+            " refuses it, where NVIDIA's plugin serves the larger of the two replica counts)",
         ),
     ],
 )

@@ -40,32 +40,30 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
-{{/* The keys of `config` that are NVIDIA's chart knobs; every other key is an inline config. */}}
-{{- define "vgpu.configKnobs" -}}
-name map default fallbackStrategies
+{{/* The driver root on the host: hostPaths.driverRoot, or NVIDIA's nvidiaDriverRoot ("/", the
+host's own, is where the NVIDIA runtime finds it: nothing to mount). */}}
+{{- define "vgpu.driverRoot" -}}
+{{- $nvidia := .Values.nvidiaDriverRoot | default "" -}}
+{{- .Values.hostPaths.driverRoot | default (ternary "" $nvidia (eq $nvidia "/")) -}}
 {{- end -}}
 
-{{/* The inline config: `config` less the knobs. */}}
-{{- define "vgpu.inlineConfig" -}}
-{{- $inline := omit (.Values.config | default dict) "name" "map" "default" "fallbackStrategies" -}}
-{{- toYaml $inline -}}
+{{/* The name of a cluster-wide object of this release (ClusterRole, ClusterRoleBinding,
+ValidatingAdmissionPolicy and its binding): the release's namespace and the objects' name, so
+that releases in two namespaces, or two releases in one, each have their own. */}}
+{{- define "vgpu.clusterName" -}}
+{{- printf "%s-%s" .Release.Namespace (include "vgpu.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
-{{/* "true" when the configs are named and chosen per node (config.map or config.name). */}}
-{{- define "vgpu.perNode" -}}
-{{- $config := .Values.config | default dict -}}
-{{- if or $config.name $config.map -}}true{{- end -}}
+{{/* The user the API server sees for the daemon's service account token. */}}
+{{- define "vgpu.serviceAccountUser" -}}
+system:serviceaccount:{{ .Release.Namespace }}:{{ include "vgpu.fullname" . }}
 {{- end -}}
 
-{{/* The ConfigMap the daemon reads: config.name, else the chart's own. */}}
-{{- define "vgpu.configMapName" -}}
-{{- $config := .Values.config | default dict -}}
-{{- $config.name | default (printf "%s-config" (include "vgpu.fullname" .)) -}}
-{{- end -}}
-
-{{/* Refuse values that contradict each other, with what to do. */}}
+{{/* Refuse values that contradict each other, or that this chart does not have, with what to do;
+and config files the daemon would refuse or could not run with (_config.tpl). */}}
 {{- define "vgpu.validate" -}}
-{{- $config := .Values.config | default dict -}}
+{{- include "vgpu.refuseNvidiaValues" . -}}
+{{- $config := include "vgpu.config" . | fromJson -}}
 {{- $inline := omit $config "name" "map" "default" "fallbackStrategies" -}}
 {{- if and $config.name $config.map -}}
 {{- fail "config.name (an existing ConfigMap) and config.map (named configs the chart creates) exclude each other: set one" -}}
@@ -73,18 +71,8 @@ name map default fallbackStrategies
 {{- if and $inline (include "vgpu.perNode" .) -}}
 {{- fail (printf "config holds an inline config (%s) and config.name or config.map: put the inline config into config.map as a named config instead" (keys $inline | sortAlpha | join ", ")) -}}
 {{- end -}}
-{{- if and (or $config.default (ne (len ($config.fallbackStrategies | default list)) 0)) (not (include "vgpu.perNode" .)) -}}
-{{- if $config.default -}}
+{{- if and $config.default (not (include "vgpu.perNode" .)) -}}
 {{- fail "config.default names one of several named configs: it needs config.map or config.name" -}}
-{{- end -}}
-{{- end -}}
-{{- $inlineMps := and (kindIs "map" $inline.mps) (get $inline.mps "enabled") -}}
-{{- $nvidiaMps := and (kindIs "map" $inline.sharing) (get $inline.sharing "mps") -}}
-{{- if and (or $inlineMps $nvidiaMps) (not .Values.mps.enabled) -}}
-{{- fail "the config turns MPS on: set mps.enabled=true too, for what the daemon needs for it (the MPS root from the host, CAP_SETUID and CAP_SETGID)" -}}
-{{- end -}}
-{{- if and $inlineMps .Values.mps.enabled (get $inline.mps "root") (ne (get $inline.mps "root") .Values.mps.root) -}}
-{{- fail (printf "config.mps.root is %s but mps.root (the host directory the chart mounts) is %s: make them the same" (get $inline.mps "root") .Values.mps.root) -}}
 {{- end -}}
 {{- if hasKey .Values "migStrategy" -}}
 {{- fail "migStrategy is a setting of the config file in vgpu: set config.mig.strategy (vgpu's format) or config.flags.migStrategy (NVIDIA's), or put it into each config of config.map" -}}
@@ -103,12 +91,5 @@ name map default fallbackStrategies
 {{- fail (printf "config.default is %q, which config.map does not hold (it holds: %s)" $config.default (keys $config.map | sortAlpha | join ", ")) -}}
 {{- end -}}
 {{- end -}}
-{{- end -}}
-
-
-{{/* The driver root on the host: hostPaths.driverRoot, or NVIDIA's nvidiaDriverRoot ("/", the
-host's own, is where the NVIDIA runtime finds it: nothing to mount). */}}
-{{- define "vgpu.driverRoot" -}}
-{{- $nvidia := .Values.nvidiaDriverRoot | default "" -}}
-{{- .Values.hostPaths.driverRoot | default (ternary "" $nvidia (eq $nvidia "/")) -}}
+{{- include "vgpu.validateConfigs" . -}}
 {{- end -}}
