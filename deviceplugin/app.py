@@ -240,6 +240,8 @@ class Daemon:
             self._reload_metrics = ReloadMetrics(
                 metrics.registry, settings.node_name, settings.config_hash
             )
+            if self.dra is not None:
+                metrics.registry.register(self.dra.publisher.collector(settings.node_name))
             for seconds in self._early_polls:
                 metrics.observe_poll(seconds)
             for seconds in self._early_allocates:
@@ -544,6 +546,7 @@ class Daemon:
         registered = all(lc.registered and not lc.unstable_since_s for lc in lifecycles)
         if self.dra is not None:
             registered = self.dra.registered
+            unregistered_since_s = 0.0 if registered else self.dra.unregistered_since_s
         return DaemonHealth(
             registered=registered,
             unregistered_since_s=unregistered_since_s,
@@ -567,6 +570,11 @@ class Daemon:
 
         config = self.settings.config
         interval = config.enforcement.poll_interval_s
+        if self.dra is not None:
+            # The driver's own reasons first: they say what to do.
+            reason = self.dra.unhealthy(time.monotonic())
+            if reason:
+                return False, reason
         return healthz(
             self.poller.snapshot,
             now_mono_s=time.monotonic(),
