@@ -243,3 +243,58 @@ async def test_a_driver_the_kubelet_never_registers_is_a_warning_and_fails_healt
         assert "--kubelet-root-dir" in body
         await _register(settings)
         await eventually(lambda: _get(daemon, "/healthz")[0] == 200, 10, "/healthz ok")
+
+
+def _config_reloads(daemon: Daemon, result: str) -> float | None:
+    value: float | None = daemon.metrics.registry.get_sample_value(
+        "vgpu_config_reloads_total", {"node": NODE, "result": result}
+    )
+    return value
+
+
+def _compute_default(api: FakeApiServer) -> str:
+    slices = api.slice_list()
+    if not slices:
+        return ""
+    return str(slices[0]["spec"]["devices"][0]["capacity"]["compute"]["requestPolicy"]["default"])
+
+
+async def test_a_reload_whose_slice_would_be_refused_is_refused_before_it_is_applied(
+    node: Node, api: FakeApiServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with reloading_daemon(node, api, "dra: {compute: {default: 10}}\n") as daemon:
+        await eventually(lambda: _compute_default(api) == "10", 10, "the first slice")
+        (node.root / "config.yaml").write_text(
+            "dra: {memory: {min: 30Gi}, compute: {default: 20}}\n"
+        )
+        await eventually(lambda: _config_reloads(daemon, "refused") == 1, 10, "the refusal")
+        assert _config_reloads(daemon, "applied") == 0
+        assert daemon.settings.config.dra.compute_default == 10
+        line = next(m for m in _errors(caplog) if MEMORY_MIN in m)
+        assert line.startswith("config reload refused: ")
+        assert "dra.memory" in line
+        # The slice the API server took stays, and stays published.
+        await asyncio.sleep(0.5)
+        assert _compute_default(api) == "10"
+        assert _gauge(daemon, "vgpu_dra_resourceslice_published") == {NODE: 1}
+
+
+async def test_a_reload_the_api_server_refuses_is_undone_and_not_counted_applied(
+    node: Node, api: FakeApiServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with reloading_daemon(node, api, "dra: {compute: {default: 10}}\n") as daemon:
+        await eventually(lambda: _compute_default(api) == "10", 10, "the first slice")
+        await eventually(lambda: _gauge(daemon, "vgpu_dra_resourceslice_published") == {NODE: 1})
+        api.refuse_slices = "spec.devices[0].capacity[compute]: Invalid value: refused by the test"
+        (node.root / "config.yaml").write_text("dra: {compute: {default: 20}}\n")
+        await eventually(lambda: _config_reloads(daemon, "refused") == 1, 15, "the refusal")
+        assert _config_reloads(daemon, "applied") == 0
+        assert daemon.settings.config.dra.compute_default == 10
+        assert any(
+            "the API server refuses the ResourceSlice this config makes" in m
+            and "refused by the test" in m
+            for m in _errors(caplog)
+        )
+        api.refuse_slices = ""
+        # The running config's slice is the API server's still.
+        assert _compute_default(api) == "10"
