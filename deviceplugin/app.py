@@ -596,13 +596,28 @@ class Daemon:
         FIRST_LIST_WAIT_S): a new process reaches the kubelet ~0.15 s sooner. Polls before are
         not enforced; a scrape before makes the metrics at once."""
         cfg = self.settings.config
-        log.info(
-            "starting vgpu device plugin version=%s backend=%s resource=%s device_plugin_dir=%s",
-            __version__,
-            self.backend.name,
-            cfg.resource_name,
-            self.settings.device_plugin_dir,
-        )
+        if self.dra is not None:
+            dra = self.dra.settings
+            log.info(
+                "starting vgpu DRA driver version=%s backend=%s driver=%s node=%s "
+                "kubelet_root_dir=%s cdi_dir=%s gpu_cdi=%s",
+                __version__,
+                self.backend.name,
+                dra.driver_name,
+                dra.node_name,
+                dra.kubelet_root_dir,
+                dra.cdi_dir,
+                dra.gpu_cdi.value,
+            )
+        else:
+            log.info(
+                "starting vgpu device plugin version=%s backend=%s resource=%s "
+                "device_plugin_dir=%s",
+                __version__,
+                self.backend.name,
+                cfg.resource_name,
+                self.settings.device_plugin_dir,
+            )
         for warning in cfg.warnings:
             log.warning("config: %s", warning)
         pid_namespace = pid_namespace_warning()
@@ -629,8 +644,10 @@ class Daemon:
                 await asyncio.to_thread(self.mps.start, mps_defaults(self.inventory.value.plans))
             self._start_http()
             # Who holds what, before the first device list goes out: a slice held under a name
-            # this node no longer serves must not be offered as free, not even once.
-            await self.tracker.prime()
+            # this node no longer serves must not be offered as free, not even once. (DRA mode:
+            # the prepared claims, recovered above, are what is held.)
+            if self.dra is None:
+                await self.tracker.prime()
             self.reconcile_resources()
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self.poller.run(stop), name="poll")

@@ -223,3 +223,24 @@ def test_a_policy_no_device_can_carry_is_reported_naming_the_device_and_the_key(
     assert "dra.memory" in l4[0]
     # The H100 and H200 hold 30Gi: nothing is said of them.
     assert not [p for p in problems if "H100" in p or "H200" in p]
+
+
+def test_a_driver_name_the_runtime_would_refuse_as_a_cdi_kind_is_refused() -> None:
+    import pytest
+
+    from deviceplugin.config.load import config_from_bytes
+    from deviceplugin.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        config_from_bytes(b"dra: {driverName: 9gpu.example.com}", "t")
+    (problem,) = e.value.problems
+    assert problem.startswith("dra.driverName")
+    assert "starts with a digit" in problem
+    assert "9gpu.example.com/claim" in problem
+    assert "CDI vendor must start with a letter" in problem
+    with pytest.raises(ConfigError) as e:
+        config_from_bytes(b"dra: {driverName: " + b"a" * 64 + b"}", "t")
+    assert "longer than 63 characters" in e.value.problems[0]
+    assert config_from_bytes(b"dra: {driverName: gpu9.example.com}", "t").dra.driver_name == (
+        "gpu9.example.com"
+    )
