@@ -266,22 +266,25 @@ class PublicationCollector:
         from prometheus_client.core import GaugeMetricFamily  # noqa: PLC0415 (with the metrics)
 
         p = self._publisher
-        labels = ["node", "pool"]
-        published = GaugeMetricFamily(
-            "vgpu_dra_resourceslice_published",
-            "1 when the API server holds the node's ResourceSlice with the devices the DRA "
-            "driver has now; 0 while it refuses it, does not answer, or has not taken it yet.",
-            labels=labels,
-        )
-        published.add_metric([self._node, p.pool], 1.0 if p.published else 0.0)
-        refused = GaugeMetricFamily(
-            "vgpu_dra_resourceslice_refused",
-            "1 while the API server refuses the node's ResourceSlice (or would: it breaks the "
-            "API server's validation rules, so it is not sent); the log line names the field.",
-            labels=labels,
-        )
-        refused.add_metric([self._node, p.pool], 1.0 if p.refusal else 0.0)
-        return [published, refused]
+        families = []
+        for name, value, text in (
+            (
+                "vgpu_dra_resourceslice_published",
+                p.published,
+                "1 when the API server holds the node's ResourceSlice with the devices the DRA "
+                "driver has now; 0 while it refuses it, does not answer, or has not taken it yet.",
+            ),
+            (
+                "vgpu_dra_resourceslice_refused",
+                bool(p.refusal),
+                "1 while the API server refuses the node's ResourceSlice (or would: it breaks "
+                "the API server's validation rules, so it is not sent); the log names the field.",
+            ),
+        ):
+            family = GaugeMetricFamily(name, text, labels=["node", "pool"])
+            family.add_metric([self._node, p.pool], 1.0 if value else 0.0)
+            families.append(family)
+        return families
 
 
 def _check(desired: dict[str, Any]) -> None:

@@ -10,9 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import urllib.error
-import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ from deviceplugin.gpu.fake import FakeBackend
 from deviceplugin.reload import read_config
 from tests.blackbox.daemon_harness import FAST, Node, eventually, gpu
 from tests.blackbox.test_dra import NODE, _dra, _register, dra_daemon
+from tests.blackbox.test_usage import get
 from tests.support.fake_apiserver import FakeApiServer
 
 GPU0 = gpu(0, name="NVIDIA A100-PCIE-40GB", memory_gib=40)
@@ -33,37 +32,14 @@ MEMORY_MIN = "spec.devices[1].capacity[memory].requestPolicy.validRange.min"
 
 
 @pytest.fixture
-def api() -> Iterator[FakeApiServer]:
-    server = FakeApiServer()
-    server.nodes[NODE] = {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {"name": NODE, "uid": "u"},
-    }
-    server.start()
-    yield server
-    server.close()
-
-
-@pytest.fixture
 def node(short_tmp: Path) -> Node:
     return Node(short_tmp, [GPU0, L4])
-
-
-def _get(daemon: Daemon, path: str) -> tuple[int, str]:
-    assert daemon.http is not None
-    url = f"http://127.0.0.1:{daemon.http.port}{path}"
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
 
 
 def _gauge(daemon: Daemon, name: str) -> dict[str, float]:
     """A gauge's samples by pool, as GET /metrics serves them."""
     found: dict[str, float] = {}
-    for family in text_string_to_metric_families(_get(daemon, "/metrics")[1]):
+    for family in text_string_to_metric_families(get(daemon, "/metrics")[1]):
         for sample in family.samples:
             if sample.name == name:
                 found[sample.labels["pool"]] = sample.value
@@ -133,8 +109,8 @@ async def test_a_slice_that_breaks_the_api_servers_rules_is_not_sent_and_names_t
         assert "device gpu-1 (NVIDIA L4" in line
         assert "min is larger than capacity value" in line
         assert "dra.memory" in line
-        await eventually(lambda: _get(daemon, "/healthz")[0] == 503, 10, "/healthz failing")
-        body = _get(daemon, "/healthz")[1]
+        await eventually(lambda: get(daemon, "/healthz")[0] == 503, 10, "/healthz failing")
+        body = get(daemon, "/healthz")[1]
         assert "the API server has refused the node's ResourceSlice" in body
         assert MEMORY_MIN in body
         # Retried with backoff, reported once.
@@ -157,8 +133,8 @@ async def test_a_slice_the_api_server_refuses_fails_healthz_until_it_is_taken(
     api.refuse_slices = refusal
     async with dra_daemon(node, api) as daemon:
         await _register(_dra(node, api))
-        await eventually(lambda: _get(daemon, "/healthz")[0] == 503, 10, "/healthz failing")
-        assert "spec.devices[0].name: Invalid value" in _get(daemon, "/healthz")[1]
+        await eventually(lambda: get(daemon, "/healthz")[0] == 503, 10, "/healthz failing")
+        assert "spec.devices[0].name: Invalid value" in get(daemon, "/healthz")[1]
         assert _gauge(daemon, "vgpu_dra_resourceslice_refused") == {NODE: 1}
         refused = [m for m in _errors(caplog) if "ResourceSlice refused by the API server" in m]
         assert len(refused) == 1
@@ -167,7 +143,7 @@ async def test_a_slice_the_api_server_refuses_fails_healthz_until_it_is_taken(
         api.refuse_slices = ""
         # Taken at the next try (the backoff is short here).
         await eventually(lambda: len(api.slice_list()) == 1, 15, "the slice taken")
-        await eventually(lambda: _get(daemon, "/healthz")[0] == 200, 10, "/healthz ok again")
+        await eventually(lambda: get(daemon, "/healthz")[0] == 200, 10, "/healthz ok again")
         assert _gauge(daemon, "vgpu_dra_resourceslice_published") == {NODE: 1}
 
 
@@ -237,12 +213,12 @@ async def test_a_driver_the_kubelet_never_registers_is_a_warning_and_fails_healt
         await eventually(lambda: bool(warned()), 10, "the warning")
         assert "--kubelet-root-dir" in warned()[0]
         assert str(settings.registration_socket) in warned()[0]
-        await eventually(lambda: _get(daemon, "/healthz")[0] == 503, 10, "/healthz failing")
-        body = _get(daemon, "/healthz")[1]
+        await eventually(lambda: get(daemon, "/healthz")[0] == 503, 10, "/healthz failing")
+        body = get(daemon, "/healthz")[1]
         assert "the kubelet has not registered the DRA driver" in body
         assert "--kubelet-root-dir" in body
         await _register(settings)
-        await eventually(lambda: _get(daemon, "/healthz")[0] == 200, 10, "/healthz ok")
+        await eventually(lambda: get(daemon, "/healthz")[0] == 200, 10, "/healthz ok")
 
 
 def _config_reloads(daemon: Daemon, result: str) -> float | None:

@@ -19,13 +19,6 @@ XID = "Xid 79 (GPU has fallen off the bus)"
 
 
 @pytest.fixture
-def api() -> FakeApiServer:
-    server = FakeApiServer()
-    server.nodes["test-node"] = {"kind": "Node", "metadata": {"name": "test-node", "uid": "u"}}
-    return server
-
-
-@pytest.fixture
 def dra_node(short_tmp: Path) -> Node:
     return Node(short_tmp, [GPU0, GPU1])
 
@@ -63,35 +56,27 @@ async def test_an_unhealthy_gpu_is_one_line_with_index_uuid_and_reason_as_a_devi
 async def test_an_unhealthy_gpu_is_one_line_with_index_uuid_and_reason_as_a_dra_driver(
     dra_node: Node, api: FakeApiServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    api.start()
-    try:
-        async with dra_daemon(dra_node, api):
-            await _register(_dra(dra_node, api))
-            await eventually(lambda: len(api.slice_list()) == 1, 10, "the slice")
-            dra_node.write_gpus([GPU0, dataclasses.replace(GPU1, healthy=False, health_reason=XID)])
+    async with dra_daemon(dra_node, api):
+        await _register(_dra(dra_node, api))
+        await eventually(lambda: len(api.slice_list()) == 1, 10, "the slice")
+        dra_node.write_gpus([GPU0, dataclasses.replace(GPU1, healthy=False, health_reason=XID)])
 
-            def tainted() -> bool:
-                return "taints" in api.slice_list()[0]["spec"]["devices"][1]
+        def tainted() -> bool:
+            return "taints" in api.slice_list()[0]["spec"]["devices"][1]
 
-            await eventually(tainted, 10, "the device tainted")
-            await eventually(lambda: bool(_about_gpu1(caplog)), what="the line")
-            (line,) = _about_gpu1(caplog)
-            assert line == f"gpu unhealthy index=1 uuid={GPU1.uuid} reason={XID!r}"
-    finally:
-        api.close()
+        await eventually(tainted, 10, "the device tainted")
+        await eventually(lambda: bool(_about_gpu1(caplog)), what="the line")
+        (line,) = _about_gpu1(caplog)
+        assert line == f"gpu unhealthy index=1 uuid={GPU1.uuid} reason={XID!r}"
 
 
 async def test_a_dra_driver_starts_speaking_dra(
     dra_node: Node, api: FakeApiServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    api.start()
-    try:
-        async with dra_daemon(dra_node, api):
-            await _register(_dra(dra_node, api))
-            await eventually(lambda: len(api.slice_list()) == 1, 10, "the slice")
-    finally:
-        api.close()
+    async with dra_daemon(dra_node, api):
+        await _register(_dra(dra_node, api))
+        await eventually(lambda: len(api.slice_list()) == 1, 10, "the slice")
     lines = _lines(caplog)
     start = next(m for m in lines if m.startswith("starting vgpu"))
     assert start.startswith("starting vgpu DRA driver ")

@@ -22,6 +22,7 @@ from deviceplugin.dra.validation import slice_errors
 from deviceplugin.gpu.fake import FakeGpu, FakeMigDevice, FakeState
 from tests.e2e.harness import Cluster, Daemon, pod_manifest, wait_until
 from tests.e2e.netns import ApiError
+from tests.e2e.test_dra import _install
 
 RUNTIME = "fakecri"
 MIB = 1 << 20
@@ -70,15 +71,7 @@ def _gpus() -> FakeState:
 
 @pytest.fixture(scope="module")
 def dra(cluster: Cluster) -> Iterator[Daemon]:
-    selectors = [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]
-    try:
-        cluster.api.post(
-            f"{RESOURCE_API}/deviceclasses",
-            {"kind": "DeviceClass", "metadata": {"name": DRIVER}, "spec": {"selectors": selectors}},
-        )
-    except ApiError as e:
-        if e.status != 409:
-            raise
+    _install(cluster)  # the DeviceClasses, as test_dra.py installs them
     daemon = cluster.start_daemon(
         config=CONFIG,
         gpus=_gpus(),
