@@ -48,37 +48,13 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+# What attribution checks a claimed allocation against: in DRA mode (True), the claims.
+EVIDENCE = {False: "the kubelet's device checkpoint", True: "the prepared claims' pods"}
+
+
 def describe_inventory_change(old: Inventory, new: Inventory, *, dra: bool = False) -> list[str]:
-    """Human lines for what changed between two inventories: GPUs and their slicing (in DRA
-    mode, `dra`: the devices they are published as). Health: `describe_health_change`."""
-    if dra:
-        return _describe_devices_change(old, new)
-    lines: list[str] = []
-    old_plans = {p.gpu.uuid: p for p in old.plans}
-    new_plans = {p.gpu.uuid: p for p in new.plans}
-    for uuid in old_plans.keys() - new_plans.keys():
-        lines.append(f"gpu removed uuid={uuid}")
-    for plan in new.plans:
-        before = old_plans.get(plan.gpu.uuid)
-        if before == plan:
-            continue
-        if plan.excluded_reason:
-            lines.append(
-                f"gpu not sliced index={plan.gpu.index} uuid={plan.gpu.uuid} "
-                f"reason={plan.excluded_reason!r}"
-            )
-        else:
-            lines.append(
-                f"gpu sliced index={plan.gpu.index} uuid={plan.gpu.uuid} "
-                f"model={plan.gpu.name!r} resource={plan.resource_name} slices={plan.replicas} "
-                f"memory_per_slice={format_bytes(plan.memory_per_slice_bytes)} "
-                f"compute_share={plan.compute_share_ratio:.3f}"
-            )
-    return lines
-
-
-def _describe_devices_change(old: Inventory, new: Inventory) -> list[str]:
-    """DRA mode: each GPU and MIG device as the ResourceSlice publishes it, or why not."""
+    """Human lines for what changed between two inventories: GPUs and their slicing, or in DRA
+    mode (`dra`) the devices they are published as. Health: `describe_health_change`."""
     lines: list[str] = []
     old_plans = {p.gpu.uuid: p for p in old.plans}
     for uuid in old_plans.keys() - {p.gpu.uuid for p in new.plans}:
@@ -86,16 +62,22 @@ def _describe_devices_change(old: Inventory, new: Inventory) -> list[str]:
     for plan in new.plans:
         if old_plans.get(plan.gpu.uuid) == plan:
             continue
-        gpu = plan.gpu
-        if plan.excluded_reason:
-            lines.append(
-                f"gpu not published index={gpu.index} uuid={gpu.uuid} "
-                f"reason={plan.excluded_reason!r}"
-            )
-        else:
+        gpu, reason = plan.gpu, plan.excluded_reason
+        if reason and dra:
+            lines.append(f"gpu not published index={gpu.index} uuid={gpu.uuid} reason={reason!r}")
+        elif reason:
+            lines.append(f"gpu not sliced index={gpu.index} uuid={gpu.uuid} reason={reason!r}")
+        elif dra:
             lines.append(
                 f"gpu published as DRA device {device_name(plan)} index={gpu.index} "
                 f"uuid={gpu.uuid} model={gpu.name!r} memory={format_bytes(gpu.memory_total_bytes)}"
+            )
+        else:
+            lines.append(
+                f"gpu sliced index={gpu.index} uuid={gpu.uuid} model={gpu.name!r} "
+                f"resource={plan.resource_name} slices={plan.replicas} "
+                f"memory_per_slice={format_bytes(plan.memory_per_slice_bytes)} "
+                f"compute_share={plan.compute_share_ratio:.3f}"
             )
     return lines
 
@@ -352,12 +334,8 @@ class Poller:
             first = self._checkpoint_reason is None
             self._checkpoint_reason = checkpoint.reason
             if checkpoint.readable:
-                log.info(
-                    "verifying attribution against %s",
-                    "the prepared claims' pods and containers"
-                    if self._inventory_view is not None
-                    else "the kubelet's device checkpoint",
-                )
+                dra = self._inventory_view is not None
+                log.info("verifying attribution against %s", EVIDENCE[dra])
             else:
                 # On a fresh node the kubelet writes it only after our first device list.
                 fresh = first and checkpoint.reason.startswith("no checkpoint")
