@@ -193,6 +193,7 @@ class SlicePublisher:
         try:
             await self.publish_once()
         except SliceRefusedError as e:
+            self.failures += 1
             self._refused(
                 e.problems,
                 f"ResourceSlice not written: the API server would refuse it name={name} "
