@@ -931,7 +931,8 @@ def test_auto_recovery_after_a_quiet_delay(rig: Rig, caplog: pytest.LogCaptureFi
     backend = rig.backend(HealthConfig(recovery=RecoveryPolicy.AUTO, recovery_delay_s=60.0))
     rig.model.emit_xid(0, 79)
     eventually(lambda: not gpu_of(backend.poll(), 0).healthy)
-    assert messages(caplog, "recovery=auto; it returns once it has answered correctly")
+    # Logged right after the GPU is marked, on the event thread: waited for, not raced.
+    eventually(lambda: bool(messages(caplog, "recovery=auto; it returns once it has answered")))
 
     rig.clock.advance(59.0)
     assert not gpu_of(backend.poll(), 0).healthy
