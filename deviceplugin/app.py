@@ -246,6 +246,8 @@ class Daemon:
             self._reload_metrics = ReloadMetrics(
                 metrics.registry, settings.node_name, settings.config_hash
             )
+            if self.dra is not None:
+                metrics.registry.register(self.dra.publisher.collector(settings.node_name))
             for seconds in self._early_polls:
                 metrics.observe_poll(seconds)
             for seconds in self._early_allocates:
@@ -560,6 +562,7 @@ class Daemon:
         registered = all(lc.registered and not lc.unstable_since_s for lc in lifecycles)
         if self.dra is not None:
             registered = self.dra.registered
+            unregistered_since_s = 0.0 if registered else self.dra.unregistered_since_s
         return DaemonHealth(
             registered=registered,
             unregistered_since_s=unregistered_since_s,
@@ -583,6 +586,11 @@ class Daemon:
 
         config = self.settings.config
         interval = config.enforcement.poll_interval_s
+        if self.dra is not None:
+            # The driver's own reasons first: they say what to do.
+            reason = self.dra.unhealthy(time.monotonic())
+            if reason:
+                return False, reason
         return healthz(
             self.poller.snapshot,
             now_mono_s=time.monotonic(),
@@ -604,13 +612,28 @@ class Daemon:
         FIRST_LIST_WAIT_S): a new process reaches the kubelet ~0.15 s sooner. Polls before are
         not enforced; a scrape before makes the metrics at once."""
         cfg = self.settings.config
-        log.info(
-            "starting vgpu device plugin version=%s backend=%s resource=%s device_plugin_dir=%s",
-            __version__,
-            self.backend.name,
-            cfg.resource_name,
-            self.settings.device_plugin_dir,
-        )
+        if self.dra is not None:
+            dra = self.dra.settings
+            log.info(
+                "starting vgpu DRA driver version=%s backend=%s driver=%s node=%s "
+                "kubelet_root_dir=%s cdi_dir=%s gpu_cdi=%s",
+                __version__,
+                self.backend.name,
+                dra.driver_name,
+                dra.node_name,
+                dra.kubelet_root_dir,
+                dra.cdi_dir,
+                dra.gpu_cdi.value,
+            )
+        else:
+            log.info(
+                "starting vgpu device plugin version=%s backend=%s resource=%s "
+                "device_plugin_dir=%s",
+                __version__,
+                self.backend.name,
+                cfg.resource_name,
+                self.settings.device_plugin_dir,
+            )
         for warning in cfg.warnings:
             log.warning("config: %s", warning)
         mode = mode_line(cfg, self.settings.enforce_nvidia_config)
@@ -641,8 +664,10 @@ class Daemon:
                 await asyncio.to_thread(self.mps.start, mps_defaults(self.inventory.value.plans))
             self._start_http()
             # Who holds what, before the first device list goes out: a slice held under a name
-            # this node no longer serves must not be offered as free, not even once.
-            await self.tracker.prime()
+            # this node no longer serves must not be offered as free, not even once. (DRA mode:
+            # the prepared claims, recovered above, are what is held.)
+            if self.dra is None:
+                await self.tracker.prime()
             self.reconcile_resources()
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self.poller.run(stop), name="poll")

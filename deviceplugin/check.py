@@ -22,11 +22,12 @@ from deviceplugin.config import (
     format_size,
     load_config,
 )
+from deviceplugin.dra.slices import build_devices, build_slice, slice_problems
 from deviceplugin.enforcement_mode import FLAG as ENFORCE_FLAG
 from deviceplugin.enforcement_mode import in_monitor_mode, mode_line
 from deviceplugin.errors import BackendError, ConfigError
 from deviceplugin.kubelet.limits import device_list_problem
-from deviceplugin.model import GpuInfo, GpuPlan
+from deviceplugin.model import GpuInfo, GpuPlan, Inventory
 from deviceplugin.slicing import format_bytes, plan_gpus
 
 EXIT_OK = 0
@@ -260,6 +261,18 @@ def check_config(
         print(f"{path}: {too_large}", file=err)
         print(f"{path}: invalid for these GPUs (1 problem)", file=err)
         return EXIT_INVALID
+    refused = dra_problems(plans, config)
+    if refused:
+        for problem in refused:
+            print(f"{path}: dra: {problem}", file=err)
+        count = len(refused)
+        print(
+            f"{path}: invalid for these GPUs in DRA mode (serve --kubelet-api dra): the API "
+            f"server would refuse the node's ResourceSlice ({count} problem"
+            f"{'s' if count != 1 else ''})",
+            file=err,
+        )
+        return EXIT_INVALID
     for line in render_plan(plans, config.resource_name):
         print(line, file=out)
     for line in render_limits(plans, config):
@@ -267,4 +280,17 @@ def check_config(
     if config.format is ConfigFormat.NVIDIA:
         for line in beyond_nvidia(plans, config, enforce_nvidia_config=enforce_nvidia_config):
             print(line, file=out)
+    devices = sum(1 for p in plans if p.sliced)
+    print(
+        f"DRA mode: the ResourceSlice of these {devices} devices passes the API server's rules",
+        file=out,
+    )
     return EXIT_OK
+
+
+def dra_problems(plans: tuple[GpuPlan, ...], config: Config) -> list[str]:
+    """Why the API server would refuse the ResourceSlice this config's `dra` section makes for
+    these plans in DRA mode (docs/dra.md); empty when it would take it."""
+    dra = config.dra
+    devices = build_devices(Inventory(plans=plans), dra, dra.driver_name)
+    return slice_problems(build_slice("check-config", dra.driver_name, devices, 1))

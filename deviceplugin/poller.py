@@ -19,11 +19,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 from deviceplugin.config import Config
+from deviceplugin.dra.slices import device_name
 from deviceplugin.errors import BackendError
 from deviceplugin.gpu.backend import GpuBackend, no_wake
 from deviceplugin.incremental import InventoryCache
@@ -33,6 +34,7 @@ from deviceplugin.model import (
     AllocationRecord,
     ContainerUsage,
     DaemonHealth,
+    GpuReading,
     Inventory,
     NodeSnapshot,
 )
@@ -46,36 +48,53 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def describe_inventory_change(old: Inventory, new: Inventory) -> list[str]:
-    """Human lines for what changed between two inventories: GPUs, slicing and health."""
+# What attribution checks a claimed allocation against: in DRA mode (True), the claims.
+EVIDENCE = {False: "the kubelet's device checkpoint", True: "the prepared claims' pods"}
+
+
+def describe_inventory_change(old: Inventory, new: Inventory, *, dra: bool = False) -> list[str]:
+    """Human lines for what changed between two inventories: GPUs and their slicing, or in DRA
+    mode (`dra`) the devices they are published as. Health: `describe_health_change`."""
     lines: list[str] = []
     old_plans = {p.gpu.uuid: p for p in old.plans}
-    new_plans = {p.gpu.uuid: p for p in new.plans}
-    for uuid in old_plans.keys() - new_plans.keys():
+    for uuid in old_plans.keys() - {p.gpu.uuid for p in new.plans}:
         lines.append(f"gpu removed uuid={uuid}")
     for plan in new.plans:
-        before = old_plans.get(plan.gpu.uuid)
-        if before == plan:
+        if old_plans.get(plan.gpu.uuid) == plan:
             continue
-        if plan.excluded_reason:
+        gpu, reason = plan.gpu, plan.excluded_reason
+        if reason and dra:
+            lines.append(f"gpu not published index={gpu.index} uuid={gpu.uuid} reason={reason!r}")
+        elif reason:
+            lines.append(f"gpu not sliced index={gpu.index} uuid={gpu.uuid} reason={reason!r}")
+        elif dra:
             lines.append(
-                f"gpu not sliced index={plan.gpu.index} uuid={plan.gpu.uuid} "
-                f"reason={plan.excluded_reason!r}"
+                f"gpu published as DRA device {device_name(plan)} index={gpu.index} "
+                f"uuid={gpu.uuid} model={gpu.name!r} memory={format_bytes(gpu.memory_total_bytes)}"
             )
         else:
             lines.append(
-                f"gpu sliced index={plan.gpu.index} uuid={plan.gpu.uuid} "
-                f"model={plan.gpu.name!r} resource={plan.resource_name} slices={plan.replicas} "
+                f"gpu sliced index={gpu.index} uuid={gpu.uuid} model={gpu.name!r} "
+                f"resource={plan.resource_name} slices={plan.replicas} "
                 f"memory_per_slice={format_bytes(plan.memory_per_slice_bytes)} "
                 f"compute_share={plan.compute_share_ratio:.3f}"
             )
-    old_health = {s.device_id: s.healthy for s in old.slices}
-    changed_gpus: dict[str, bool] = {}
-    for s in new.slices:
-        if s.device_id in old_health and old_health[s.device_id] != s.healthy:
-            changed_gpus[s.id.gpu_uuid] = s.healthy
-    for uuid, healthy in changed_gpus.items():
-        lines.append(f"gpu {'healthy' if healthy else 'unhealthy'} uuid={uuid}")
+    return lines
+
+
+def describe_health_change(old: Mapping[str, bool], readings: Iterable[GpuReading]) -> list[str]:
+    """One line for each GPU (or MIG device) whose health changed since `old` (health by UUID;
+    a GPU not in it counts as healthy): index, UUID and the backend's reason (the Xid)."""
+    lines: list[str] = []
+    for gpu in readings:
+        info = gpu.info
+        if gpu.healthy == old.get(info.uuid, True):
+            continue
+        if gpu.healthy:
+            lines.append(f"gpu healthy again index={info.index} uuid={info.uuid}")
+        else:
+            reason = gpu.health_reason or "unhealthy"
+            lines.append(f"gpu unhealthy index={info.index} uuid={info.uuid} reason={reason!r}")
     return lines
 
 
@@ -220,6 +239,8 @@ class Poller:
         self._list_check_problem: str | None = None
         self._checkpoint = checkpoint
         self._checkpoint_reason: str | None = None
+        # Each GPU's health at the last poll, by UUID: a change is logged once.
+        self._healthy: dict[str, bool] = {}
         self._trust_host_processes = trust_host_processes
         self._enforce = enforce
         self._on_poll_duration = on_poll_duration
@@ -313,7 +334,8 @@ class Poller:
             first = self._checkpoint_reason is None
             self._checkpoint_reason = checkpoint.reason
             if checkpoint.readable:
-                log.info("verifying attribution against the kubelet's device checkpoint")
+                dra = self._inventory_view is not None
+                log.info("verifying attribution against %s", EVIDENCE[dra])
             else:
                 # On a fresh node the kubelet writes it only after our first device list.
                 fresh = first and checkpoint.reason.startswith("no checkpoint")
@@ -369,8 +391,13 @@ class Poller:
         self._pending = None
         old = self._inventory.value
         if self._inventory.set(tick.inventory):
-            for line in describe_inventory_change(old, tick.inventory):
-                (log.warning if "unhealthy" in line or "removed" in line else log.info)(line)
+            dra = self._inventory_view is not None
+            for line in describe_inventory_change(old, tick.inventory, dra=dra):
+                (log.warning if "removed" in line else log.info)(line)
+        readings = [gpu.reading for gpu in tick.snapshot.gpus]
+        for line in describe_health_change(self._healthy, readings):
+            (log.warning if "unhealthy" in line else log.info)(line)
+        self._healthy = {r.info.uuid: r.healthy for r in readings}
         self._on_inventory(tick.inventory)
         self.last_success_wall_s = tick.snapshot.taken_at_s
         self.failures = 0

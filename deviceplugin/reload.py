@@ -5,11 +5,25 @@ watched through its directory, because a ConfigMap volume never rewrites a file 
 kubelet writes the new content into a new timestamped directory and swaps the `..data` symbolic
 link over to it. Every change in the directory (or a SIGHUP) makes the reloader read the file and
 compare the SHA-256 of its content with the running config's; only a different content is
-parsed and applied.
+considered, and only once it is complete:
+
+- it has settled: read again after `SETTLE_S`, it is the same (a file written in place with
+  `>` is empty, then half written, for a moment);
+- it holds a document: an empty file (nothing, blanks, comments) is refused while the daemon
+  runs, never taken for the built-in defaults (`{}` or `version: v1` are those). At start an
+  empty file is the built-in defaults, as before.
 
 A new config that does not parse is refused with the messages `check-config` prints, logged,
-counted (`vgpu_config_reloads_total{result="refused"}`), and the running one kept. One that
-parses is applied by `apply_config`, the one entry point (`Daemon.apply_config` calls it):
+counted (`vgpu_config_reloads_total{result="refused"}`), and the running one kept;
+`vgpu_config_refused` is 1 until the file holds a config that is applied (or the running one
+again). A refused content is reported once: the events that follow in its directory (a log file
+beside it) read the same content and say nothing; a SIGHUP reports it again. In DRA mode a
+config whose `dra` policy makes a ResourceSlice the API server would refuse on this node's
+devices is refused the same way, before it is applied; one that the API server itself refuses
+once applied (where it took the slice before) is undone and counted refused.
+
+One that passes is applied by `apply_config`, the one entry point (`Daemon.apply_config` calls
+it):
 
 - slicing: the next poll builds the inventory from the new plan. A slice that the new plan drops
   and that an allocation holds stays advertised Unhealthy until the kubelet frees it.
@@ -43,10 +57,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from deviceplugin.config import Config, config_from_bytes
+from deviceplugin.config import Config, config_from_bytes, is_empty_document
 from deviceplugin.dra.settings import device_ids_ignored
+from deviceplugin.dra.slices import build_devices, build_slice, slice_problems
 from deviceplugin.errors import ConfigError
 from deviceplugin.kubelet.dirwatch import DirectoryWatch
+from deviceplugin.model import Inventory
+from deviceplugin.slicing import plan_gpus
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -58,6 +75,16 @@ log = logging.getLogger(__name__)
 # Where inotify is unavailable, the config's directory is listed this often.
 CONFIG_POLL_INTERVAL_S = 5.0
 RESULTS = ("applied", "refused")
+# A new content is applied once it reads the same this long after it was first read; a file
+# still changing after SETTLE_TRIES reads waits for its next change.
+SETTLE_S = 0.5
+SETTLE_TRIES = 20
+# How long a reload in DRA mode waits for the API server's answer to the new slice.
+VERDICT_TIMEOUT_S = 30.0
+EMPTY = (
+    "is empty: while the daemon runs, an empty file is taken for one being written, not for the "
+    "built-in defaults; write {} (or version: v1) to run on the defaults"
+)
 
 
 def config_hash(content: bytes) -> str:
@@ -73,10 +100,17 @@ class LoadedConfig:
 
 def read_config(path: Path) -> LoadedConfig:
     """Read and parse the config file once; raises ConfigError as load_config does."""
+    return parse_content(_read(path), path)
+
+
+def _read(path: Path) -> bytes:
     try:
-        content = path.read_bytes()
+        return path.read_bytes()
     except OSError as e:
         raise ConfigError([f"cannot read the file: {e.strerror or e}"], str(path)) from e
+
+
+def parse_content(content: bytes, path: Path) -> LoadedConfig:
     return LoadedConfig(config_from_bytes(content, str(path)), config_hash(content))
 
 
@@ -101,13 +135,26 @@ class ReloadMetrics:
             labelnames=("node", "hash"),
             registry=registry,
         )
+        self._refused = Gauge(
+            "vgpu_config_refused",
+            "1 while the config file holds a config the daemon refused (it runs the one before, "
+            "vgpu_config_info); 0 once it holds one that runs.",
+            labelnames=("node",),
+            registry=registry,
+        )
         self._node = node_name
         for result in RESULTS:
             self._reloads.labels(node=node_name, result=result)
         self._info.labels(node=node_name, hash=config_hash).set(1)
+        self._refused.labels(node=node_name).set(0)
 
     def counted(self, result: str) -> None:
         self._reloads.labels(node=self._node, result=result).inc()
+        self._refused.labels(node=self._node).set(1 if result == "refused" else 0)
+
+    def file_runs(self) -> None:
+        """The file holds the running config again."""
+        self._refused.labels(node=self._node).set(0)
 
     def running(self, config_hash: str) -> None:
         self._info.clear()
@@ -201,6 +248,8 @@ class ConfigReloader:
         self._path = path
         self._metrics = metrics
         self.running_hash = running_hash
+        # The last refused content's hash (or read error): not said again but on SIGHUP.
+        self._refused_key: str | None = None
         watched = watch_dir or (path.parent if path is not None else Path("."))
         self._watch = DirectoryWatch(
             watched, fallback_interval_s=poll_interval_s, use_inotify=use_inotify
@@ -250,28 +299,93 @@ class ConfigReloader:
             await self._watch.close()
 
     async def reload(self, trigger: str) -> str:
-        """Read the file; apply it if its content changed. Returns 'applied', 'refused' or
-        'unchanged'."""
+        """Read the file; apply it if its content changed and is complete. Returns 'applied',
+        'refused' or 'unchanged'."""
+        if self._path is None:
+            return await self._consider(LoadedConfig(Config(), config_hash(b"")), trigger)
+        path = self._path
         try:
-            if self._path is None:
-                loaded = LoadedConfig(Config(), config_hash(b""))
-            else:
-                loaded = await asyncio.to_thread(read_config, self._path)
+            first: bytes | ConfigError = await asyncio.to_thread(_read, path)
         except ConfigError as e:
-            return self._refuse(e.source, e.problems, trigger)
-        if loaded.hash == self.running_hash:
+            first = e
+        if isinstance(first, bytes) and self._seen(config_hash(first), trigger):
+            return "unchanged" if config_hash(first) == self.running_hash else "refused"
+        settled = await self._settle(path, first)
+        if settled is None:
+            log.info("config file still changing; waiting for its next change path=%s", path)
+            return "unchanged"
+        if isinstance(settled, ConfigError):
+            key = repr(settled.problems)
+            if key == self._refused_key and trigger != "SIGHUP":
+                return "refused"
+            return self._refuse(settled.source, settled.problems, trigger, key=key)
+        content = settled
+        digest = config_hash(content)
+        if self._seen(digest, trigger):
+            return "unchanged" if digest == self.running_hash else "refused"
+        if is_empty_document(content):
+            return self._refuse(str(path), [EMPTY], trigger, key=digest)
+        try:
+            loaded = parse_content(content, path)
+        except ConfigError as e:
+            return self._refuse(e.source, e.problems, trigger, key=digest)
+        return await self._consider(loaded, trigger)
+
+    def _seen(self, digest: str, trigger: str) -> bool:
+        """Whether this content needs nothing more: the running one, or one refused already
+        (said again on SIGHUP only)."""
+        if digest == self.running_hash:
             # A ConfigMap update touches the directory several times for one new content.
             level = logging.INFO if trigger == "SIGHUP" else logging.DEBUG
-            log.log(level, "config unchanged hash=%s trigger=%s", loaded.hash, trigger)
+            log.log(level, "config unchanged hash=%s trigger=%s", digest, trigger)
+            self._refused_key = None
+            self._metrics.file_runs()
+            return True
+        if digest == self._refused_key and trigger != "SIGHUP":
+            log.debug("config still refused hash=%s trigger=%s", digest, trigger)
+            return True
+        return False
+
+    async def _settle(self, path: Path, first: bytes | ConfigError) -> bytes | ConfigError | None:
+        """The file's content once it reads the same SETTLE_S apart; None while it keeps
+        changing (SETTLE_TRIES reads), the error when it cannot be read."""
+        previous = first
+        for _ in range(SETTLE_TRIES):
+            await asyncio.sleep(SETTLE_S)
+            try:
+                current: bytes | ConfigError = await asyncio.to_thread(_read, path)
+            except ConfigError as e:
+                current = e
+            if current == previous or (
+                isinstance(current, ConfigError)
+                and isinstance(previous, ConfigError)
+                and current.problems == previous.problems
+            ):
+                return current
+            previous = current
+        return None
+
+    async def _consider(self, loaded: LoadedConfig, trigger: str) -> str:
+        """Apply a parsed config that passes the checks on this node; else refuse it."""
+        source = str(self._path or "built-in defaults")
+        if loaded.hash == self.running_hash:
+            self._seen(loaded.hash, trigger)
             return "unchanged"
         # Valid on its own, but its device list must also fit in one kubelet message here.
         too_large = self._daemon.plan_problem(loaded.config)
         if too_large is not None:
-            return self._refuse(str(self._path or "built-in defaults"), [too_large], trigger)
-        changes = describe_changes(
-            self._daemon.settings.config, self._daemon.settings.configured(loaded.config)
-        )
+            return self._refuse(source, [too_large], trigger, key=loaded.hash)
+        refused_slice = dra_slice_problems(self._daemon, loaded.config)
+        if refused_slice:
+            return self._refuse(source, refused_slice, trigger, key=loaded.hash)
+        old = self._daemon.settings.config
+        changes = describe_changes(old, self._daemon.settings.configured(loaded.config))
         await self._daemon.apply_config(loaded.config)
+        refusal = await self._api_verdict()
+        if refusal:
+            await self._daemon.apply_config(old)
+            problem = f"the API server refuses the ResourceSlice this config makes: {refusal}"
+            return self._refuse(source, [problem], trigger, key=loaded.hash)
         log.info(
             "config reloaded hash=%s previous=%s changed=%s trigger=%s",
             loaded.hash,
@@ -280,12 +394,27 @@ class ConfigReloader:
             trigger,
         )
         self.running_hash = loaded.hash
+        self._refused_key = None
         self._metrics.counted("applied")
         self._metrics.running(loaded.hash)
         return "applied"
 
-    def _refuse(self, source: str, problems: list[str], trigger: str) -> str:
-        """Log why the new config is refused, count it, and keep the running one."""
+    async def _api_verdict(self) -> str:
+        """DRA mode: why the API server refuses the slice the config just applied makes, where
+        it took the slice before ("" when it takes it, does not answer, or refused it already:
+        then the new config is not what it refuses)."""
+        dra = self._daemon.dra
+        if dra is None or dra.publisher.refusal:
+            return ""
+        request = dra.publisher.request()
+        return await dra.publisher.verdict(request, VERDICT_TIMEOUT_S)
+
+    def _refuse(
+        self, source: str, problems: list[str], trigger: str, key: str | None = None
+    ) -> str:
+        """Log why the new config is refused, count it, and keep the running one. `key` (the
+        content's hash) marks it said: the same content is not said again but on SIGHUP."""
+        self._refused_key = key
         for problem in problems:
             log.error("config reload refused: %s: %s", source, problem)
         count = len(problems)
@@ -300,3 +429,16 @@ class ConfigReloader:
         )
         self._metrics.counted("refused")
         return "refused"
+
+
+def dra_slice_problems(daemon: Daemon, config: Config) -> list[str]:
+    """DRA mode: why the API server would refuse the ResourceSlice `config` makes for this
+    node's devices (its slicing and its `dra` policy); empty when it would take it, or outside
+    DRA mode."""
+    if daemon.dra is None:
+        return []
+    gpus = [plan.gpu for plan in daemon.inventory.value.plans]
+    plans = plan_gpus(gpus, config.slicing, mig=config.mig, resource_name=config.resource_name)
+    settings = daemon.dra.settings
+    devices = build_devices(Inventory(plans=tuple(plans)), config.dra, settings.driver_name)
+    return slice_problems(build_slice(settings.node_name, settings.driver_name, devices, 1))

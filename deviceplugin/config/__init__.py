@@ -21,6 +21,7 @@ from deviceplugin.config.defaults import default_config_yaml
 from deviceplugin.config.load import (
     HAS_LIBYAML,
     config_from_bytes,
+    is_empty_document,
     is_nvidia_config,
     load_config,
     parse_config,
@@ -117,6 +118,7 @@ __all__ = [
     "default_config_yaml",
     "format_duration",
     "format_size",
+    "is_empty_document",
     "is_nvidia_config",
     "load_config",
     "parse_config",

@@ -112,6 +112,21 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     return config_from_bytes(content, source)
 
 
+def is_empty_document(content: bytes) -> bool:
+    """Whether the content holds no YAML value (nothing, blanks, comments, `---`, `null`): what a
+    file being written or truncated reads as. `{}` is not empty."""
+    try:
+        loader = _UniqueKeyLoader(content.decode("utf-8"))
+    except UnicodeDecodeError:
+        return False
+    try:
+        return loader.get_single_data() is None
+    except (yaml.YAMLError, RecursionError, ValueError):
+        return False
+    finally:
+        loader.dispose()
+
+
 def config_from_bytes(content: bytes, source: str) -> Config:
     """Parse a config file's content, as load_config does once it has read the file."""
     try:

@@ -125,9 +125,11 @@ def _dra_section(d: Any) -> Schema:
         " device's capacities.",
         {
             "driverName": {
-                "description": "The DRA driver's name (a DNS subdomain).",
+                "description": "The DRA driver's name: a DNS subdomain that starts with a "
+                "letter (it is the vendor of the claims' CDI kind).",
                 "type": "string",
-                "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+                "maxLength": 63,
+                "pattern": r"^[a-z]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
                 "default": d.dra.driver_name,
             },
             "memory": _section(

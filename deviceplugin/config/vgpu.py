@@ -361,14 +361,37 @@ def _node_labels(r: _Reader, value: object) -> NodeLabelsConfig:
     return NodeLabelsConfig(file=name, legacy_directory=directory or "/")
 
 
+# The API server's limit on a DRA driver's name.
+MAX_DRIVER_NAME_LENGTH = 63
+
+
+def driver_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a DRA driver's name here; None when it can. Besides the API
+    server's rules (a DNS subdomain of at most 63 characters), it names the CDI kind of each
+    claim's spec (`<name>/claim`), and a CDI vendor must start with a letter."""
+    if not _DRIVER_NAME.fullmatch(name):
+        return f"{_show(name)} is not a DNS subdomain like vgpu.dev"
+    if len(name) > MAX_DRIVER_NAME_LENGTH:
+        return f"{_show(name)} is longer than {MAX_DRIVER_NAME_LENGTH} characters"
+    if not name[0].isalpha():
+        return (
+            f"{_show(name)} starts with a digit: it names the CDI kind of each claim's spec "
+            f"({name}/claim), and a CDI vendor must start with a letter, so the container "
+            "runtime would refuse every claim's container; use a name that starts with a "
+            "letter, like gpu.example.com"
+        )
+    return None
+
+
 def _dra(r: _Reader, value: object) -> DraConfig:
     section = r.section(value, "dra", _DRA_KEYS)
     d = DraConfig()
     driver = d.driver_name
     if "driverName" in section:
         name = r.string(section["driverName"], "dra.driverName")
-        if name is not None and not _DRIVER_NAME.fullmatch(name):
-            r.error("dra.driverName", f"{_show(name)} is not a DNS subdomain like vgpu.dev")
+        problem = None if name is None else driver_name_problem(name)
+        if problem is not None:
+            r.error("dra.driverName", problem)
         elif name is not None:
             driver = name
     memory = r.section(section.get("memory"), "dra.memory", _DRA_AMOUNT_KEYS)

@@ -10,15 +10,16 @@ per GPU in the inventory the poll builds, with the memory and compute it consume
 snapshot, /status, /metrics and the enforcer treat it like any other.
 
 The ResourceSlice follows the poll's inventory (GPUs, their health, the MIG layout, a reload's
-new plan): whenever the devices it would publish change, it is created or updated (a new pool
-generation) and any other slice of this driver on this node is deleted. An API server that
-does not answer is retried with backoff; the daemon keeps serving what it has.
+new plan): whenever the devices it would publish change, the publisher (`publisher`) writes it.
+The kubelet's registration is watched: a driver the kubelet has not registered within
+`REGISTRATION_WARN_S` (a wrong --kubelet-root-dir: the kubelet never finds its socket) says so
+in a WARNING, again every `REGISTRATION_WARN_S`, and fails /healthz after
+`UNREGISTERED_UNHEALTHY_S`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -51,8 +52,9 @@ from deviceplugin.dra.grpcserver import (
 )
 from deviceplugin.dra.kubeapi import ApiCallError, KubeApi
 from deviceplugin.dra.podresources import claim_containers
+from deviceplugin.dra.publisher import SlicePublisher, until_set
 from deviceplugin.dra.settings import DraSettings, GpuCdi
-from deviceplugin.dra.slices import build_devices, build_slice, device_plans, inventory_health
+from deviceplugin.dra.slices import build_devices, device_plans, inventory_health
 from deviceplugin.dra.slices import device_name as plan_device_name
 from deviceplugin.dra.store import ClaimStore
 from deviceplugin.model import AllocationRecord, Inventory, NodeSnapshot
@@ -60,9 +62,10 @@ from deviceplugin.state import AllocationBook
 
 log = logging.getLogger(__name__)
 
-RETRY_FIRST_S = 0.5
-RETRY_MAX_S = 30.0
-RESYNC_S = 300.0
+# A driver the kubelet has not registered this long is warned about (and every as long again);
+# /healthz fails after UNREGISTERED_UNHEALTHY_S.
+REGISTRATION_WARN_S = 30.0
+UNREGISTERED_UNHEALTHY_S = 60.0
 # How often pod-resources is asked for the prepared claims' users: while a claim has none yet,
 # and otherwise while claims are prepared (a pod joining a prepared claim).
 NAMES_EVERY_S = 1.0
@@ -94,18 +97,18 @@ class DraDriver:
         # Read by the poll worker: replaced whole, never changed in place.
         self._claims: tuple[PreparedClaim, ...] = ()
         self._built = Inventory()
-        self._published: list[dict[str, Any]] | None = None
-        self._publish = asyncio.Event()
         self._health_changed = asyncio.Event()
+        self.publisher = SlicePublisher(settings, api, self._devices)
         self.servers = PluginServers(
             self,
             settings.driver_name,
             settings.service_socket,
             settings.registration_socket,
-            on_registered=self._publish.set,
+            # A kubelet that starts removes its node's ResourceSlices: publish again.
+            on_registered=self._on_registered,
         )
-        self.slice_writes = 0
-        self.slice_failures = 0
+        # Since when (monotonic) the kubelet has not registered the driver; 0 while it has.
+        self.unregistered_since_s = 0.0
         # (pod, container) names using each prepared claim, by claim UID, from pod-resources:
         # replaced whole (the poll worker reads it).
         self._pod_resources = pod_resources_socket
@@ -126,8 +129,8 @@ class DraDriver:
 
     def inventory_changed(self, _: Inventory) -> None:
         """After each poll, on the event loop: publish when the devices changed."""
-        if self._devices() != self._published:
-            self._publish.set()
+        if self._devices() != self.publisher.attempted:
+            self.publisher.request()
             self._health_changed.set()
 
     def _reasons(self) -> dict[str, str]:
@@ -148,9 +151,60 @@ class DraDriver:
         claim from a process outside them is refused). Read by the poll worker."""
         return claim_owners(self._claims, self._users)
 
+    def _on_registered(self) -> None:
+        self.publisher.request()
+
     @property
     def registered(self) -> bool:
         return self.servers.registration.registered
+
+    def unhealthy(self, now_mono_s: float) -> str:
+        """Why /healthz fails on the driver's account ("" when it does not): the kubelet has not
+        registered it for UNREGISTERED_UNHEALTHY_S, or the API server refuses its slice."""
+        since = self.unregistered_since_s
+        if not self.registered and since > 0 and now_mono_s - since > UNREGISTERED_UNHEALTHY_S:
+            return (
+                f"the kubelet has not registered the DRA driver for {now_mono_s - since:.1f}s "
+                f"(limit {UNREGISTERED_UNHEALTHY_S:g}s): {self._unregistered_hint()}"
+            )
+        return self.publisher.unhealthy(now_mono_s)
+
+    def _unregistered_hint(self) -> str:
+        registration = self.servers.registration
+        socket = self.settings.registration_socket
+        if registration.error:
+            return f"it refused the registration: {registration.error}"
+        if registration.info_requests == 0:
+            return (
+                f"it never asked for the driver's info at {socket}; is --kubelet-root-dir "
+                f"({self.settings.kubelet_root_dir}) the kubelet's --root-dir?"
+            )
+        return f"it asked for the driver's info at {socket} but never confirmed the registration"
+
+    async def _watch_registration(self, stop: asyncio.Event) -> None:
+        """A WARNING every REGISTRATION_WARN_S while the kubelet has not registered the driver,
+        and `unregistered_since_s` kept for /healthz and /status."""
+        self.unregistered_since_s = time.monotonic()
+        state = self.servers.registration
+        while not stop.is_set():
+            await until_set(stop, state.changed, REGISTRATION_WARN_S)
+            if stop.is_set():
+                return
+            if state.registered:
+                self.unregistered_since_s = 0.0
+                continue
+            now = time.monotonic()
+            if self.unregistered_since_s == 0.0:
+                self.unregistered_since_s = now
+            if now - self.unregistered_since_s >= REGISTRATION_WARN_S:
+                log.warning(
+                    "the kubelet has not registered the DRA driver for %.0fs; claims cannot be "
+                    "prepared on this node driver=%s registration_socket=%s reason=%s",
+                    now - self.unregistered_since_s,
+                    self.settings.driver_name,
+                    self.settings.registration_socket,
+                    self._unregistered_hint(),
+                )
 
     # --- prepare and unprepare ---------------------------------------------------------------
 
@@ -296,79 +350,6 @@ class DraDriver:
             ]
             await self._health_changed.wait()
 
-    # --- the ResourceSlice ------------------------------------------------------------------
-
-    async def publish_once(self) -> None:
-        """Make the API server hold exactly our one slice with the current devices."""
-        devices = self._devices()
-        s = self.settings
-        existing = await self._api.list_slices(s.node_name, s.driver_name)
-        desired = build_slice(s.node_name, s.driver_name, devices, 1)
-        name = desired["metadata"]["name"]
-        ours = next((e for e in existing if e["metadata"]["name"] == name), None)
-        if ours is None:
-            owner = await self._owner()
-            desired = build_slice(s.node_name, s.driver_name, devices, 1, owner)
-            await self._api.create_slice(desired)
-            log.info("ResourceSlice created name=%s devices=%d", name, len(devices))
-            self.slice_writes += 1
-        elif (ours.get("spec") or {}).get("devices") != devices:
-            generation = int(ours["spec"]["pool"].get("generation", 0)) + 1
-            desired = build_slice(s.node_name, s.driver_name, devices, generation)
-            desired["metadata"] = {
-                **ours["metadata"],
-                "labels": desired["metadata"]["labels"],
-            }
-            await self._api.replace_slice(desired)
-            log.info(
-                "ResourceSlice updated name=%s devices=%d generation=%d",
-                name,
-                len(devices),
-                generation,
-            )
-            self.slice_writes += 1
-        for other in existing:
-            if other["metadata"]["name"] != name:
-                await self._api.delete_slice(other["metadata"]["name"])
-                log.info("ResourceSlice deleted name=%s", other["metadata"]["name"])
-        self._published = devices
-
-    async def _owner(self) -> dict[str, str] | None:
-        try:
-            node = await self._api.get_node(self.settings.node_name)
-        except ApiCallError as e:
-            log.warning("ResourceSlice without an owner: cannot read the Node: %s", e)
-            return None
-        uid = (node.get("metadata") or {}).get("uid")
-        return {"name": self.settings.node_name, "uid": str(uid)} if uid else None
-
-    async def _publish_loop(self, stop: asyncio.Event) -> None:
-        delay = RETRY_FIRST_S
-        self._publish.set()
-        while not stop.is_set():
-            waiter = asyncio.ensure_future(self._publish.wait())
-            stopper = asyncio.ensure_future(stop.wait())
-            try:
-                await asyncio.wait(
-                    {waiter, stopper}, timeout=RESYNC_S, return_when="FIRST_COMPLETED"
-                )
-            finally:
-                waiter.cancel()
-                stopper.cancel()
-            if stop.is_set():
-                return
-            self._publish.clear()
-            try:
-                await self.publish_once()
-                delay = RETRY_FIRST_S
-            except ApiCallError as e:
-                self.slice_failures += 1
-                log.warning("ResourceSlice not written; retrying in %.1fs: %s", delay, e)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), delay)
-                delay = min(delay * 2, RETRY_MAX_S)
-                self._publish.set()
-
     # --- running ----------------------------------------------------------------------------
 
     def recover(self) -> None:
@@ -377,27 +358,6 @@ class DraDriver:
         self._claims = tuple(self.store)
         if self._claims:
             self._book.sync(self._records(), now_s=time.time(), grace_s=0.0)
-
-    async def _watch_slice(self, stop: asyncio.Event) -> None:
-        """Publish again when our slice is deleted behind our back (a kubelet that starts wipes
-        its node's slices; an operator's kubectl delete)."""
-        s = self.settings
-        delay = RETRY_FIRST_S
-        while not stop.is_set():
-            try:
-                async for kind, name in self._api.watch_slices(s.node_name, s.driver_name):
-                    delay = RETRY_FIRST_S
-                    if kind == "DELETED":
-                        log.info(
-                            "ResourceSlice deleted by someone else; publishing again name=%s", name
-                        )
-                        self._published = None
-                        self._publish.set()
-            except ApiCallError as e:
-                log.info("ResourceSlice watch ended; watching again in %.1fs: %s", delay, e)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
-            delay = min(delay * 2, RETRY_MAX_S)
 
     async def _name_containers(self, stop: asyncio.Event) -> None:
         """Keep each prepared claim's users current: the (pod, container) pairs the kubelet's
@@ -502,9 +462,10 @@ class DraDriver:
         try:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._name_containers(stop), name="dra-names")
-                watch = tasks.create_task(self._watch_slice(stop), name="dra-watch")
+                tasks.create_task(self._watch_registration(stop), name="dra-registration")
+                watch = tasks.create_task(self.publisher.watch(stop), name="dra-watch")
                 try:
-                    await self._publish_loop(stop)
+                    await self.publisher.run(stop)
                 finally:
                     watch.cancel()
         finally:

@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from deviceplugin.config import DraConfig
+from deviceplugin.dra.validation import slice_errors
 from deviceplugin.model import GpuPlan, Inventory
+from deviceplugin.slicing import format_bytes
 
 API_VERSION = "resource.k8s.io/v1"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "vgpu"}
@@ -91,17 +93,26 @@ def build_device(
     if gpu.parent_uuid:
         attributes["migProfile"] = {"string": gpu.mig_profile}
         attributes["parentUUID"] = {"string": gpu.parent_uuid}
+    # The range's max is on the step grid (min + k * step), as the API server demands: the
+    # largest such amount the device holds. What lies above it, less than one step, is never
+    # granted (151Mi of an H100 80GB's 81559Mi with the default 256Mi steps).
+    memory_max = _round_down(
+        gpu.memory_total_bytes, policy.memory_min_bytes, policy.memory_step_bytes
+    )
     one_slice_memory = plan.memory_per_slice_bytes
     if policy.memory_default_bytes is not None:
         one_slice_memory = policy.memory_default_bytes
     memory_default = min(
-        gpu.memory_total_bytes,
+        memory_max,
         _round_down(one_slice_memory, policy.memory_min_bytes, policy.memory_step_bytes),
     )
+    compute_max = _round_down(100, policy.compute_min, policy.compute_step)
     one_slice_compute = int(round(plan.compute_share_ratio * 100, 6))
     if policy.compute_default is not None:
         one_slice_compute = policy.compute_default
-    compute_default = _round_down(one_slice_compute, policy.compute_min, policy.compute_step)
+    compute_default = min(
+        compute_max, _round_down(one_slice_compute, policy.compute_min, policy.compute_step)
+    )
     device: dict[str, Any] = {
         "name": device_name(plan),
         "attributes": attributes,
@@ -112,7 +123,7 @@ def build_device(
                     "default": str(memory_default),
                     "validRange": {
                         "min": str(policy.memory_min_bytes),
-                        "max": str(gpu.memory_total_bytes),
+                        "max": str(memory_max),
                         "step": str(policy.memory_step_bytes),
                     },
                 },
@@ -120,10 +131,10 @@ def build_device(
             "compute": {
                 "value": "100",
                 "requestPolicy": {
-                    "default": str(min(100, compute_default)),
+                    "default": str(compute_default),
                     "validRange": {
                         "min": str(policy.compute_min),
-                        "max": "100",
+                        "max": str(compute_max),
                         "step": str(policy.compute_step),
                     },
                 },
@@ -192,3 +203,33 @@ def build_slice(
             "devices": devices,
         },
     }
+
+
+# The config key that sets each capacity's request policy.
+_POLICY_KEYS = {"memory": "dra.memory", "compute": "dra.compute"}
+_DEVICE_FIELD = re.compile(r"spec\.devices\[(\d+)\](?:\.capacity\[(\w+)\])?")
+
+
+def slice_problems(obj: Mapping[str, Any]) -> list[str]:
+    """Why the API server would refuse the ResourceSlice `obj` (docs/dra.md): one line per rule
+    it breaks, naming the device, the field and the config key that sets it; empty when the API
+    server would take it."""
+    devices = (obj.get("spec") or {}).get("devices") or []
+    lines = []
+    for error in slice_errors(obj):
+        line = str(error)
+        found = _DEVICE_FIELD.match(error.field)
+        if found is not None and int(found[1]) < len(devices):
+            device = devices[int(found[1])]
+            attributes = device.get("attributes") or {}
+            product = (attributes.get("productName") or {}).get("string", "?")
+            uuid = (attributes.get("uuid") or {}).get("string", "?")
+            memory = int((device.get("capacity") or {}).get("memory", {}).get("value", 0))
+            line = (
+                f"device {device.get('name')} ({product}, {format_bytes(memory)}, {uuid}): {line}"
+            )
+            key = _POLICY_KEYS.get(found[2] or "")
+            if key is not None:
+                line += f" (its request policy comes from {key}: min, step, default)"
+        lines.append(line)
+    return lines

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.blackbox.daemon_harness import TWO_GPUS, Node
+from tests.support.fake_apiserver import FakeApiServer
+
+# The node the DRA tests' fake API server knows.
+DRA_NODE = "test-node"
 
 
 @pytest.fixture
@@ -18,3 +22,20 @@ async def node(short_tmp: Path) -> AsyncIterator[Node]:
         yield n
     finally:
         await n.sim.stop()
+
+
+@pytest.fixture
+def api() -> Iterator[FakeApiServer]:
+    """A fake API server that knows the node DRA_NODE, for the DRA driver's tests."""
+    server = FakeApiServer()
+    server.nodes[DRA_NODE] = {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": DRA_NODE, "uid": "node-uid"},
+    }
+    server.start()
+    yield server
+    server.close()
+    # Shown with a failing test's output: requests the fake server gave up on.
+    for error in server.errors:
+        print(f"fake API server: {error}")

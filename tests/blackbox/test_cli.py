@@ -163,6 +163,26 @@ def test_check_config_against_a_backend(short_tmp: Path) -> None:
     assert "total: 6 slices of nvidia.com/vgpu on 2 of 2 GPUs" in result.stdout
 
 
+def test_check_config_checks_the_dra_slice_of_the_example_l4(short_tmp: Path) -> None:
+    # The example node's L4 has NVML's 23034Mi, not a multiple of the 256Mi step.
+    config = short_tmp / "config.yaml"
+    config.write_text("mig: {strategy: mixed}\n")
+    result = run_cli("check-config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert "DRA mode: the ResourceSlice of these 5 devices passes the API server's rules" in (
+        result.stdout
+    )
+    # 12Gi as the least a claim may take: more than a 1g.10gb MIG device holds.
+    config.write_text("mig: {strategy: mixed}\ndra: {memory: {min: 12Gi}}\n")
+    result = run_cli("check-config", str(config))
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    mig = [line for line in lines if "gpu-2-mig-9-0" in line]
+    assert any("capacity[memory].requestPolicy.validRange.min" in line for line in mig), lines
+    assert all("dra.memory" in line for line in mig)
+    assert "invalid for these GPUs in DRA mode" in lines[-1]
+
+
 def test_check_config_reports_every_error_and_exits_2(short_tmp: Path) -> None:
     config = short_tmp / "config.yaml"
     config.write_text("version: v2\nslicing:\n  replicas: -1\nbogus: 1\n")

@@ -13,7 +13,7 @@ import os
 import stat
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -52,22 +52,6 @@ NODE = "test-node"
 RPC_TIMEOUT_S = 30.0
 GPU0 = gpu(0, name="NVIDIA A100-PCIE-40GB", memory_gib=40)
 GPU1 = gpu(1, name="NVIDIA L4", memory_gib=24)
-
-
-@pytest.fixture
-def api() -> Iterator[FakeApiServer]:
-    server = FakeApiServer()
-    server.nodes[NODE] = {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {"name": NODE, "uid": "node-uid"},
-    }
-    server.start()
-    yield server
-    server.close()
-    # Shown with a failing test's output: requests the fake server gave up on.
-    for error in server.errors:
-        print(f"fake API server: {error}")
 
 
 @pytest.fixture

@@ -6,13 +6,16 @@ from __future__ import annotations
 import json
 import re
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 import promql_parser
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import deviceplugin
+from deviceplugin.dra.kubeapi import KubeApi
+from deviceplugin.dra.publisher import SlicePublisher
+from deviceplugin.dra.settings import DraSettings
 from deviceplugin.reload import ReloadMetrics, config_hash
 from deviceplugin.usage.metrics import DaemonMetrics
 from tests.deploy.support import (
@@ -85,8 +88,11 @@ def exposed() -> dict[str, set[str]]:
     """Sample name -> label names, from the exporter's text output for a sample snapshot."""
     snapshot = sample_snapshot()
     metrics = DaemonMetrics("node-a", lambda: snapshot, version=deviceplugin.__version__)
-    # The daemon adds the config reload series to the same registry.
+    # The daemon adds the config reload series to the same registry, and in DRA mode the
+    # ResourceSlice's publication series.
     ReloadMetrics(metrics.registry, "node-a", config_hash(b""))
+    publisher = SlicePublisher(DraSettings(node_name="node-a"), cast(KubeApi, None), list)
+    metrics.registry.register(publisher.collector("node-a"))
     metrics.observe_allocate(0.001)
     metrics.observe_poll(0.002)
     payload, _ = metrics.render()

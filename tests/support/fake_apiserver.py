@@ -32,6 +32,9 @@ class FakeApiServer:
         self.nodes: dict[str, dict[str, Any]] = {}
         self.requests: list[tuple[str, str]] = []
         self.fail_writes = False
+        # A slice written (created or replaced) is refused with 422 Invalid and this message,
+        # as the API server refuses a slice that breaks its validation rules; "": taken.
+        self.refuse_slices = ""
         # Claims (namespace, name) whose GET is never answered: a stalled API server.
         self.stall_claims: set[tuple[str, str]] = set()
         self._closed = threading.Event()
@@ -186,6 +189,8 @@ class FakeApiServer:
                 self._reply = None
                 if method != "GET" and fake.fail_writes:
                     self._status(503, "ServiceUnavailable", "writes refused by the test")
+                elif method in ("POST", "PUT") and path.startswith(SLICES) and fake.refuse_slices:
+                    self._status(422, "Invalid", fake.refuse_slices)
                 else:
                     with fake._lock:
                         self._dispatch(method, path, urllib.parse.parse_qs(url.query))

@@ -150,3 +150,97 @@ def test_bad_dra_config_is_refused_naming_the_key() -> None:
     assert "dra.driverName" in problems
     assert "dra.compute.step" in problems
     assert "dra.colour" in problems or "colour" in problems
+
+
+MIB = 1 << 20
+# What NVML reports as total memory for real cards (MiB): none is a multiple of 256Mi.
+REAL_GPUS = {
+    "NVIDIA H100 80GB HBM3": 81559,
+    "NVIDIA H200": 143771,
+    "NVIDIA L4": 23034,
+    "NVIDIA A10G": 23028,
+    "NVIDIA L40S": 46068,
+}
+# A100 80GB MIG devices as NVML sizes them (MiB).
+REAL_MIG = {"1g.10gb": 9728, "2g.20gb": 19968, "3g.40gb": 40192, "7g.80gb": 80896}
+
+
+def _real_node() -> Inventory:
+    readings = [
+        GpuReading(replace(_gpu(i), name=name, memory_total_bytes=mib * MIB))
+        for i, (name, mib) in enumerate(REAL_GPUS.items())
+    ]
+    parent = replace(_gpu(9, 80, mig_enabled=True), name="NVIDIA A100-SXM4-80GB")
+    readings.append(GpuReading(parent))
+    for gi, (profile, mib) in enumerate(REAL_MIG.items(), start=1):
+        mig = _gpu(9, parent_uuid=parent.uuid, mig_profile=profile, gpu_instance_id=gi,
+                   compute_instance_id=0)  # fmt: skip
+        readings.append(GpuReading(replace(mig, uuid=f"MIG-{gi}", memory_total_bytes=mib * MIB)))
+    return _inventory(*readings, mig=MigConfig(strategy=MigStrategy.MIXED))
+
+
+def test_the_api_server_takes_the_slice_of_every_real_gpu_and_mig_size() -> None:
+    from deviceplugin.dra.slices import slice_problems
+
+    inventory = _real_node()
+    devices = build_devices(inventory, DraConfig(), "vgpu.dev")
+    assert len(devices) == len(REAL_GPUS) + len(REAL_MIG)
+    assert slice_problems(build_slice("node-1", "vgpu.dev", devices, 1)) == []
+    step = 256 * MIB
+    for device in devices:
+        memory = device["capacity"]["memory"]
+        total, top = int(memory["value"]), int(memory["requestPolicy"]["validRange"]["max"])
+        # The whole device is the capacity; the range stops at the last full step in it.
+        assert top % step == 0, device["name"]
+        assert total - step < top <= total, device["name"]
+    l4 = next(d for d in devices if d["attributes"]["productName"] == {"string": "NVIDIA L4"})
+    assert l4["capacity"]["memory"]["value"] == str(23034 * MIB)
+    assert l4["capacity"]["memory"]["requestPolicy"]["validRange"]["max"] == str(22784 * MIB)
+
+
+def test_a_compute_step_that_does_not_divide_100_ends_the_range_on_its_grid() -> None:
+    (d,) = build_devices(
+        _inventory(GpuReading(_gpu(0)), replicas=1),
+        DraConfig(compute_min=5, compute_step=10),
+        "vgpu.dev",
+    )
+    compute = d["capacity"]["compute"]["requestPolicy"]
+    assert compute == {"default": "95", "validRange": {"min": "5", "max": "95", "step": "10"}}
+    from deviceplugin.dra.slices import slice_problems
+
+    assert slice_problems(build_slice("n", "vgpu.dev", [d], 1)) == []
+
+
+def test_a_policy_no_device_can_carry_is_reported_naming_the_device_and_the_key() -> None:
+    from deviceplugin.dra.slices import slice_problems
+
+    devices = build_devices(_real_node(), DraConfig(memory_min_bytes=30 * GIB), "vgpu.dev")
+    problems = slice_problems(build_slice("node-1", "vgpu.dev", devices, 1))
+    l4 = [p for p in problems if "NVIDIA L4" in p]
+    assert l4, problems
+    assert "capacity[memory].requestPolicy.validRange.min" in l4[0]
+    assert "min is larger than capacity value" in l4[0]
+    assert "dra.memory" in l4[0]
+    # The H100 and H200 hold 30Gi: nothing is said of them.
+    assert not [p for p in problems if "H100" in p or "H200" in p]
+
+
+def test_a_driver_name_the_runtime_would_refuse_as_a_cdi_kind_is_refused() -> None:
+    import pytest
+
+    from deviceplugin.config.load import config_from_bytes
+    from deviceplugin.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        config_from_bytes(b"dra: {driverName: 9gpu.example.com}", "t")
+    (problem,) = e.value.problems
+    assert problem.startswith("dra.driverName")
+    assert "starts with a digit" in problem
+    assert "9gpu.example.com/claim" in problem
+    assert "CDI vendor must start with a letter" in problem
+    with pytest.raises(ConfigError) as e:
+        config_from_bytes(b"dra: {driverName: " + b"a" * 64 + b"}", "t")
+    assert "longer than 63 characters" in e.value.problems[0]
+    assert config_from_bytes(b"dra: {driverName: gpu9.example.com}", "t").dra.driver_name == (
+        "gpu9.example.com"
+    )

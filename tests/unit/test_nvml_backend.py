@@ -615,7 +615,7 @@ def test_a_lost_gpu_or_an_unknown_error_marks_only_that_gpu_unhealthy(
     assert g1.health_reason.startswith(f"{call} failed with {code}")
     # The last good reading is reported with the GPU out of service.
     assert (g1.memory_used_bytes, g1.processes) == (before.memory_used_bytes, before.processes)
-    (line,) = messages(caplog, "gpu unhealthy index=1")
+    (line,) = messages(caplog, "gpu marked unhealthy index=1")
     assert code in line
     assert "recovery=manual" in line
     stats = backend.health_stats[1]
@@ -725,7 +725,7 @@ def test_a_critical_xid_marks_the_gpu_unhealthy_with_its_meaning(
     critical = messages(caplog, "critical Xid index=1")
     assert len(critical) == 2
     assert "xid=79 meaning='GPU has fallen off the bus'" in critical[0]
-    (transition,) = messages(caplog, "gpu unhealthy index=1")
+    (transition,) = messages(caplog, "gpu marked unhealthy index=1")
     assert "Xid 79 (GPU has fallen off the bus)" in transition
     stats = backend.health_stats[1]
     assert stats.xids == {79: 2}
@@ -931,7 +931,8 @@ def test_auto_recovery_after_a_quiet_delay(rig: Rig, caplog: pytest.LogCaptureFi
     backend = rig.backend(HealthConfig(recovery=RecoveryPolicy.AUTO, recovery_delay_s=60.0))
     rig.model.emit_xid(0, 79)
     eventually(lambda: not gpu_of(backend.poll(), 0).healthy)
-    assert messages(caplog, "recovery=auto; it returns once it has answered correctly")
+    # Logged right after the GPU is marked, on the event thread: waited for, not raced.
+    eventually(lambda: bool(messages(caplog, "recovery=auto; it returns once it has answered")))
 
     rig.clock.advance(59.0)
     assert not gpu_of(backend.poll(), 0).healthy

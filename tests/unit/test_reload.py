@@ -67,3 +67,22 @@ def test_reload_metrics_start_at_zero_and_show_one_running_hash() -> None:
     assert value("vgpu_config_reloads_total", result="applied") == 1
     assert value("vgpu_config_info", hash="bbbb") == 1
     assert value("vgpu_config_info", hash="aaaa") is None
+
+
+@pytest.mark.parametrize(
+    ("content", "empty"),
+    [
+        (b"", True),
+        (b"\n  \n", True),
+        (b"# only a comment\n", True),
+        (b"---\n", True),
+        (b"{}\n", False),
+        (b"version: v1\n", False),
+        (b"slicing:\n", False),
+        (b"\xff", False),  # not UTF-8: refused as such, not as empty
+    ],
+)
+def test_an_empty_document_is_told_from_the_defaults_asked_for(content: bytes, empty: bool) -> None:
+    from deviceplugin.config import is_empty_document
+
+    assert is_empty_document(content) is empty

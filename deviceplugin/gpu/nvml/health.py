@@ -176,8 +176,9 @@ class HealthChecks:
             else "it returns once it has answered correctly, with no new fault, for "
             f"{self._health_config.recovery_delay_s:g}s"
         )
-        logger.warning(
-            "gpu unhealthy %s reason=%r recovery=%s; %s",
+        # The poll that follows logs the one line an operator reads (index, UUID, reason).
+        logger.debug(
+            "gpu marked unhealthy %s reason=%r recovery=%s; %s",
             gpu.label(),
             reason,
             recovery.value,
