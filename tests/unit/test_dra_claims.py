@@ -249,7 +249,16 @@ def test_the_checkpoint_keeps_prepared_claims_across_a_restart(tmp_path: Path) -
     assert len(third) == 0
 
 
-def test_a_malformed_checkpoint_is_an_error_naming_the_file(tmp_path: Path) -> None:
-    (tmp_path / "dra-claims.json").write_text('{"version": 1, "claims": [{"uid": 3}]}')
-    with pytest.raises(ValueError, match=r"dra-claims\.json is unreadable"):
-        ClaimStore(tmp_path).load()
+def test_a_malformed_checkpoint_is_moved_aside_naming_what_is_wrong(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    content = '{"version": 1, "claims": [{"uid": 3}]}'
+    (tmp_path / "dra-claims.json").write_text(content)
+    store = ClaimStore(tmp_path, wall_clock=lambda: 1700000000.0)
+    store.load()
+    assert len(store) == 0
+    aside = tmp_path / "dra-claims.json.unreadable-1700000000"
+    assert aside.read_text() == content
+    assert not (tmp_path / "dra-claims.json").exists()
+    assert "claims[0].uid is 3, not a string" in caplog.text
+    assert f"moved_to={aside}" in caplog.text

@@ -1,0 +1,88 @@
+"""A DRA-mode daemon of its own process, for the security suite: what it stalls on, and what it
+logs, are seen from outside, as the kubelet and an operator see them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import grpc
+
+from deviceplugin.dra.settings import DraSettings
+from tests.blackbox.daemon_harness import Node, serve_args
+from tests.blackbox.test_dra import NODE, _dra, _register
+from tests.support.fake_apiserver import FakeApiServer
+
+CLI = [sys.executable, "-m", "deviceplugin"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serving_dra(node: Node, api: FakeApiServer) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """`serve --kubelet-api dra` as a process of its own on the node; yields it and its metrics
+    port. Its log goes to node.root/serve.log."""
+    settings = _dra(node, api)
+    port = free_port()
+    log = (node.root / "serve.log").open("wb")
+    args = [
+        *CLI, "serve", *serve_args(node),
+        "--kubelet-api", "dra", "--node-name", NODE,
+        "--kubeconfig", str(settings.kubeconfig),
+        "--kubelet-root-dir", str(settings.kubelet_root_dir),
+        "--cdi-dir", str(settings.cdi_dir),
+        "--metrics-address", f"127.0.0.1:{port}",
+    ]  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        yield proc, port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+async def register(settings: DraSettings) -> None:
+    """Register a daemon of its own process as the kubelet does: its registration socket may
+    be there a moment before it listens (gRPC binds it before it serves), so a refused
+    connection is tried again, for as long as the kubelet's plugin watcher would."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 20
+    while True:
+        try:
+            await _register(settings)
+            return
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or loop.time() > deadline:
+                raise
+        await asyncio.sleep(0.1)
+
+
+def healthz(port: int) -> int:
+    """The status of GET /healthz; raises when no answer comes within a probe's timeout."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        connection.request("GET", "/healthz")
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+def healthy(port: int) -> bool:
+    try:
+        return healthz(port) == 200
+    except OSError:
+        return False
