@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import grpc
 
 from deviceplugin.dra.settings import DraSettings
-from tests.blackbox.daemon_harness import Node, serve_args
+from tests.blackbox.daemon_harness import Node, eventually, serve_args
 from tests.blackbox.test_dra import NODE, _dra, _register
 from tests.support.fake_apiserver import FakeApiServer
 
@@ -56,9 +56,10 @@ def serving_dra(node: Node, api: FakeApiServer) -> Iterator[tuple[subprocess.Pop
 
 
 async def register(settings: DraSettings) -> None:
-    """Register a daemon of its own process as the kubelet does: its registration socket may
-    be there a moment before it listens (gRPC binds it before it serves), so a refused
-    connection is tried again, for as long as the kubelet's plugin watcher would."""
+    """Register a daemon of its own process as the kubelet does, once its registration socket
+    is there (a new process on a busy machine takes a while). The socket may be there a moment
+    before it listens (gRPC binds it before it serves): a refused connection is tried again."""
+    await eventually(settings.registration_socket.exists, 60, "the registration socket")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 20
     while True:
