@@ -1,5 +1,6 @@
-"""A DRA-mode daemon of its own process, for the security suite: what it stalls on, and what it
-logs, are seen from outside, as the kubelet and an operator see them."""
+"""The DRA driver as the security suite drives it: a daemon of its own process (what it stalls
+on, and what it logs, are seen from outside, as the kubelet and an operator see them), and the
+kubelet's calls with several claims at once."""
 
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import grpc
 
+from deviceplugin._proto.dra.v1 import api_pb2 as dra_v1
+from deviceplugin._proto.dra.v1 import api_pb2_grpc as dra_v1_grpc
 from deviceplugin.dra.settings import DraSettings
 from tests.blackbox.daemon_harness import Node, eventually, serve_args
-from tests.blackbox.test_dra import NODE, _dra, _register
+from tests.blackbox.test_dra import NODE, RPC_TIMEOUT_S, _dra, _register
 from tests.support.fake_apiserver import FakeApiServer
 
 CLI = [sys.executable, "-m", "deviceplugin"]
@@ -87,3 +92,21 @@ def healthy(port: int) -> bool:
         return healthz(port) == 200
     except OSError:
         return False
+
+
+def ref(uid: str, name: str | None = None, namespace: str = "default") -> Any:
+    return dra_v1.Claim(namespace=namespace, uid=uid, name=name or f"claim-{uid}")
+
+
+async def prepare_all(socket: Path, refs: list[Any], timeout_s: float = RPC_TIMEOUT_S) -> Any:
+    async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
+        return await dra_v1_grpc.DRAPluginStub(channel).NodePrepareResources(
+            dra_v1.NodePrepareResourcesRequest(claims=refs), timeout=timeout_s
+        )
+
+
+async def unprepare_all(socket: Path, refs: list[Any]) -> Any:
+    async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
+        return await dra_v1_grpc.DRAPluginStub(channel).NodeUnprepareResources(
+            dra_v1.NodeUnprepareResourcesRequest(claims=refs), timeout=RPC_TIMEOUT_S
+        )
