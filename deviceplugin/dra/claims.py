@@ -31,6 +31,7 @@ from deviceplugin.allocation import (
     mps_mounts,
 )
 from deviceplugin.config import AllocationConfig, MpsConfig
+from deviceplugin.dra.refs import is_claim_uid, is_dns_label, shown
 from deviceplugin.dra.slices import device_name, device_plans
 from deviceplugin.model import (
     SOURCE_DRA,
@@ -49,13 +50,26 @@ _DECIMAL.update({"k": Decimal(10**3), "M": Decimal(10**6), "G": Decimal(10**9)})
 _DECIMAL.update({"T": Decimal(10**12), "P": Decimal(10**15), "E": Decimal(10**18)})
 
 
+# A quantity is refused, before it is converted, when its text is longer than this or its number
+# is beyond 10**MAX_EXPONENT (or below 10**-MAX_EXPONENT): the API server keeps `1e1000000` as
+# `10e999999`, and turning that into an integer takes minutes. A GPU's bytes are below 10**16.
+MAX_QUANTITY_CHARS = 64
+MAX_EXPONENT = 30
+
+
 class ClaimError(ValueError):
     """A claim this driver cannot prepare; the message names the claim and what is wrong."""
 
 
 def parse_quantity(text: str) -> Decimal:
-    """A Kubernetes quantity (`15Gi`, `25`, `500m`, `1e3`) as a Decimal; ValueError if not one."""
+    """A Kubernetes quantity (`15Gi`, `25`, `500m`, `1e3`) as a Decimal; ValueError if not one,
+    or if it is out of range (`MAX_QUANTITY_CHARS`, `MAX_EXPONENT`): bounded before anything
+    converts it."""
     value = text.strip()
+    if len(value) > MAX_QUANTITY_CHARS:
+        raise ValueError(
+            f"{shown(text)} is out of range: more than {MAX_QUANTITY_CHARS} characters"
+        )
     for suffix, factor in _BINARY.items():
         if value.endswith(suffix):
             return _number(value[: -len(suffix)], text) * factor
@@ -68,9 +82,11 @@ def _number(digits: str, text: str) -> Decimal:
     try:
         number = Decimal(digits)
     except InvalidOperation:
-        raise ValueError(f"{text!r} is not a quantity") from None
+        raise ValueError(f"{shown(text)} is not a quantity") from None
     if not number.is_finite() or number < 0:
-        raise ValueError(f"{text!r} is not a quantity")
+        raise ValueError(f"{shown(text)} is not a quantity")
+    if number and not -MAX_EXPONENT <= number.adjusted() <= MAX_EXPONENT:
+        raise ValueError(f"{shown(text)} is out of range")
     return number
 
 
@@ -160,13 +176,13 @@ def read_claim(
         device = str(result.get("device") or "")
         if result.get("pool") != node_name:
             raise ClaimError(
-                f"{label}: device {device!r} is in pool {result.get('pool')!r}, not this node's "
-                f"pool {node_name!r}"
+                f"{label}: device {shown(device)} is in pool {shown(result.get('pool'))}, not "
+                f"this node's pool {node_name!r}"
             )
         plan = plans.get(device)
         if plan is None:
             raise ClaimError(
-                f"{label}: device {device!r} is not published by this node "
+                f"{label}: device {shown(device)} is not published by this node "
                 f"(it has {', '.join(sorted(plans)) or 'no device'}); its GPU may be gone"
             )
         devices.append(_claim_device(label, result, device, plan))
@@ -187,28 +203,59 @@ def reserved_pods(claim: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
 
 
 def _claim_device(label: str, result: Mapping[str, Any], device: str, plan: GpuPlan) -> ClaimDevice:
+    """One result on one of this node's devices. Each consumed amount is compared, as a decimal,
+    with the device's capacity before it is converted: a claim consuming more than its device
+    is refused, naming both."""
     consumed = result.get("consumedCapacity") or {}
+    where = f"{label}: device {shown(device)}"
+    if not isinstance(consumed, Mapping):
+        raise ClaimError(f"{where}: consumedCapacity is not a map of amounts")
     total = plan.gpu.memory_total_bytes
-    try:
-        memory = (
-            math.ceil(parse_quantity(str(consumed["memory"]))) if "memory" in consumed else total
-        )
-        compute = (
-            float(parse_quantity(str(consumed["compute"]))) if "compute" in consumed else 100.0
-        )
-    except ValueError as e:
-        raise ClaimError(f"{label}: consumed capacity of device {device!r}: {e}") from None
+    memory = _consumed(label, device, consumed, name="memory", capacity=total, unit=" bytes")
+    compute = _consumed(label, device, consumed, name="compute", capacity=100)
+    request = str(result.get("request") or "")
+    if not all(is_dns_label(part) for part in request.split("/")):
+        raise ClaimError(f"{where}: request {shown(request)} is not a request name")
+    share_id = str(result.get("shareID") or "")
+    if share_id and not is_claim_uid(share_id):
+        raise ClaimError(f"{where}: shareID {shown(share_id)} is not a share ID")
     return ClaimDevice(
-        request=str(result.get("request", "")),
+        request=request,
         device=device,
         gpu_uuid=plan.gpu.uuid,
         gpu_index=plan.gpu.index,
         minor=plan.gpu.minor,
         memory_total_bytes=total,
-        memory_bytes=min(memory, total),
-        compute_percent=min(compute, 100.0),
-        share_id=str(result.get("shareID") or ""),
+        memory_bytes=math.ceil(memory),
+        compute_percent=float(compute),
+        share_id=share_id,
     )
+
+
+def _consumed(
+    label: str,
+    device: str,
+    consumed: Mapping[str, Any],
+    *,
+    name: str,
+    capacity: int,
+    unit: str = "",
+) -> Decimal:
+    """The amount of `name` consumed (the whole `capacity` when the claim names none), checked
+    against the capacity as a decimal."""
+    if name not in consumed:
+        return Decimal(capacity)
+    raw = consumed[name]
+    try:
+        amount = parse_quantity(raw if isinstance(raw, str) else str(raw))
+    except ValueError as e:
+        raise ClaimError(f"{label}: device {shown(device)}: consumed {name} {e}") from None
+    if amount > capacity:
+        raise ClaimError(
+            f"{label} consumes {shown(raw)} of {name}: more {name} than device "
+            f"{shown(device)} has ({capacity}{unit})"
+        )
+    return amount
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,30 @@ def test_quantities(text: str, value: float) -> None:
 def test_bad_quantity_is_named() -> None:
     with pytest.raises(ValueError, match="'12 bananas'"):
         parse_quantity("12 bananas")
+
+
+@pytest.mark.parametrize(
+    "text", ["10e999999", "1e31", "1e-31", "1e999999Ki", "9" * 65, "1e1000000000000"]
+)
+def test_a_quantity_out_of_range_is_refused_before_it_is_converted(text: str) -> None:
+    with pytest.raises(ValueError, match="is out of range"):
+        parse_quantity(text)
+
+
+@pytest.mark.parametrize(
+    ("consumed", "problem"),
+    [
+        ({"memory": "41Gi"}, "more memory than device 'gpu-0' has (42949672960 bytes)"),
+        ({"compute": "101"}, "more compute than device 'gpu-0' has (100)"),
+        ({"memory": "1e20"}, "more memory than device 'gpu-0' has"),
+        ({"compute": "10e999999"}, "consumed compute '10e999999' is out of range"),
+    ],
+)
+def test_a_claim_consuming_more_than_its_device_is_refused_naming_it(
+    consumed: dict[str, str], problem: str
+) -> None:
+    with pytest.raises(ClaimError, match=re.escape(problem)):
+        _read(_claim({"request": "gpu", "device": "gpu-0", "consumedCapacity": consumed}))
 
 
 def test_consumed_capacity_becomes_the_limits_and_the_env() -> None:
