@@ -11,8 +11,8 @@ content is checked value by value: names and UIDs as the driver checks a claim r
 (`refs`), every number a finite one within its range (memory within its device's, compute
 within 100). A file that cannot be read or fails a check is moved aside as
 `dra-claims.json.unreadable-<time>`, never overwritten, and logged (the file, why, where it
-went); the daemon starts without those claims (the kubelet's Unprepare of one still succeeds
-and removes its CDI spec).
+went); the daemon starts without those claims, and the driver's reconcile takes back, from
+their CDI specs, those the API server still has (see `prepare`).
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ class ClaimStore:
         self._dir = state_dir
         self._wall_clock = wall_clock
         self._claims: dict[str, PreparedClaim] = {}
+        # Where `load` moved an unusable checkpoint, if it did.
+        self.moved_aside: Path | None = None
 
     @property
     def path(self) -> Path:
@@ -80,13 +82,14 @@ class ClaimStore:
                 f"the DRA checkpoint {self.path} is unusable ({why}) and cannot be moved aside: "
                 f"{e.strerror or e}; move it away to start with no prepared claim"
             ) from None
+        self.moved_aside = self._dir / aside
         log.error(
             "the DRA checkpoint is unusable and was moved aside; starting with no prepared claim "
-            "(the kubelet's Unprepare of one still succeeds and removes its CDI spec) "
-            "path=%s problem=%s moved_to=%s",
+            "until the reconcile takes back, from their CDI specs, the claims the API server "
+            "still has path=%s problem=%s moved_to=%s",
             self.path,
             why,
-            self._dir / aside,
+            self.moved_aside,
         )
 
     def _save(self) -> None:

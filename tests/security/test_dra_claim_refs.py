@@ -1,19 +1,76 @@
 """Claim references and the API server's answers, hostile or garbled, driven as the kubelet
-drives the DRA driver (its gRPC socket) with a fake API server holding the claims: a namespace
-or a name made to climb out of the claim's URL (`../`, `?`, `#`, `%2e`) is refused before any
-request is sent, by the driver and by its API client alike."""
+drives the DRA driver (its gRPC socket) with a fake API server holding the claims:
+
+- a claim reference that is not a Kubernetes namespace, name or UID (`/` or NUL in a UID), or
+  an API answer that is not a claim, fails that claim with its reason and never the others of
+  the call, in Prepare and Unprepare alike;
+- a namespace or a name made to climb out of the claim's URL (`../`, `?`, `#`, `%2e`) is
+  refused before any request is sent, by the driver and by its API client alike."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from deviceplugin.dra.kubeapi import ApiCallError, LightkubeApi, load_config
 from tests.blackbox.daemon_harness import Node, eventually
-from tests.blackbox.test_dra import _dra, _register, dra_daemon
-from tests.security.dra_support import prepare_all, ref
+from tests.blackbox.test_dra import _claim, _dra, _register, _spec, dra_daemon
+from tests.security.dra_support import prepare_all, ref, unprepare_all
 from tests.support.fake_apiserver import SLICES, FakeApiServer
+
+
+def claim_with_uid(uid: str, name: str, pod: str) -> dict[str, Any]:
+    claim = _claim("x", "1Gi", "10", pod=pod)
+    claim["metadata"] = {"namespace": "default", "name": name, "uid": uid}
+    return claim
+
+
+async def test_each_bad_claim_of_a_call_fails_alone_and_the_good_one_is_answered(
+    dra_node: Node, dra_api: FakeApiServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """UIDs with `/` or NUL (which the API server answers with, here), a namespace and a name
+    that are not Kubernetes names, and an API answer that is not JSON: each fails its own claim
+    with its reason; the good claim of the same call, asked first, is prepared and answered,
+    and nothing is written for the others. Unprepare answers each the same way."""
+    settings = _dra(dra_node, dra_api)
+    dra_api.put_claim(_claim("u-ok", "1Gi", "10"))
+    dra_api.put_claim(claim_with_uid("a/b", "claim-slash", "pod-2"))
+    dra_api.put_claim(claim_with_uid("a\x00b", "claim-nul", "pod-3"))
+    dra_api.raw_claims[("default", "claim-garbled")] = b"\xff\xfe{not json"
+    refs = [
+        ref("u-ok"),
+        ref("a/b", "claim-slash"),
+        ref("a\x00b", "claim-nul"),
+        ref("u-garbled", "claim-garbled"),
+        ref("u-ns", "claim-ns", namespace="Not_A_Namespace"),
+        ref("u-name", "Claim..Name"),
+    ]
+    async with dra_daemon(dra_node, dra_api):
+        await _register(settings)
+        response = await prepare_all(settings.service_socket, refs)
+        claims = response.claims
+        assert set(claims) == {r.uid for r in refs}
+        assert claims["u-ok"].error == ""
+        assert _spec(dra_node, "u-ok").exists()
+        assert "uid 'a/b' is not a claim UID" in claims["a/b"].error
+        assert "uid 'a\\x00b' is not a claim UID" in claims["a\x00b"].error
+        assert "get ResourceClaim default/claim-garbled" in claims["u-garbled"].error
+        assert "not a ResourceClaim" in claims["u-garbled"].error
+        assert "namespace 'Not_A_Namespace' is not a DNS-1123 label" in claims["u-ns"].error
+        assert "name 'Claim..Name' is not a DNS-1123 subdomain" in claims["u-name"].error
+        cdi = sorted(p.name for p in (dra_node.root / "cdi").iterdir())
+        assert cdi == ["vgpu.dev-claim_u-ok.json"]
+
+        unprepared = await unprepare_all(settings.service_socket, refs)
+        errors = {uid: c.error for uid, c in unprepared.claims.items()}
+        assert errors["u-ok"] == ""
+        assert not _spec(dra_node, "u-ok").exists()
+        assert "uid 'a/b' is not a claim UID" in errors["a/b"]
+        assert "uid 'a\\x00b' is not a claim UID" in errors["a\x00b"]
+        assert errors["u-garbled"] == ""  # a valid reference, never prepared
+    assert "Traceback" not in caplog.text
 
 
 async def test_a_name_climbing_out_of_the_claims_url_is_never_sent(
