@@ -193,16 +193,7 @@ class ClaimPreparer:
             )
         if (meta.get("namespace"), meta.get("name")) != (ref.namespace, ref.name):
             raise ClaimError(f"{label}: the API server answered with another claim")
-        # Off the event loop: every amount is bounded before it is converted, but the claim is
-        # the API server's, and its reading is no business of the loop's.
-        claim = await asyncio.to_thread(
-            read_claim,
-            obj,
-            driver_name=self.settings.driver_name,
-            node_name=self.settings.node_name,
-            plans=self._plans(),
-            now_s=time.time(),
-        )
+        claim = await self._read(obj)
         if flight.unprepared:
             raise ClaimError(
                 f"{label} (uid {ref.uid}) was unprepared while it was being prepared: not "
@@ -223,6 +214,19 @@ class ClaimPreparer:
             per_gpu,
         )
         return claim, True
+
+    async def _read(self, obj: dict[str, Any]) -> PreparedClaim:
+        """The claim's allocation on this node's devices (ClaimError if it has none), read off
+        the event loop: every amount is bounded before it is converted, but the claim is the
+        API server's, and its reading is no business of the loop's."""
+        return await asyncio.to_thread(
+            read_claim,
+            obj,
+            driver_name=self.settings.driver_name,
+            node_name=self.settings.node_name,
+            plans=self._plans(),
+            now_s=time.time(),
+        )
 
     def _write(self, claim: PreparedClaim) -> PreparedClaim:
         """The claim's spec, then its checkpoint entry; neither when the second fails. The
@@ -370,14 +374,7 @@ class ClaimPreparer:
     async def _adopt(self, ref: ClaimRef, obj: dict[str, Any]) -> None:
         """Take back a spec's claim that the checkpoint lost: prepared again from the API."""
         try:
-            claim = await asyncio.to_thread(
-                read_claim,
-                obj,
-                driver_name=self.settings.driver_name,
-                node_name=self.settings.node_name,
-                plans=self._plans(),
-                now_s=time.time(),
-            )
+            claim = await self._read(obj)
             if claim.uid != ref.uid or self._store.get(ref.uid) is not None:
                 return
             claim = self._write(claim)
