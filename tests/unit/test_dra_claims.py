@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import stat
@@ -27,7 +28,7 @@ from deviceplugin.dra.claims import (
     plans_by_device,
     read_claim,
 )
-from deviceplugin.dra.store import ClaimStore
+from deviceplugin.dra.store import ClaimStore, claims_to_json, parse_checkpoint
 from deviceplugin.model import GpuInfo, GpuReading, NodeReading
 from deviceplugin.slicing import build_inventory
 
@@ -287,3 +288,54 @@ def test_a_malformed_checkpoint_is_moved_aside_naming_what_is_wrong(
     assert not (tmp_path / "dra-claims.json").exists()
     assert "claims[0].uid is 3, not a string" in caplog.text
     assert f"moved_to={aside}" in caplog.text
+
+
+def _checkpoint_with(**device: object) -> str:
+    claim = _read(
+        _claim({"request": "g", "device": "gpu-0", "consumedCapacity": {"memory": "3Gi"}})
+    )
+    claims = claims_to_json([claim])
+    claims[0]["devices"][0].update(device)
+    return json.dumps({"version": 1, "claims": claims})
+
+
+@pytest.mark.parametrize(
+    ("device", "problem"),
+    [
+        ({"compute_percent": math.nan}, "compute_percent is nan, not a number from 0 to 100"),
+        ({"compute_percent": 100.5}, "compute_percent is 100.5, not a number from 0 to 100"),
+        ({"memory_bytes": -1}, "memory_bytes is -1, not an integer from 0 to"),
+        ({"memory_bytes": 41 * GIB}, f"memory_bytes is {41 * GIB}, not an integer from 0 to"),
+        ({"memory_bytes": 1.5}, "memory_bytes is 1.5, not an integer"),
+        ({"gpu_index": True}, "gpu_index is True, not an integer"),
+        ({"memory_total_bytes": 0}, "memory_total_bytes is 0, not an integer from 1"),
+        ({"device": None}, "device is None, not a string"),
+    ],
+)
+def test_a_checkpoint_value_out_of_range_is_refused_naming_it(
+    device: dict[str, object], problem: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        parse_checkpoint(_checkpoint_with(**device).encode())
+
+
+@pytest.mark.parametrize(
+    ("claim", "problem"),
+    [
+        ({"uid": "a/b"}, "uid 'a/b' is not a claim UID"),
+        ({"namespace": "../x"}, "namespace '../x' is not a DNS-1123 label"),
+        ({"devices": []}, "claims[0].devices is empty"),
+        ({"pods": [["p"]]}, "claims[0].pods[0] is not a [name, uid] pair"),
+    ],
+)
+def test_a_checkpoint_claim_that_is_not_one_is_refused_naming_it(
+    claim: dict[str, object], problem: str
+) -> None:
+    doc = json.loads(_checkpoint_with())
+    doc["claims"][0].update(claim)
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        parse_checkpoint(json.dumps(doc).encode())
+
+
+def test_a_valid_checkpoint_reads_back_what_was_written() -> None:
+    assert len(parse_checkpoint(_checkpoint_with().encode())) == 1
