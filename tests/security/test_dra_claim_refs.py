@@ -9,9 +9,12 @@ drives the DRA driver (its gRPC socket) with a fake API server holding the claim
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from deviceplugin.dra.kubeapi import ApiCallError, LightkubeApi, load_config
@@ -19,6 +22,8 @@ from tests.blackbox.daemon_harness import Node, eventually
 from tests.blackbox.test_dra import _claim, _dra, _register, _spec, dra_daemon
 from tests.security.dra_support import prepare_all, ref, unprepare_all
 from tests.support.fake_apiserver import SLICES, FakeApiServer
+
+CLAIMS = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/"
 
 
 def claim_with_uid(uid: str, name: str, pod: str) -> dict[str, Any]:
@@ -116,3 +121,44 @@ async def test_the_api_client_refuses_a_name_that_would_leave_its_url(
     finally:
         await client.close()
     assert dra_api.requests == []
+
+
+async def test_a_claim_written_for_a_call_the_kubelet_gave_up_on_is_undone(
+    dra_node: Node, dra_api: FakeApiServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A call that ends without an answer (its deadline passed while it waited on the API
+    server for a later claim) leaves nothing of the claims it had already written: the kubelet
+    never heard they were prepared, and prepares them again."""
+    settings = _dra(dra_node, dra_api)
+    dra_api.put_claim(_claim("u-first", "1Gi", "10"))
+    dra_api.put_claim(_claim("u-second", "1Gi", "10", pod="pod-2"))
+    async with dra_daemon(dra_node, dra_api) as daemon:
+        await _register(settings)
+        # u-second prepared before: the call reads only u-first first, and u-second again
+        # only once it finds it unprepared meanwhile.
+        assert (await prepare_all(settings.service_socket, [ref("u-second")])).claims[
+            "u-second"
+        ].error == ""
+        first, second = threading.Event(), threading.Event()
+        dra_api.hold_claims[("default", "claim-u-first")] = first
+        dra_api.hold_claims[("default", "claim-u-second")] = second
+        call = asyncio.ensure_future(
+            prepare_all(settings.service_socket, [ref("u-first"), ref("u-second")], timeout_s=3)
+        )
+        await eventually(
+            lambda: ("GET", CLAIMS + "claim-u-first") in dra_api.requests, what="the first GET"
+        )
+        assert (await unprepare_all(settings.service_socket, [ref("u-second")])).claims[
+            "u-second"
+        ].error == ""
+        first.set()  # u-first is written; u-second is read again, and that GET waits
+        with pytest.raises(grpc.aio.AioRpcError) as gave_up:
+            await call
+        assert gave_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert daemon.dra is not None
+        store = daemon.dra.store
+        await eventually(lambda: store.get("u-first") is None, 10, "u-first undone")
+        assert not _spec(dra_node, "u-first").exists()
+        assert not _spec(dra_node, "u-second").exists()
+        second.set()
+    assert "prepare not answered (the call was cancelled); undone uid=u-first" in caplog.text
