@@ -12,18 +12,26 @@ changes, and atomically: the new content goes to a hidden file of a random name 
 skips names that start with a dot, since v0.15), created exclusively without following a
 symlink, which then replaces the old one by a rename. A reader sees the old file or the new
 one, never half of either. Only the file the daemon wrote is ever removed.
+
+The features directory is shared with other tools (GPU feature discovery, NFD's own hooks), and
+`nodeLabels.file` may name one of their files. vgpu writes only a file that is its own: none
+there yet, or one that starts with vgpu's header line (`HEADER`, a comment NFD ignores), or one
+from a version before the header, holding only vgpu's own `nvidia.com/vgpu.*` labels. Anything
+else at the name (another tool's file, a symbolic link, a FIFO) is left as it is, and the log
+says which file, that it is not vgpu's, and what to do; vgpu tries again at the next change.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import re
 from pathlib import Path
 
 from deviceplugin.model import Inventory
-from deviceplugin.safefs import open_directory, replace_file
+from deviceplugin.safefs import RefusedFileError, open_directory, read_bounded, replace_file
 from deviceplugin.state import Published
 
 log = logging.getLogger(__name__)
@@ -35,6 +43,11 @@ _MAX_LABEL_VALUE = 63
 MIB = 1024 * 1024
 # A write that failed (a full disk, a directory not mounted yet) is tried again this often.
 RETRY_S = 60.0
+# The first line of every feature file vgpu writes: how it knows its own file from another
+# tool's. NFD's local source skips lines that start with `#` (and reads `# +` as a directive).
+HEADER = "# written by vgpu-device-plugin (nodeLabels.file): vgpu rewrites and removes this file\n"
+# NFD ignores a feature file larger than this: vgpu reads no more of one to know whose it is.
+MAX_FEATURE_FILE_BYTES = 64 * 1024
 
 
 def label_value(text: str) -> str:
@@ -76,20 +89,51 @@ def node_labels(
 
 
 def feature_file(labels: dict[str, str]) -> str:
-    """The feature file's content: one `name=value` line per label."""
-    return "".join(f"{name}={value}\n" for name, value in labels.items())
+    """The feature file's content: vgpu's header, then one `name=value` line per label."""
+    return HEADER + "".join(f"{name}={value}\n" for name, value in labels.items())
 
 
-def write_atomically(directory: Path, name: str, content: str) -> tuple[int, int]:
-    """Replace the file `name` in `directory` with `content`; the (device, inode) written.
+def is_vgpus(content: bytes) -> bool:
+    """Whether a feature file's content is vgpu's: its header first, or (a version before the
+    header) nothing but vgpu's own labels."""
+    text = content.decode("utf-8", "replace")
+    if text.startswith(HEADER.rstrip("\n")):
+        return True
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return bool(lines) and all(line.startswith(PREFIX) and "=" in line for line in lines)
+
+
+class NotVgpusFileError(OSError):
+    """The feature file's name holds something vgpu did not write."""
+
+
+def whose(dir_fd: int, name: str) -> str:
+    """Why the entry `name` in the open directory is not vgpu's to write; "" when it is (or
+    when there is none)."""
+    try:
+        content = read_bounded(name, MAX_FEATURE_FILE_BYTES, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return ""
+    except RefusedFileError as e:
+        return str(e.strerror)
+    return "" if is_vgpus(content) else "it does not start with vgpu's header"
+
+
+def write_own(directory: Path, name: str, content: str) -> tuple[int, int]:
+    """Replace the file `name` in `directory` with `content`, if whatever is at `name` is
+    nothing or vgpu's own file (`whose`), and NotVgpusFileError saying why it is not otherwise;
+    the (device, inode) written.
 
     The directory is opened without following a symlink (and made when missing); the content
     goes to a new hidden file of a random name, created with O_EXCL | O_NOFOLLOW in that open
-    directory, which is then renamed over `name`: whatever was at `name` (a symlink included)
-    is replaced, never written through. Mode 0644: NFD's worker may run as another user, and
-    node labels are public anyway."""
+    directory, which is then renamed over `name`: a file of vgpu's at `name` is replaced,
+    never written through. Mode 0644: NFD's worker may run as another user, and node labels
+    are public anyway."""
     handle = open_directory(str(directory), create=True)
     try:
+        problem = whose(handle.fd, name)
+        if problem:
+            raise NotVgpusFileError(errno.EEXIST, problem)
         written = replace_file(handle.fd, name, content.encode(), 0o644)
     finally:
         os.close(handle.fd)
@@ -131,7 +175,18 @@ class NodeLabelFile:
         if content == self._written:
             return False
         try:
-            self._identity = write_atomically(self.directory, self.name, content)
+            self._identity = write_own(self.directory, self.name, content)
+        except NotVgpusFileError as e:
+            if not self._failing:
+                log.error(
+                    "node labels are not written: the node feature file %s was not written by "
+                    "vgpu (%s): another tool's file is neither overwritten nor removed; set "
+                    "nodeLabels.file to another name, or remove the file if nothing needs it",
+                    self.path,
+                    e.strerror,
+                )
+            self._failing = True
+            return False
         except OSError as e:
             if not self._failing:
                 log.warning(

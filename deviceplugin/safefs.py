@@ -6,6 +6,12 @@ edit) names some of the paths it writes. Every such path is walked one component
 followed. A component that is missing is created (`mkdirat`), and only a directory created here
 is given the mode its caller asks for (`fchmod` on the open directory, never chmod by name): a
 directory that was there before keeps its owner and mode, whatever the config says.
+
+Files the daemon reads that others could plant something at (the kubelet's checkpoint, the DRA
+checkpoint, a node feature file) are read through one bounded reader, `read_bounded`: opened
+without following a symbolic link and without blocking (a FIFO or a device planted at the name
+is refused, never read), a regular file only, of at most the caller's bound, and no more than
+that is ever read.
 """
 
 from __future__ import annotations
@@ -14,10 +20,12 @@ import contextlib
 import errno
 import os
 import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class UnsafePathError(OSError):
@@ -113,3 +121,69 @@ def replace_file(dir_fd: int, name: str, data: bytes, mode: int) -> os.stat_resu
             os.unlink(temporary, dir_fd=dir_fd)
         raise
     return written
+
+
+class RefusedFileError(OSError):
+    """A file that is there but is not read: a symbolic link, not a regular file, or larger
+    than its bound. `strerror` says which, naming the file."""
+
+
+def open_regular(
+    name: str | os.PathLike[str], *, dir_fd: int | None = None
+) -> tuple[int, os.stat_result]:
+    """Open the regular file `name` (relative to `dir_fd` when given) for reading, without
+    following a symbolic link at its last component and without blocking; its descriptor (the
+    caller closes it) and its stat. FileNotFoundError when it is missing; RefusedFileError for a
+    symbolic link or anything but a regular file (a FIFO, a device, a socket, a directory)."""
+    try:
+        fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise RefusedFileError(errno.ELOOP, f"{name} is a symbolic link") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RefusedFileError(
+                errno.EINVAL, f"{name} is not a regular file (mode {stat.filemode(st.st_mode)})"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_at_most(fd: int, limit: int) -> bytearray:
+    """Up to `limit` bytes from `fd`, in one buffer of at most that size."""
+    buffer = bytearray()
+    while len(buffer) < limit:
+        chunk = os.read(fd, min(1 << 20, limit - len(buffer)))
+        if not chunk:
+            break
+        buffer += chunk
+    return buffer
+
+
+def read_open(fd: int, st: os.stat_result, name: object, max_bytes: int) -> bytes:
+    """The content of the regular file open at `fd` (`st` its stat), of at most `max_bytes`;
+    RefusedFileError naming `name` when it is larger, or grows larger while it is read."""
+    too_large = f"{name} is more than {max_bytes} bytes"
+    if st.st_size > max_bytes:
+        raise RefusedFileError(errno.EFBIG, f"{too_large} ({st.st_size})")
+    blob = read_at_most(fd, max_bytes + 1)
+    if len(blob) > max_bytes:
+        raise RefusedFileError(errno.EFBIG, too_large)
+    return bytes(blob)
+
+
+def read_bounded(
+    name: str | os.PathLike[str], max_bytes: int, *, dir_fd: int | None = None
+) -> bytes:
+    """The content of the regular file `name` (see `open_regular`), of at most `max_bytes`.
+    FileNotFoundError when it is missing, RefusedFileError when it is not read (why, naming
+    it), another OSError when reading failed."""
+    fd, st = open_regular(name, dir_fd=dir_fd)
+    try:
+        return read_open(fd, st, name, max_bytes)
+    finally:
+        os.close(fd)

@@ -6,7 +6,10 @@ through Dynamic Resource Allocation instead of the device-plugin API.
 - `claims`: a ResourceClaim's allocation for this driver, read into a prepared claim, and what
   its containers get (pure).
 - `cdi`: the CDI spec of a prepared claim, written and removed without following a symlink.
+- `refs`: what a claim's namespace, name and UID may be, checked before any is used (pure).
 - `store`: the prepared claims, checkpointed in the state directory.
+- `prepare`: NodePrepareResources/NodeUnprepareResources, ordered per claim, and the
+  reconcile of the prepared claims against the API server.
 - `kubeapi`: the API server, through lightkube's async client.
 - `grpcserver`: the plugin-registration and dra.v1/v1beta1 gRPC services.
 - `driver`: the parts put together, run by the daemon in `--kubelet-api dra` mode.

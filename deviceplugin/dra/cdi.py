@@ -19,6 +19,8 @@ from deviceplugin.dra.claims import ContainerEdits, PreparedClaim
 CDI_VERSION = "0.6.0"
 NVIDIA_CDI_KIND = "nvidia.com/gpu"
 CLAIM_CLASS = "claim"
+# The spec's annotation naming its claim (`<namespace>/<name>`).
+CLAIM_ANNOTATION = "vgpu.dev/claim"
 
 
 def kind(driver_name: str) -> str:
@@ -53,7 +55,7 @@ def build_spec(driver_name: str, claim: PreparedClaim, edits: ContainerEdits) ->
     return {
         "cdiVersion": CDI_VERSION,
         "kind": kind(driver_name),
-        "annotations": {"vgpu.dev/claim": f"{claim.namespace}/{claim.name}"},
+        "annotations": {CLAIM_ANNOTATION: f"{claim.namespace}/{claim.name}"},
         "devices": [{"name": claim.uid, "containerEdits": container_edits}],
     }
 

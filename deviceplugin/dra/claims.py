@@ -31,6 +31,7 @@ from deviceplugin.allocation import (
     mps_mounts,
 )
 from deviceplugin.config import AllocationConfig, MpsConfig
+from deviceplugin.dra.refs import is_claim_uid, is_dns_label, shown
 from deviceplugin.dra.slices import device_name, device_plans
 from deviceplugin.model import (
     SOURCE_DRA,
@@ -49,13 +50,26 @@ _DECIMAL.update({"k": Decimal(10**3), "M": Decimal(10**6), "G": Decimal(10**9)})
 _DECIMAL.update({"T": Decimal(10**12), "P": Decimal(10**15), "E": Decimal(10**18)})
 
 
+# A quantity is refused, before it is converted, when its text is longer than this or its number
+# is beyond 10**MAX_EXPONENT (or below 10**-MAX_EXPONENT): the API server keeps `1e1000000` as
+# `10e999999`, and turning that into an integer takes minutes. A GPU's bytes are below 10**16.
+MAX_QUANTITY_CHARS = 64
+MAX_EXPONENT = 30
+
+
 class ClaimError(ValueError):
     """A claim this driver cannot prepare; the message names the claim and what is wrong."""
 
 
 def parse_quantity(text: str) -> Decimal:
-    """A Kubernetes quantity (`15Gi`, `25`, `500m`, `1e3`) as a Decimal; ValueError if not one."""
+    """A Kubernetes quantity (`15Gi`, `25`, `500m`, `1e3`) as a Decimal; ValueError if not one,
+    or if it is out of range (`MAX_QUANTITY_CHARS`, `MAX_EXPONENT`): bounded before anything
+    converts it."""
     value = text.strip()
+    if len(value) > MAX_QUANTITY_CHARS:
+        raise ValueError(
+            f"{shown(text)} is out of range: more than {MAX_QUANTITY_CHARS} characters"
+        )
     for suffix, factor in _BINARY.items():
         if value.endswith(suffix):
             return _number(value[: -len(suffix)], text) * factor
@@ -68,9 +82,11 @@ def _number(digits: str, text: str) -> Decimal:
     try:
         number = Decimal(digits)
     except InvalidOperation:
-        raise ValueError(f"{text!r} is not a quantity") from None
+        raise ValueError(f"{shown(text)} is not a quantity") from None
     if not number.is_finite() or number < 0:
-        raise ValueError(f"{text!r} is not a quantity")
+        raise ValueError(f"{shown(text)} is not a quantity")
+    if number and not -MAX_EXPONENT <= number.adjusted() <= MAX_EXPONENT:
+        raise ValueError(f"{shown(text)} is out of range")
     return number
 
 
@@ -160,13 +176,13 @@ def read_claim(
         device = str(result.get("device") or "")
         if result.get("pool") != node_name:
             raise ClaimError(
-                f"{label}: device {device!r} is in pool {result.get('pool')!r}, not this node's "
-                f"pool {node_name!r}"
+                f"{label}: device {shown(device)} is in pool {shown(result.get('pool'))}, not "
+                f"this node's pool {node_name!r}"
             )
         plan = plans.get(device)
         if plan is None:
             raise ClaimError(
-                f"{label}: device {device!r} is not published by this node "
+                f"{label}: device {shown(device)} is not published by this node "
                 f"(it has {', '.join(sorted(plans)) or 'no device'}); its GPU may be gone"
             )
         devices.append(_claim_device(label, result, device, plan))
@@ -187,28 +203,59 @@ def reserved_pods(claim: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
 
 
 def _claim_device(label: str, result: Mapping[str, Any], device: str, plan: GpuPlan) -> ClaimDevice:
+    """One result on one of this node's devices. Each consumed amount is compared, as a decimal,
+    with the device's capacity before it is converted: a claim consuming more than its device
+    is refused, naming both."""
     consumed = result.get("consumedCapacity") or {}
+    where = f"{label}: device {shown(device)}"
+    if not isinstance(consumed, Mapping):
+        raise ClaimError(f"{where}: consumedCapacity is not a map of amounts")
     total = plan.gpu.memory_total_bytes
-    try:
-        memory = (
-            math.ceil(parse_quantity(str(consumed["memory"]))) if "memory" in consumed else total
-        )
-        compute = (
-            float(parse_quantity(str(consumed["compute"]))) if "compute" in consumed else 100.0
-        )
-    except ValueError as e:
-        raise ClaimError(f"{label}: consumed capacity of device {device!r}: {e}") from None
+    memory = _consumed(label, device, consumed, name="memory", capacity=total, unit=" bytes")
+    compute = _consumed(label, device, consumed, name="compute", capacity=100)
+    request = str(result.get("request") or "")
+    if not all(is_dns_label(part) for part in request.split("/")):
+        raise ClaimError(f"{where}: request {shown(request)} is not a request name")
+    share_id = str(result.get("shareID") or "")
+    if share_id and not is_claim_uid(share_id):
+        raise ClaimError(f"{where}: shareID {shown(share_id)} is not a share ID")
     return ClaimDevice(
-        request=str(result.get("request", "")),
+        request=request,
         device=device,
         gpu_uuid=plan.gpu.uuid,
         gpu_index=plan.gpu.index,
         minor=plan.gpu.minor,
         memory_total_bytes=total,
-        memory_bytes=min(memory, total),
-        compute_percent=min(compute, 100.0),
-        share_id=str(result.get("shareID") or ""),
+        memory_bytes=math.ceil(memory),
+        compute_percent=float(compute),
+        share_id=share_id,
     )
+
+
+def _consumed(
+    label: str,
+    device: str,
+    consumed: Mapping[str, Any],
+    *,
+    name: str,
+    capacity: int,
+    unit: str = "",
+) -> Decimal:
+    """The amount of `name` consumed (the whole `capacity` when the claim names none), checked
+    against the capacity as a decimal."""
+    if name not in consumed:
+        return Decimal(capacity)
+    raw = consumed[name]
+    try:
+        amount = parse_quantity(raw if isinstance(raw, str) else str(raw))
+    except ValueError as e:
+        raise ClaimError(f"{label}: device {shown(device)}: consumed {name} {e}") from None
+    if amount > capacity:
+        raise ClaimError(
+            f"{label} consumes {shown(raw)} of {name}: more {name} than device "
+            f"{shown(device)} has ({capacity}{unit})"
+        )
+    return amount
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,67 +381,3 @@ def _unhealthy(s: Slice) -> Slice:
         False,
         s.resource_name,
     )
-
-
-def claims_to_json(claims: Sequence[PreparedClaim]) -> list[dict[str, Any]]:
-    return [
-        {
-            "uid": c.uid,
-            "namespace": c.namespace,
-            "name": c.name,
-            "pods": [list(p) for p in c.pods],
-            "cdi_ids": list(c.cdi_ids),
-            "prepared_at_s": c.prepared_at_s,
-            "devices": [
-                {
-                    "request": d.request,
-                    "device": d.device,
-                    "gpu_uuid": d.gpu_uuid,
-                    "gpu_index": d.gpu_index,
-                    "minor": d.minor,
-                    "memory_total_bytes": d.memory_total_bytes,
-                    "memory_bytes": d.memory_bytes,
-                    "compute_percent": d.compute_percent,
-                    "share_id": d.share_id,
-                }
-                for d in c.devices
-            ],
-        }
-        for c in claims
-    ]
-
-
-def claims_from_json(data: object) -> list[PreparedClaim]:
-    """The checkpoint's claims; ValueError naming what is wrong."""
-    if not isinstance(data, list):
-        raise ValueError("the checkpoint is not a list of claims")
-    claims: list[PreparedClaim] = []
-    for item in data:
-        try:
-            claims.append(
-                PreparedClaim(
-                    uid=str(item["uid"]),
-                    namespace=str(item["namespace"]),
-                    name=str(item["name"]),
-                    pods=tuple((str(p[0]), str(p[1])) for p in item.get("pods", ())),
-                    cdi_ids=tuple(str(i) for i in item.get("cdi_ids", ())),
-                    prepared_at_s=float(item.get("prepared_at_s", 0.0)),
-                    devices=tuple(
-                        ClaimDevice(
-                            request=str(d["request"]),
-                            device=str(d["device"]),
-                            gpu_uuid=str(d["gpu_uuid"]),
-                            gpu_index=int(d["gpu_index"]),
-                            minor=int(d["minor"]),
-                            memory_total_bytes=int(d["memory_total_bytes"]),
-                            memory_bytes=int(d["memory_bytes"]),
-                            compute_percent=float(d["compute_percent"]),
-                            share_id=str(d.get("share_id", "")),
-                        )
-                        for d in item["devices"]
-                    ),
-                )
-            )
-        except (KeyError, TypeError, ValueError, IndexError) as e:
-            raise ValueError(f"a claim in the checkpoint is malformed: {e!r}") from None
-    return claims

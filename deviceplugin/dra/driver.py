@@ -5,7 +5,8 @@ Prepare (per claim): a claim already prepared answers what it answered before; o
 allocation is read from the API server (the claims of one call together, outside the lock),
 then, under one lock, its CDI spec is written and it is checkpointed before the answer goes
 back. Unprepare removes the spec, then the checkpoint entry; a claim it does not know is
-already unprepared. Every prepared claim is an allocation in the daemon's book, and one slice
+already unprepared. Both, and the reconcile of the prepared claims against the API server, are
+`prepare.ClaimPreparer`'s. Every prepared claim is an allocation in the daemon's book, and one slice
 per GPU in the inventory the poll builds, with the memory and compute it consumed: the
 snapshot, /status, /metrics and the enforcer treat it like any other.
 
@@ -30,30 +31,26 @@ from typing import Any
 import grpc
 
 from deviceplugin.config import Config
-from deviceplugin.dra import cdi
 from deviceplugin.dra.claims import (
-    ClaimError,
     ClaimOwner,
     PreparedClaim,
-    claim_edits,
     claim_owners,
     claim_record,
     inventory_with_claims,
     plans_by_device,
-    read_claim,
     reserved_pods,
 )
 from deviceplugin.dra.grpcserver import (
     ClaimRef,
     HealthReport,
     PluginServers,
-    PreparedDevice,
     PrepareResult,
 )
 from deviceplugin.dra.kubeapi import ApiCallError, KubeApi
 from deviceplugin.dra.podresources import claim_containers
+from deviceplugin.dra.prepare import ClaimPreparer
 from deviceplugin.dra.publisher import SlicePublisher, until_set
-from deviceplugin.dra.settings import DraSettings, GpuCdi
+from deviceplugin.dra.settings import DraSettings
 from deviceplugin.dra.slices import build_devices, device_plans, inventory_health
 from deviceplugin.dra.slices import device_name as plan_device_name
 from deviceplugin.dra.store import ClaimStore
@@ -94,6 +91,15 @@ class DraDriver:
         self._on_claims_changed = on_claims_changed
         self.store = ClaimStore(state_dir)
         self._lock = asyncio.Lock()
+        self._preparer = ClaimPreparer(
+            settings,
+            config,
+            self.store,
+            api,
+            lock=self._lock,
+            plans=lambda: plans_by_device(self._built),
+            on_change=self._claims_changed,
+        )
         # Read by the poll worker: replaced whole, never changed in place.
         self._claims: tuple[PreparedClaim, ...] = ()
         self._built = Inventory()
@@ -218,118 +224,10 @@ class DraDriver:
         return [claim_record(c, _container_names(self._users.get(c.uid, ()))) for c in self._claims]
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, PrepareResult]:
-        results: dict[str, PrepareResult] = {}
-        # The claims are read from the API server together and before the lock: a GET that is
-        # slow to answer costs the call one API timeout, whatever the number of claims, and
-        # holds up no other prepare or unprepare.
-        fetched = await asyncio.gather(
-            *(self._fetch(ref) for ref in claims), return_exceptions=True
-        )
-        async with self._lock:
-            for ref, got in zip(claims, fetched, strict=True):
-                try:
-                    if isinstance(got, BaseException):
-                        raise got
-                    prepared = await self._prepare_one(ref, got)
-                except (ClaimError, ApiCallError, OSError) as e:
-                    log.error(
-                        "prepare failed claim=%s/%s uid=%s error=%s",
-                        ref.namespace,
-                        ref.name,
-                        ref.uid,
-                        e,
-                    )
-                    results[ref.uid] = PrepareResult(error=str(e))
-                    continue
-                results[ref.uid] = PrepareResult(
-                    tuple(
-                        PreparedDevice(
-                            request_names=(d.request,),
-                            pool_name=self.settings.node_name,
-                            device_name=d.device,
-                            cdi_device_ids=prepared.cdi_ids,
-                            share_id=d.share_id,
-                        )
-                        for d in prepared.devices
-                    )
-                )
-            self._claims_changed()
-        return results
-
-    async def _fetch(self, ref: ClaimRef) -> dict[str, Any] | None:
-        """The claim from the API server; None for one prepared before (nothing to read)."""
-        if self.store.get(ref.uid) is not None:
-            return None
-        return await self._api.get_claim(ref.namespace, ref.name)
-
-    async def _prepare_one(self, ref: ClaimRef, obj: dict[str, Any] | None) -> PreparedClaim:
-        """Under the lock. `obj`: the claim as `_fetch` read it."""
-        known = self.store.get(ref.uid)
-        if known is not None:
-            # Prepared before (a retry, a kubelet restart): the same answer; the spec again in
-            # case it was lost.
-            self._write_spec(known)
-            return known
-        if obj is None:  # unprepared since `_fetch` found it prepared
-            obj = await self._api.get_claim(ref.namespace, ref.name)
-        uid = str((obj.get("metadata") or {}).get("uid") or "")
-        if uid != ref.uid:
-            raise ClaimError(
-                f"ResourceClaim {ref.namespace}/{ref.name} has uid {uid}, not {ref.uid}: "
-                "it was deleted and made again"
-            )
-        claim = read_claim(
-            obj,
-            driver_name=self.settings.driver_name,
-            node_name=self.settings.node_name,
-            plans=plans_by_device(self._built),
-            now_s=time.time(),
-        )
-        nvidia = self.settings.gpu_cdi == GpuCdi.NVIDIA
-        claim = _with_cdi_ids(claim, cdi.cdi_ids(self.settings.driver_name, claim, nvidia=nvidia))
-        self._write_spec(claim)
-        self.store.put(claim)
-        per_gpu = ", ".join(
-            f"{d.device}: memory={memory} compute={compute:g}"
-            for d, memory, compute in claim.per_gpu()
-        )
-        log.info(
-            "claim prepared claim=%s/%s uid=%s allocation=%s pods=%s %s",
-            claim.namespace,
-            claim.name,
-            claim.uid,
-            claim.allocation_id,
-            ",".join(p for p, _ in claim.pods),
-            per_gpu,
-        )
-        return claim
-
-    def _write_spec(self, claim: PreparedClaim) -> None:
-        config = self._config()
-        edits = claim_edits(
-            claim,
-            config.allocation,
-            config.mps,
-            device_nodes=self.settings.gpu_cdi == GpuCdi.DEVICE_NODES,
-        )
-        cdi.write_spec(self.settings.cdi_dir, self.settings.driver_name, claim, edits)
+        return await self._preparer.prepare(claims)
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, str]:
-        errors: dict[str, str] = {}
-        async with self._lock:
-            for ref in claims:
-                try:
-                    cdi.remove_spec(self.settings.cdi_dir, self.settings.driver_name, ref.uid)
-                    if self.store.remove(ref.uid):
-                        log.info(
-                            "claim unprepared claim=%s/%s uid=%s", ref.namespace, ref.name, ref.uid
-                        )
-                    errors[ref.uid] = ""
-                except OSError as e:
-                    log.error("unprepare failed uid=%s error=%s", ref.uid, e)
-                    errors[ref.uid] = f"cannot remove the CDI spec of claim {ref.uid}: {e}"
-            self._claims_changed()
-        return errors
+        return await self._preparer.unprepare(claims)
 
     # --- health stream ----------------------------------------------------------------------
 
@@ -463,6 +361,7 @@ class DraDriver:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._name_containers(stop), name="dra-names")
                 tasks.create_task(self._watch_registration(stop), name="dra-registration")
+                tasks.create_task(self._preparer.run_reconcile(stop), name="dra-reconcile")
                 watch = tasks.create_task(self.publisher.watch(stop), name="dra-watch")
                 try:
                     await self.publisher.run(stop)
@@ -476,7 +375,3 @@ class DraDriver:
 def _container_names(users: Sequence[tuple[str, str]]) -> str:
     """The container names of a claim's users, for /status: `main`, or `main,sidecar`."""
     return ",".join(dict.fromkeys(c for _, c in users))
-
-
-def _with_cdi_ids(claim: PreparedClaim, ids: tuple[str, ...]) -> PreparedClaim:
-    return replace(claim, cdi_ids=ids)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from deviceplugin.safefs import replace_file
+from deviceplugin.safefs import read_bounded, replace_file
 
 
 def open_dir(directory: Path, *, create: bool = True) -> int:
@@ -37,20 +37,41 @@ def write_file(directory: Path, name: str, data: bytes) -> None:
         os.close(dir_fd)
 
 
-def read_file(directory: Path, name: str) -> bytes | None:
-    """`directory/name`'s content, None when it does not exist; never through a symlink."""
+def read_file(directory: Path, name: str, max_bytes: int) -> bytes | None:
+    """`directory/name`'s content, None when it does not exist. Read by `safefs.read_bounded`:
+    never through a symlink, never blocking on a FIFO, a regular file of at most `max_bytes`;
+    RefusedFileError (an OSError) saying why it is not read."""
     _check_name(name)
     try:
         dir_fd = open_dir(directory, create=False)
     except FileNotFoundError:
         return None
     try:
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-        except FileNotFoundError:
-            return None
-        with os.fdopen(fd, "rb") as f:
-            return f.read()
+        return read_bounded(name, max_bytes, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    finally:
+        os.close(dir_fd)
+
+
+def move_aside(directory: Path, name: str, suffix: str) -> str:
+    """Move `directory/name` (whatever it is: a symlink or a FIFO is moved, not followed or
+    opened) to a new name `<name>.<suffix>` (`.1`, `.2`... appended when taken), never over an
+    existing file; that name. OSError when it cannot be moved."""
+    _check_name(name)
+    dir_fd = open_dir(directory, create=False)
+    try:
+        for n in range(1000):
+            aside = f"{name}.{suffix}" + (f".{n}" if n else "")
+            try:
+                # A new link, then the old name removed: unlike a rename, never over a file.
+                os.link(name, aside, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+            except FileExistsError:
+                continue
+            os.unlink(name, dir_fd=dir_fd)
+            os.fsync(dir_fd)
+            return aside
+        raise FileExistsError(f"{directory}: no free name for {name}.{suffix}")
     finally:
         os.close(dir_fd)
 

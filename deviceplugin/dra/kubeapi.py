@@ -7,6 +7,13 @@ Every call raises `ApiCallError` naming the object and the server's answer. Ever
 the slice watch times out (`DraSettings.api_timeout_s`): an API server that does not
 answer fails the call, naming the server and the timeout, and never holds up the caller, the
 kubelet's NodePrepareResources included, for longer.
+
+lightkube joins a name into the request's path as it is, unescaped: `../` would climb out of the
+object's URL (and take the token with it), `?` or `#` would cut it. So every namespace and name
+is checked to be a Kubernetes name (`refs`: a DNS-1123 label or subdomain, which needs no
+escaping) before a request is built; any other is refused, naming it, and nothing is sent. An
+answer that is not the object asked for (not JSON, not its shape) fails the call the same way as
+an error status.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from lightkube.core.exceptions import ConfigError as KubeConfigError
 from lightkube.resources.core_v1 import Node
 from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
 
+from deviceplugin.dra.refs import escaped, name_problem, namespace_problem, shown
 from deviceplugin.dra.settings import DEFAULT_API_TIMEOUT_S
 
 FIELD_MANAGER = "vgpu"
@@ -89,7 +97,7 @@ class LightkubeApi:
             why = f"cannot be reached: {type(e).__name__}" + (f": {e}" if str(e) else "")
         return ApiCallError(f"{what}: the API server at {self.server} {why}")
 
-    async def _call(self, what: str, call: Any) -> Any:
+    async def _call(self, what: str, call: Any, kind: str = "object") -> Any:
         try:
             return await call
         except ApiError as e:
@@ -99,17 +107,34 @@ class LightkubeApi:
             ) from None
         except httpx2.HTTPError as e:
             raise self._unanswered(what, e) from None
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+            # Not JSON (UnicodeDecodeError and JSONDecodeError are ValueErrors), or not the
+            # object's shape.
+            raise ApiCallError(
+                f"{what}: the answer of the API server at {self.server} is not a {kind} "
+                f"({type(e).__name__}: {shown(str(e))})"
+            ) from None
 
     async def get_claim(self, namespace: str, name: str) -> dict[str, Any]:
-        claim = await self._call(
-            f"get ResourceClaim {namespace}/{name}",
-            self._client.get(ResourceClaim, name, namespace=namespace),
-        )
-        return dict(claim.to_dict())
+        what = f"get ResourceClaim {namespace}/{name}"
+        _check_names(what, namespace_problem(namespace), name_problem(name))
+
+        async def get() -> dict[str, Any]:
+            claim = await self._client.get(ResourceClaim, name, namespace=namespace)
+            return dict(claim.to_dict())
+
+        result: dict[str, Any] = await self._call(what, get(), "ResourceClaim")
+        return result
 
     async def get_node(self, name: str) -> dict[str, Any]:
-        node = await self._call(f"get Node {name}", self._client.get(Node, name))
-        return dict(node.to_dict())
+        what = f"get Node {name}"
+        _check_names(what, name_problem(name))
+
+        async def get() -> dict[str, Any]:
+            return dict((await self._client.get(Node, name)).to_dict())
+
+        result: dict[str, Any] = await self._call(what, get(), "Node")
+        return result
 
     async def list_slices(self, node_name: str, driver_name: str) -> list[dict[str, Any]]:
         async def collect() -> list[dict[str, Any]]:
@@ -125,6 +150,7 @@ class LightkubeApi:
 
     async def create_slice(self, obj: dict[str, Any]) -> dict[str, Any]:
         name = obj["metadata"]["name"]
+        _check_names(f"create ResourceSlice {name}", name_problem(name))
         created = await self._call(
             f"create ResourceSlice {name}", self._client.create(ResourceSlice.from_dict(obj))
         )
@@ -132,12 +158,14 @@ class LightkubeApi:
 
     async def replace_slice(self, obj: dict[str, Any]) -> dict[str, Any]:
         name = obj["metadata"]["name"]
+        _check_names(f"update ResourceSlice {name}", name_problem(name))
         replaced = await self._call(
             f"update ResourceSlice {name}", self._client.replace(ResourceSlice.from_dict(obj))
         )
         return dict(replaced.to_dict())
 
     async def delete_slice(self, name: str) -> None:
+        _check_names(f"delete ResourceSlice {name}", name_problem(name))
         await self._call(f"delete ResourceSlice {name}", self._client.delete(ResourceSlice, name))
 
     async def watch_slices(
@@ -159,3 +187,11 @@ class LightkubeApi:
 
     async def close(self) -> None:
         await self._client.close()
+
+
+def _check_names(what: str, *problems: str) -> None:
+    """Refuse, before any request is built, a call naming something that is not a Kubernetes
+    name: lightkube would put it into the URL unescaped."""
+    found = [p for p in problems if p]
+    if found:
+        raise ApiCallError(f"{escaped(what)}: not sent: {'; '.join(found)}")

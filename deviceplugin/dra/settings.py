@@ -14,6 +14,9 @@ DEFAULT_CDI_DIR = "/var/run/cdi"
 # Seconds each API server request (but the slice watch) may take: a claim the API server does
 # not answer fails that claim's prepare after this long, naming the server.
 DEFAULT_API_TIMEOUT_S = 10.0
+# How often the prepared claims are read from the API server (one GET each): one it no longer has
+# is unprepared.
+DEFAULT_RECONCILE_S = 300.0
 # The kubelet plugin registry watches this directory for registration sockets.
 PLUGINS_REGISTRY = "plugins_registry"
 PLUGINS = "plugins"
@@ -57,6 +60,7 @@ class DraSettings:
     kubeconfig: Path | None = None
     gpu_cdi: GpuCdi = GpuCdi.NVIDIA
     api_timeout_s: float = DEFAULT_API_TIMEOUT_S
+    reconcile_every_s: float = DEFAULT_RECONCILE_S
 
     @property
     def registration_socket(self) -> Path:

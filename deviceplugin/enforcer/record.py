@@ -1,7 +1,8 @@
 """The stopped-process record: every process the enforcer may stop, written to
 `<state dir>/stopped-processes.json` with its identity (its start time in clock ticks since boot,
 and the boot ID) before it is first stopped, so that a daemon killed outright leaves nothing
-stopped for longer than its restart. Read entry by entry (a bad one is skipped, every valid one
+stopped for longer than its restart. Read with the shared bounded reader (`safefs.read_bounded`:
+no symlink followed, no FIFO waited on), entry by entry (a bad one is skipped, every valid one
 kept); an unreadable file is moved aside, never overwritten. Written atomically."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from deviceplugin.enforcer.control import boot_id
+from deviceplugin.safefs import RefusedFileError, read_bounded
 
 log = logging.getLogger("deviceplugin.enforcer.enforcer")
 
@@ -62,14 +64,15 @@ def _short(value: object) -> str:
 def load_stopped_record(path: Path) -> StoppedRecord:
     """Read a stopped-process record entry by entry; never raises. No file: an empty record."""
     try:
-        with path.open("rb") as f:
-            raw = f.read(_MAX_RECORD_BYTES + 1)
+        # The shared bounded reader: a FIFO or a device planted at the name is refused, never
+        # waited on; a symlink is not followed; no more than the bound is read.
+        raw = read_bounded(path, _MAX_RECORD_BYTES)
     except FileNotFoundError:
         return StoppedRecord()
+    except RefusedFileError as e:
+        return StoppedRecord(unreadable=str(e.strerror))
     except OSError as e:
         return StoppedRecord(unreadable=f"{path}: {e.strerror or e}")
-    if len(raw) > _MAX_RECORD_BYTES:
-        return StoppedRecord(unreadable=f"{path}: larger than {_MAX_RECORD_BYTES} bytes")
     try:
         data: Any = json.loads(raw)
     except RecursionError:

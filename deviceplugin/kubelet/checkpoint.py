@@ -25,9 +25,10 @@ writable by root only, so a process in a pod cannot forge it.
 has changed. Neither raises: a missing, unreadable or malformed file gives an empty checkpoint
 whose `reason` says why, and the caller then has no evidence (today's attribution).
 
-The read is bounded: the file is opened without following a symbolic link and without blocking
-(a FIFO or a device planted at its path is refused, never read), it must be a regular file of at
-most `MAX_CHECKPOINT_BYTES`, and no more than that is ever read. Parsing keeps only what is used:
+The read is bounded (`safefs.read_bounded`'s reader, shared with the DRA checkpoint): the file
+is opened without following a symbolic link and without blocking (a FIFO or a device planted at
+its path is refused, never read), it must be a regular file of at most `MAX_CHECKPOINT_BYTES`,
+and no more than that is ever read. Parsing keeps only what is used:
 `AllocResp` and `RegisteredDevices` are dropped as each object is decoded, so a large checkpoint
 costs about its own size in memory, once per change.
 """
@@ -37,12 +38,12 @@ from __future__ import annotations
 import errno
 import json
 import os
-import stat
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from deviceplugin.model import SliceId, allocation_id
+from deviceplugin.safefs import RefusedFileError, open_regular, read_open
 
 CHECKPOINT_FILE = "kubelet_internal_checkpoint"
 # A checkpoint larger than this is refused unread; a kubelet's is a few hundred bytes to a few
@@ -240,45 +241,42 @@ class CheckpointReader:
         self.parses = 0
 
     def read(self) -> DeviceCheckpoint:
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
-            fd = os.open(self.path, flags)
+            fd, st = open_regular(self.path)
         except FileNotFoundError:
             return self._keep(None, DeviceCheckpoint.unreadable(f"no checkpoint at {self.path}"))
-        except OSError as e:
+        except RefusedFileError as e:
             reason = (
                 f"{self.path} is a symbolic link, not the kubelet's file"
                 if e.errno == errno.ELOOP
-                else f"cannot open {self.path}: {e.strerror or e}"
+                else str(e.strerror)
             )
             return self._keep(None, DeviceCheckpoint.unreadable(reason))
+        except OSError as e:
+            reason = f"cannot open {self.path}: {e.strerror or e}"
+            return self._keep(None, DeviceCheckpoint.unreadable(reason))
         try:
-            return self._read_open(fd)
+            return self._read_open(fd, st)
         finally:
             os.close(fd)
 
-    def _read_open(self, fd: int) -> DeviceCheckpoint:
-        try:
-            st = os.fstat(fd)
-        except OSError as e:
-            return self._keep(None, DeviceCheckpoint.unreadable(f"cannot stat {self.path}: {e}"))
-        if not stat.S_ISREG(st.st_mode):
-            reason = f"{self.path} is not a regular file (mode {stat.filemode(st.st_mode)})"
-            return self._keep(None, DeviceCheckpoint.unreadable(reason))
+    def _read_open(self, fd: int, st: os.stat_result) -> DeviceCheckpoint:
         resources = None if self._resources is None else frozenset(self._resources())
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, resources)
         if key == self._key:
             return self._latest
-        too_large = f"{self.path} is more than {self._max_bytes} bytes"
-        if st.st_size > self._max_bytes:
-            return self._keep(key, DeviceCheckpoint.unreadable(f"{too_large} ({st.st_size})"))
         try:
-            blob = _read_at_most(fd, self._max_bytes + 1)
+            blob = read_open(fd, st, self.path, self._max_bytes)
+        except RefusedFileError as e:
+            # Remembered only when the stat already said so: a file that grew while it was
+            # read is tried again on the next call.
+            too_large_at_stat = st.st_size > self._max_bytes
+            return self._keep(
+                key if too_large_at_stat else None, DeviceCheckpoint.unreadable(str(e.strerror))
+            )
         except OSError as e:
             # Not remembered: a file that could not be read is tried again on the next call.
             return self._keep(None, DeviceCheckpoint.unreadable(f"cannot read {self.path}: {e}"))
-        if len(blob) > self._max_bytes:  # it grew after the stat
-            return self._keep(None, DeviceCheckpoint.unreadable(too_large))
         self.parses += 1
         return self._keep(key, parse_checkpoint(blob, resources))
 
@@ -288,14 +286,3 @@ class CheckpointReader:
         self._key = key
         self._latest = checkpoint
         return checkpoint
-
-
-def _read_at_most(fd: int, limit: int) -> bytearray:
-    """Up to `limit` bytes from `fd`, in one buffer of at most that size."""
-    buffer = bytearray()
-    while len(buffer) < limit:
-        chunk = os.read(fd, min(1 << 20, limit - len(buffer)))
-        if not chunk:
-            break
-        buffer += chunk
-    return buffer

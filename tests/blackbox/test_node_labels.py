@@ -42,8 +42,8 @@ def features_dir(node: Node) -> Path:
 
 
 def read_labels(path: Path) -> dict[str, str]:
-    """The file as NFD's local source reads it: one name=value per line."""
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    """The file as NFD's local source reads it: one name=value per line, `#` lines skipped."""
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
     return dict(line.split("=", 1) for line in lines)
 
 

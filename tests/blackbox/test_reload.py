@@ -502,4 +502,4 @@ def read_labels(path: Path) -> dict[str, str]:
         lines = path.read_text().splitlines()
     except FileNotFoundError:
         return {}
-    return dict(line.split("=", 1) for line in lines if line.strip())
+    return dict(line.split("=", 1) for line in lines if line.strip() and line[0] != "#")

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from tests.blackbox.daemon_harness import TWO_GPUS, Node, Workloads
+from tests.blackbox.test_dra import GPU0, GPU1
+from tests.support.fake_apiserver import FakeApiServer
 
 
 @pytest.fixture
@@ -27,3 +29,20 @@ def workloads() -> Iterator[Workloads]:
         yield w
     finally:
         w.close()
+
+
+@pytest.fixture
+def dra_api() -> Iterator[FakeApiServer]:
+    """A fake API server holding this node (`test-node`) and another (`n1`)."""
+    server = FakeApiServer()
+    for name in ("test-node", "n1"):
+        server.nodes[name] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}}
+    server.start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def dra_node(short_tmp: Path) -> Node:
+    """A node of two fake GPUs (a 40 GiB A100 and an L4), in DRA mode: no kubelet simulator."""
+    return Node(short_tmp, [GPU0, GPU1])

@@ -83,17 +83,20 @@ async def test_a_symlink_at_the_temporary_name_is_not_followed(node: Node) -> No
     assert sorted(p.name for p in features.iterdir()) == [".vgpu.tmp", "vgpu"]
 
 
-async def test_a_symlink_at_the_file_name_is_replaced_not_written_through(node: Node) -> None:
+async def test_a_symlink_at_the_file_name_is_neither_written_through_nor_replaced(
+    node: Node,
+) -> None:
+    """A symlink at the name is not a file vgpu wrote: left in place, its target untouched."""
     target = victim(node)
     features = node.root / "features.d"
     features.mkdir()
     (features / "vgpu").symlink_to(target)
-    async with serving(node, "nodeLabels:\n  file: vgpu\n"):
-        await eventually(
-            lambda: not (features / "vgpu").is_symlink(), what="the link replaced by the file"
-        )
+    async with serving(node, "nodeLabels:\n  file: vgpu\n") as stderr:
+        await asyncio.sleep(1.0)  # polls enough to have written the labels
     assert untouched(target)
-    assert "nvidia.com/vgpu.count=8" in (features / "vgpu").read_text()
+    assert (features / "vgpu").is_symlink()
+    assert f"the node feature file {features / 'vgpu'} was not written by vgpu" in stderr[0]
+    assert "is a symbolic link" in stderr[0]
 
 
 async def test_a_file_that_is_no_longer_the_daemons_is_not_deleted(node: Node) -> None:
@@ -123,3 +126,56 @@ def test_a_file_name_with_a_path_is_refused(name: str) -> None:
         return
     with pytest.raises(ConfigError, match=r"nodeLabels\.file"):
         parse_config({"nodeLabels": {"file": name}})
+
+
+# What GPU feature discovery writes into features.d, standing for any other tool's file.
+THEIRS = "nvidia.com/gpu.product=NVIDIA-A100-SXM4-80GB\nnvidia.com/gpu.count=2\n"
+
+
+async def test_a_feature_file_another_tool_wrote_is_neither_taken_over_nor_deleted(
+    node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`nodeLabels.file` naming a file that was there before vgpu, and is not vgpu's: vgpu does
+    not overwrite it, says so (which file, that it is not vgpu's, what to do), and a reload to
+    another name leaves it in place; the new name, free, is written."""
+    features = node.root / "features.d"
+    features.mkdir()
+    theirs = features / "gpu"
+    theirs.write_text(THEIRS)
+    path = configmap(node.root / "cfg", 1, "nodeLabels:\n  file: gpu\n")
+    async with daemon_with_config(node, path) as (daemon, _):
+        await registered(node, 8)
+        await eventually(
+            lambda: "node labels are not written: the node feature file" in caplog.text,
+            what="the refusal",
+        )
+        assert theirs.read_text() == THEIRS
+        (line,) = {
+            r.getMessage() for r in caplog.records if "not written by vgpu" in r.getMessage()
+        }
+        assert str(theirs) in line
+        assert "set nodeLabels.file to another name" in line
+        configmap(node.root / "cfg", 2, "nodeLabels:\n  file: vgpu\n")
+        await eventually(lambda: reloads(daemon, "applied") == 1, what="the reload")
+        await eventually((features / "vgpu").exists, what="vgpu's own file")
+        assert theirs.read_text() == THEIRS
+    assert "nvidia.com/vgpu.count=8" in (features / "vgpu").read_text()
+
+
+async def test_vgpus_own_file_is_written_again_after_a_restart(node: Node) -> None:
+    """vgpu's file from an earlier run (its header), or from a version before the header (only
+    vgpu's own labels in it), is vgpu's: rewritten, not refused."""
+    features = node.root / "features.d"
+    features.mkdir()
+    older = features / "vgpu"
+    older.write_text("nvidia.com/vgpu.count=3\nnvidia.com/vgpu.mig-strategy=none\n")
+    path = configmap(node.root / "cfg", 1, "nodeLabels:\n  file: vgpu\n")
+    async with daemon_with_config(node, path):
+        await registered(node, 8)
+        await eventually(lambda: "vgpu.count=8" in older.read_text(), what="the file rewritten")
+    written = older.read_text()
+    async with daemon_with_config(node, path):
+        await registered(node, 8)
+        node.write_gpus(node.gpus[:1])
+        await eventually(lambda: "vgpu.count=4" in older.read_text(), what="rewritten again")
+    assert written.startswith("# ")

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -123,6 +125,29 @@ def test_an_unreadable_record_is_moved_aside_never_overwritten(
     assert len(aside) == 1
     assert aside[0].read_bytes() == content
     assert load_stopped_record(path).unreadable is None  # the live record is a fresh one
+
+
+def test_a_fifo_at_the_record_is_moved_aside_never_read(tmp_path: Path) -> None:
+    """A FIFO planted at the record's name is refused without being opened for a read that
+    would wait for a writer for ever; it is moved aside like any unreadable record."""
+    path = tmp_path / STOPPED_RECORD_NAME
+    os.mkfifo(path, 0o600)
+    recovered: list[int] = []
+
+    def recover() -> None:
+        with Enforcer(EnforcementConfig(), tmp_path) as enforcer:
+            recovered.append(enforcer.recover())
+
+    thread = threading.Thread(target=recover, daemon=True)
+    thread.start()
+    thread.join(30)
+    if thread.is_alive():  # blocked opening the FIFO: a writer that closes at once frees it
+        os.close(os.open(tmp_path / STOPPED_RECORD_NAME, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(30)
+        pytest.fail("the daemon's start waited on a FIFO at the stopped-process record")
+    assert recovered == [0]
+    (aside,) = tmp_path.glob(f"{STOPPED_RECORD_NAME}.unreadable-*")
+    assert stat.S_ISFIFO(os.lstat(aside).st_mode)
 
 
 async def test_after_an_unreadable_record_stopped_gpu_processes_of_allocations_resume(

@@ -37,6 +37,10 @@ class FakeApiServer:
         self.refuse_slices = ""
         # Claims (namespace, name) whose GET is never answered: a stalled API server.
         self.stall_claims: set[tuple[str, str]] = set()
+        # Claims whose GET waits until the test sets the event, then is answered as usual.
+        self.hold_claims: dict[tuple[str, str], threading.Event] = {}
+        # Claims whose GET is answered 200 with these bytes: a garbled answer.
+        self.raw_claims: dict[tuple[str, str], bytes] = {}
         self._closed = threading.Event()
         # Requests a handler gave up on (a socket read that timed out), for the test to see.
         self.errors: list[str] = []
@@ -57,6 +61,8 @@ class FakeApiServer:
 
     def close(self) -> None:
         self._closed.set()
+        for held in list(self.hold_claims.values()):
+            held.set()
         with self._lock:
             for watcher in self._watchers:
                 watcher.put(None)
@@ -178,6 +184,8 @@ class FakeApiServer:
                     return
                 if method == "GET" and self._stalled(path):
                     return
+                if method == "GET" and self._raw(path):
+                    return
                 try:
                     body = self._read_body() if method in ("POST", "PUT") else {}
                 except (TimeoutError, ValueError) as e:
@@ -198,12 +206,29 @@ class FakeApiServer:
                     self._write(*self._reply)
 
             def _stalled(self, path: str) -> bool:
-                """A GET of a claim the test stalls: never answered, until the server closes."""
-                parts = path.strip("/").split("/")
-                if len(parts) < 7 or (parts[4], parts[6]) not in fake.stall_claims:
+                """A GET of a claim the test stalls: never answered, until the server closes.
+                One it holds waits for the test's event (or the server's close), then goes on."""
+                key = _claim_key(path)
+                held = fake.hold_claims.get(key) if key else None
+                if held is not None:
+                    held.wait()  # set by the test, or by close()
+                if key is None or key not in fake.stall_claims:
                     return False
                 fake._closed.wait()
                 self.close_connection = True
+                return True
+
+            def _raw(self, path: str) -> bool:
+                """A GET of a claim the test answers with bytes of its own."""
+                key = _claim_key(path)
+                data = fake.raw_claims.get(key) if key else None
+                if data is None:
+                    return False
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
                 return True
 
             def _body(self) -> dict[str, Any]:
@@ -302,6 +327,16 @@ class FakeApiServer:
                 self._route("DELETE")
 
         return Handler
+
+
+def _claim_key(path: str) -> tuple[str, str] | None:
+    """(namespace, name) of a claim's path, None for any other path."""
+    parts = path.strip("/").split("/")
+    if len(parts) != 7 or parts[:3] != ["apis", "resource.k8s.io", "v1"]:
+        return None
+    if (parts[3], parts[5]) != ("namespaces", "resourceclaims"):
+        return None
+    return parts[4], parts[6]
 
 
 class _Held:

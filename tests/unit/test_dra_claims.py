@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,7 @@ from deviceplugin.dra.claims import (
     plans_by_device,
     read_claim,
 )
-from deviceplugin.dra.store import ClaimStore
+from deviceplugin.dra.store import ClaimStore, claims_to_json, parse_checkpoint
 from deviceplugin.model import GpuInfo, GpuReading, NodeReading
 from deviceplugin.slicing import build_inventory
 
@@ -65,6 +67,30 @@ def test_quantities(text: str, value: float) -> None:
 def test_bad_quantity_is_named() -> None:
     with pytest.raises(ValueError, match="'12 bananas'"):
         parse_quantity("12 bananas")
+
+
+@pytest.mark.parametrize(
+    "text", ["10e999999", "1e31", "1e-31", "1e999999Ki", "9" * 65, "1e1000000000000"]
+)
+def test_a_quantity_out_of_range_is_refused_before_it_is_converted(text: str) -> None:
+    with pytest.raises(ValueError, match="is out of range"):
+        parse_quantity(text)
+
+
+@pytest.mark.parametrize(
+    ("consumed", "problem"),
+    [
+        ({"memory": "41Gi"}, "more memory than device 'gpu-0' has (42949672960 bytes)"),
+        ({"compute": "101"}, "more compute than device 'gpu-0' has (100)"),
+        ({"memory": "1e20"}, "more memory than device 'gpu-0' has"),
+        ({"compute": "10e999999"}, "consumed compute '10e999999' is out of range"),
+    ],
+)
+def test_a_claim_consuming_more_than_its_device_is_refused_naming_it(
+    consumed: dict[str, str], problem: str
+) -> None:
+    with pytest.raises(ClaimError, match=re.escape(problem)):
+        _read(_claim({"request": "gpu", "device": "gpu-0", "consumedCapacity": consumed}))
 
 
 def test_consumed_capacity_becomes_the_limits_and_the_env() -> None:
@@ -249,7 +275,67 @@ def test_the_checkpoint_keeps_prepared_claims_across_a_restart(tmp_path: Path) -
     assert len(third) == 0
 
 
-def test_a_malformed_checkpoint_is_an_error_naming_the_file(tmp_path: Path) -> None:
-    (tmp_path / "dra-claims.json").write_text('{"version": 1, "claims": [{"uid": 3}]}')
-    with pytest.raises(ValueError, match=r"dra-claims\.json is unreadable"):
-        ClaimStore(tmp_path).load()
+def test_a_malformed_checkpoint_is_moved_aside_naming_what_is_wrong(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    content = '{"version": 1, "claims": [{"uid": 3}]}'
+    (tmp_path / "dra-claims.json").write_text(content)
+    store = ClaimStore(tmp_path, wall_clock=lambda: 1700000000.0)
+    store.load()
+    assert len(store) == 0
+    aside = tmp_path / "dra-claims.json.unreadable-1700000000"
+    assert aside.read_text() == content
+    assert not (tmp_path / "dra-claims.json").exists()
+    assert "claims[0].uid is 3, not a string" in caplog.text
+    assert f"moved_to={aside}" in caplog.text
+
+
+def _checkpoint_with(**device: object) -> str:
+    claim = _read(
+        _claim({"request": "g", "device": "gpu-0", "consumedCapacity": {"memory": "3Gi"}})
+    )
+    claims = claims_to_json([claim])
+    claims[0]["devices"][0].update(device)
+    return json.dumps({"version": 1, "claims": claims})
+
+
+@pytest.mark.parametrize(
+    ("device", "problem"),
+    [
+        ({"compute_percent": math.nan}, "compute_percent is nan, not a number from 0 to 100"),
+        ({"compute_percent": 100.5}, "compute_percent is 100.5, not a number from 0 to 100"),
+        ({"memory_bytes": -1}, "memory_bytes is -1, not an integer from 0 to"),
+        ({"memory_bytes": 41 * GIB}, f"memory_bytes is {41 * GIB}, not an integer from 0 to"),
+        ({"memory_bytes": 1.5}, "memory_bytes is 1.5, not an integer"),
+        ({"gpu_index": True}, "gpu_index is True, not an integer"),
+        ({"memory_total_bytes": 0}, "memory_total_bytes is 0, not an integer from 1"),
+        ({"device": None}, "device is None, not a string"),
+    ],
+)
+def test_a_checkpoint_value_out_of_range_is_refused_naming_it(
+    device: dict[str, object], problem: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        parse_checkpoint(_checkpoint_with(**device).encode())
+
+
+@pytest.mark.parametrize(
+    ("claim", "problem"),
+    [
+        ({"uid": "a/b"}, "uid 'a/b' is not a claim UID"),
+        ({"namespace": "../x"}, "namespace '../x' is not a DNS-1123 label"),
+        ({"devices": []}, "claims[0].devices is empty"),
+        ({"pods": [["p"]]}, "claims[0].pods[0] is not a [name, uid] pair"),
+    ],
+)
+def test_a_checkpoint_claim_that_is_not_one_is_refused_naming_it(
+    claim: dict[str, object], problem: str
+) -> None:
+    doc = json.loads(_checkpoint_with())
+    doc["claims"][0].update(claim)
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        parse_checkpoint(json.dumps(doc).encode())
+
+
+def test_a_valid_checkpoint_reads_back_what_was_written() -> None:
+    assert len(parse_checkpoint(_checkpoint_with().encode())) == 1
