@@ -169,7 +169,7 @@ async def _demo(duration_s: float | None, out: TextIO, workdir: Path) -> int:
         say(
             "DRA mode (serve --kubelet-api dra): pods claim an amount of memory and compute, the",
             "stock scheduler places them, vgpu enforces the same way; the built-in kubelet does",
-            "not speak DRA: docs/dra.md shows it on a real node (tests/e2e/test_dra.py).",
+            'not speak DRA: try it on a node, docs/dra.md "Try DRA on a node by hand".',
             "",
         )
         say(

@@ -264,9 +264,13 @@ def test_demo_shows_the_enforcer_at_work() -> None:
         assert int(window.group(1)) >= 25
     assert "THROTTLED" in out
     assert "killed the largest GPU process of default/notebook/jupyter" in out
-    # The built-in kubelet speaks no DRA: the demo says where DRA mode is shown.
+    # The built-in kubelet speaks no DRA: the demo says where to try DRA mode, a section that
+    # is there (tests/e2e/test_try_dra.py runs its commands).
     assert "serve --kubelet-api dra" in out
-    assert (Path(__file__).parents[2] / "docs" / "dra.md").is_file()
+    section = re.search(r'docs/dra\.md "([^"]+)"', out)
+    assert section is not None, out
+    dra_doc = (Path(__file__).parents[2] / "docs" / "dra.md").read_text()
+    assert f"\n## {section.group(1)}\n" in dra_doc
     # The JAX-style container read its hint and reserved 0.22 of the L4, inside its 5.6Gi slice:
     # it is never killed.
     assert (

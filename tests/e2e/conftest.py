@@ -10,7 +10,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.harness import BUNDLE_ENV, Bundle, Cluster, Runtime, resolve_bundle
+from tests.e2e.harness import (
+    BUNDLE_ENV,
+    Bundle,
+    Cluster,
+    ContainerdOptions,
+    Runtime,
+    containerd_missing,
+    resolve_bundle,
+)
 
 
 def bundle() -> Bundle:
@@ -28,9 +36,17 @@ def bundle() -> Bundle:
 @pytest.fixture(scope="module")
 def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     """A fresh one-node cluster for the module. The module may set RUNTIME = "fakecri" (or
-    "containerd"); the default takes containerd + runc when installed."""
+    "containerd": its tests skip, saying why, where real containers cannot run); the default
+    takes containerd + runc where they can. CONTAINERD_OPTIONS (a ContainerdOptions) says how
+    containerd runs (NRI, the CDI spec directories)."""
     runtime: Runtime = getattr(request.module, "RUNTIME", "auto")
-    with Cluster.start(bundle(), runtime) as c:
+    options: ContainerdOptions | None = getattr(request.module, "CONTAINERD_OPTIONS", None)
+    found = bundle()
+    if runtime == "containerd":
+        missing = containerd_missing(found)
+        if missing:
+            pytest.skip(f"needs real containers: {missing}")
+    with Cluster.start(found, runtime, containerd=options) as c:
         yield c
 
 

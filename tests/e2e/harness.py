@@ -1,31 +1,36 @@
 """A real one-node Kubernetes v1.36.2 cluster for end-to-end tests, and vgpu on its node.
 
-The bundle (``VGPU_E2E_K8S_BUNDLE``: the tarball, its directory, or an unpacked directory with
-``kube-multi`` and ``tinyetcd``) is checked against the ``.sha256`` beside it and unpacked once
-into ``$VGPU_E2E_CACHE`` (default ``~/.cache/vgpu/e2e``). ``Cluster.start()`` then runs, all in
-one new network and mount namespace (``unshare --net --mount --fork``, only loopback up, plus
+The binaries come from tarballs checked and unpacked once into a cache (``tests/e2e/bundles.py``):
+the Kubernetes bundle (``VGPU_E2E_K8S_BUNDLE``) and, beside it, containerd 2.x with CDI
+(``containerd-*.tgz``, or ``VGPU_E2E_CONTAINERD``). ``Cluster.start()`` then runs, all in one
+new network and mount namespace (``unshare --net --mount --fork``, only loopback up, plus
 ``10.200.0.1/32`` on ``lo`` as the node IP):
 
 - etcd, kube-apiserver, kube-scheduler, kube-controller-manager (127.0.0.1 only, throwaway
   certificates made with openssl, one kubeconfig per identity);
 - the kubelet, in that private mount namespace: a tmpfs over ``/var/lib`` and ``/run``, scratch
   directories bound over ``/var/lib/kubelet``, ``/var/log``, ``/var/lib/containerd``,
-  ``/run/containerd`` and ``/run/cdi``, the kernel settings it writes shown to it as small files
-  bound over their ``/proc/sys`` entries, started from an empty working directory; its pod
-  cgroups under a test-owned root (``/vgpu-e2e-<id>/kubepods/...`` on every hierarchy);
-- the runtime: containerd + runc when both are installed (real containers from local busybox
-  images, ``hostNetwork`` pods), else Kubernetes' fake CRI (pods Running, no process; every
-  CreateContainer logged). ``runtime="fakecri"`` asks for the fake one.
+  ``/run/containerd``, ``/run/cdi`` and ``/run/nri``, the kernel settings it writes shown to it
+  as small files bound over their ``/proc/sys`` entries, started from an empty working
+  directory; its pod cgroups under a test-owned root (``/vgpu-e2e-<id>/kubepods/...`` on every
+  hierarchy);
+- the runtime: containerd 2.x + runc where they are there (real containers from local busybox
+  images, ``hostNetwork`` pods; CDI on, reading the node's /var/run/cdi; ``ContainerdOptions``
+  for NRI and the CDI directories; ``tests/e2e/runtime.py``), else Kubernetes' fake CRI (pods
+  Running, no process; every CreateContainer logged). ``runtime="fakecri"`` asks for the fake
+  one.
 
 vgpu runs inside the same namespaces the way a hostPID DaemonSet pod sees the host
 (``Cluster.start_daemon``): the kubelet's real ``device-plugins/`` and ``pod-resources/``
-sockets and checkpoint, the pods' real cgroups and processes, a fake GPU state file, and no
-``--trust-host-processes``.
+sockets and checkpoint, the pods' real cgroups and processes, a fake GPU state file (and, for
+its UUIDs, a stand-in NVIDIA CDI spec), and no ``--trust-host-processes``.
 
 Stable API (tests and benchmarks build on it)::
 
-    with Cluster.start(bundle, runtime="auto", kubelet_config=None) as c:  # or `cluster`
+    with Cluster.start(bundle, runtime="auto", kubelet_config=None,
+                       containerd=ContainerdOptions(nri=False)) as c:  # or `cluster`
         c.runtime                      # "containerd" or "fakecri"
+        containerd_missing(bundle)     # why real containers cannot run here, or None
         c.api.get/post/patch/delete    # the API server (admin), JSON; ApiError on HTTP >= 300
         c.kubectl("get", "nodes")      # the project's kubectl, when fetched (else skip)
         c.node(); c.allocatable(RES); c.capacity(RES)
@@ -37,18 +42,24 @@ Stable API (tests and benchmarks build on it)::
                                        # (containerd) or the fake runtime's CreateContainer line
         c.container_pids("p", "main")  # host PIDs in the container's cgroup (containerd)
         c.container_init_pid("p", "main")   # its first process's host PID (containerd)
+        c.container_cgroup("p", "main")     # its cgroup path, as /proc/PID/cgroup says
+        c.container_id("p", "main")
+        c.container_cdi_devices("p", "main")  # the CDI devices the kubelet asked for
         c.checkpoint_devices("p", "main", RES)  # what the kubelet's checkpoint gave it
         c.fakecri_log(); c.create_container_requests()   # the fake runtime's log, parsed
         c.wait_no_extended_resources() # after a plugin stopped: nothing nvidia.com/* offered
         c.stop_kubelet(signal.SIGKILL); c.start_kubelet(); c.restart_kubelet()
         c.paths.checkpoint, c.paths.device_plugin_dir, c.paths.pod_resources_socket,
         c.paths.plugins_registry, c.paths.plugins_dir, c.paths.cdi_dir  # host paths
+        c.paths.nri_socket             # with ContainerdOptions(nri=True)
+        c.containerd_binaries          # bin_dir, ctr, cdicheck ...
         c.in_namespaces(argv)          # a process inside the node's namespaces (Popen)
         c.http_get(port, "/status")    # HTTP inside the namespace
 
         d = c.start_daemon(config=YAML, gpus=FakeState(...), args=[...])
         d.wait_registered(); d.status(); d.metrics(); d.log(); d.pid
         c.write_gpus(FakeState(...)); d.write_config(YAML)   # the daemon re-reads both
+        c.write_cdi_spec(STANDIN_SPEC, standin_nvidia_spec(gpus, CdiEdits(hooks=[...])))
         d.stop(); d.kill()             # SIGTERM and wait / SIGKILL
 
 Every process the cluster started is stopped by PID when it closes, also on failure: first
@@ -60,7 +71,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -68,7 +78,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import uuid
@@ -79,10 +88,43 @@ from typing import Any, Literal, TypeVar
 
 from deviceplugin.gpu.fake import FakeState, write_state_file
 from tests.e2e import images
+from tests.e2e.bundles import (
+    BUNDLE_ENV,
+    CACHE_ENV,
+    Bundle,
+    ClusterError,
+    Containerd,
+    cache_root,
+    containerd_source,
+    resolve_bundle,
+    resolve_containerd,
+)
 from tests.e2e.netns import ApiClient, ApiError, http_get
+from tests.e2e.runtime import (
+    STANDIN_SPEC,
+    CdiEdits,
+    ContainerdOptions,
+    config_toml,
+    containerd_missing,
+    standin_nvidia_spec,
+    write_cdi_spec,
+)
 
-BUNDLE_ENV = "VGPU_E2E_K8S_BUNDLE"
-CACHE_ENV = "VGPU_E2E_CACHE"
+# What tests import from here, defined in the modules the harness builds on.
+__all__ = [
+    "BUNDLE_ENV",
+    "CACHE_ENV",
+    "STANDIN_SPEC",
+    "Bundle",
+    "CdiEdits",
+    "ClusterError",
+    "ContainerdOptions",
+    "cache_root",
+    "containerd_missing",
+    "resolve_bundle",
+    "standin_nvidia_spec",
+]
+
 REPO = Path(__file__).resolve().parents[2]
 RESOURCE = "nvidia.com/vgpu"
 NODE = "e2e-node"
@@ -107,80 +149,9 @@ Runtime = Literal["auto", "containerd", "fakecri"]
 T = TypeVar("T")
 
 
-class ClusterError(Exception):
-    """The cluster did not come up or a component misbehaved; says which and shows its log."""
-
-
-# ---------------------------------------------------------------------------------------------
-# The bundle
-
-
-@dataclass(frozen=True)
-class Bundle:
-    kube_multi: Path
-    tinyetcd: Path
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "vgpu" / "e2e")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def resolve_bundle(spec: str) -> Bundle:
-    """The bundle's binaries from `spec`: an unpacked directory, a tarball, or a directory
-    holding one tarball `*bundle*.tgz`. A tarball is checked against `<tarball>.sha256` when
-    that file exists, then unpacked once into the cache."""
-    path = Path(spec).expanduser()
-    if path.is_dir() and (path / "kube-multi").is_file():
-        return Bundle(path / "kube-multi", path / "tinyetcd")
-    if path.is_dir():
-        tarballs = sorted(path.glob("*bundle*.tgz")) + sorted(path.glob("*bundle*.tar.gz"))
-        if len(tarballs) != 1:
-            raise ClusterError(
-                f"{BUNDLE_ENV}={spec}: expected kube-multi or one *bundle*.tgz in it, "
-                f"found {[p.name for p in tarballs]}"
-            )
-        path = tarballs[0]
-    if not path.is_file():
-        raise ClusterError(f"{BUNDLE_ENV}={spec}: no such file or directory")
-    digest = _sha256(path)
-    sums = path.with_name(path.name + ".sha256")
-    if sums.is_file():
-        expected = sums.read_text().split()[0].lower()
-        if expected != digest:
-            raise ClusterError(f"{path}: sha256 {digest}, but {sums.name} says {expected}")
-    target = cache_root() / f"bundle-{digest[:16]}"
-    if not (target / "kube-multi").is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".unpack-", dir=target.parent))
-        try:
-            with tarfile.open(path) as tar:
-                tar.extractall(tmp, filter="data")
-            for name in ("kube-multi", "tinyetcd"):
-                if not (tmp / name).is_file():
-                    raise ClusterError(f"{path}: has no {name}")
-                (tmp / name).chmod(0o755)
-            try:
-                tmp.rename(target)
-            except OSError:  # another process unpacked it first
-                if not (target / "kube-multi").is_file():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return Bundle(target / "kube-multi", target / "tinyetcd")
-
-
-def containerd_available() -> bool:
-    return all(shutil.which(tool) for tool in ("containerd", "runc", "ctr")) and bool(
-        images.busybox_binary()
-    )
+def containerd_available(bundle: Bundle | None = None) -> bool:
+    """Whether real containers can run: see `containerd_missing` for why not."""
+    return containerd_missing(bundle) is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,6 +294,12 @@ def pod_manifest(
 _FAKECRI_LINE = re.compile(
     r"CreateContainer pod=(?P<pod>\S+) container=(?P<container>\S+) "
     r"cdiDevices=\[(?P<cdi>[^\]]*)\] devices=\[(?P<devices>.*?)\] envs=\[(?P<envs>.*)\]\s*$"
+)
+
+
+# containerd (at debug) once per container it creates with CDI devices.
+_CONTAINERD_CDI_LINE = re.compile(
+    r"Container (?P<id>[0-9a-f]{64}): CDI devices from CRI Config\.CDIDevices: \[(?P<ids>[^\]]*)\]"
 )
 
 
@@ -470,6 +447,12 @@ class Paths:
         return self.root / "cdi"
 
     @property
+    def nri_socket(self) -> Path:
+        """containerd's NRI socket (with ContainerdOptions(nri=True)); /var/run/nri/nri.sock
+        inside the node."""
+        return self.root / "nri" / "nri.sock"
+
+    @property
     def log_dir(self) -> Path:
         return self.root / "log"
 
@@ -503,15 +486,16 @@ class Cluster:
         bundle: Bundle,
         runtime: Runtime = "auto",
         kubelet_config: Mapping[str, Any] | None = None,
+        containerd: ContainerdOptions | None = None,
     ) -> None:
+        missing = containerd_missing(bundle)
         if runtime == "auto":
-            runtime = "containerd" if containerd_available() else "fakecri"
-        if runtime == "containerd" and not containerd_available():
-            raise ClusterError(
-                "containerd, runc, ctr and busybox are needed for runtime=containerd"
-            )
+            runtime = "fakecri" if missing else "containerd"
+        if runtime == "containerd" and missing:
+            raise ClusterError(f"runtime=containerd: {missing}")
         self.runtime: Literal["containerd", "fakecri"] = runtime
         self.bundle = bundle
+        self.containerd_options = containerd or ContainerdOptions()
         self.kubelet_overrides = dict(kubelet_config or {})
         self.id = uuid.uuid4().hex[:8]
         self.paths = Paths(Path(tempfile.mkdtemp(prefix="vge2e-", dir="/tmp")))
@@ -533,10 +517,11 @@ class Cluster:
         bundle: Bundle,
         runtime: Runtime = "auto",
         kubelet_config: Mapping[str, Any] | None = None,
+        containerd: ContainerdOptions | None = None,
     ) -> Iterator[Cluster]:
-        """Bring the cluster up (`kubelet_config`: KubeletConfiguration fields to override),
-        yield it, close it whatever happens."""
-        cluster = cls(bundle, runtime, kubelet_config)
+        """Bring the cluster up (`kubelet_config`: KubeletConfiguration fields to override;
+        `containerd`: how the runtime runs), yield it, close it whatever happens."""
+        cluster = cls(bundle, runtime, kubelet_config, containerd)
         try:
             cluster._bring_up()
             yield cluster
@@ -556,7 +541,8 @@ class Cluster:
         t0 = time.monotonic()
         root = self.paths.root
         for sub in ("kubelet", "log", "containerd", "run-containerd", "cdi", "empty", "etcd",
-                    "sysctl", "cni", "cni-bin", "vgpu-state"):  # fmt: skip
+                    "sysctl", "cni", "cni-bin", "vgpu-state", "nri", "nri-plugins",
+                    "nri-conf.d"):  # fmt: skip
             (root / sub).mkdir(parents=True, exist_ok=True)
         make_certificates(self.paths.pki)
         self.timings["certificates"] = time.monotonic() - t0
@@ -630,9 +616,10 @@ class Cluster:
             f"mount --bind {root}/kubelet /var/lib/kubelet",
             f"mount --bind {root}/containerd /var/lib/containerd",
             "mount -t tmpfs -o mode=755 tmpfs /run",
-            "mkdir -p /run/containerd /run/cdi",
+            "mkdir -p /run/containerd /run/cdi /run/nri",
             f"mount --bind {root}/run-containerd /run/containerd",
             f"mount --bind {root}/cdi /run/cdi",
+            f"mount --bind {root}/nri /run/nri",
             f"mount --bind {root}/log /var/log",
         ]
         for key, value in SYSCTLS.items():
@@ -699,20 +686,29 @@ class Cluster:
             if log is not None and not isinstance(out, int):
                 out.close()
 
-    def run_in_namespaces(self, argv: Sequence[str], timeout_s: float = 60) -> str:
-        """Run `argv` inside the node's namespaces; its output; ClusterError when it fails."""
+    def run_in_namespaces(
+        self,
+        argv: Sequence[str],
+        timeout_s: float = 60,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> str:
+        """Run `argv` inside the node's namespaces (from an empty working directory unless
+        `cwd`); its output; ClusterError when it fails."""
         full = [*DIE_WITH_PARENT, "nsenter", f"--target={self.anchor_pid}", "--net", "--mount",
-                f"--wd={self.paths.empty}", "--", *argv]  # fmt: skip
+                f"--wd={cwd or self.paths.empty}", "--", *argv]  # fmt: skip
         result = subprocess.run(
-            full, check=False, capture_output=True, text=True, timeout=timeout_s, env=_base_env()
-        )
+            full, check=False, capture_output=True, text=True, timeout=timeout_s,
+            env=dict(env) if env is not None else _base_env(),
+        )  # fmt: skip
         if result.returncode != 0:
             raise ClusterError(f"{' '.join(argv)}: exit {result.returncode}: {result.stderr}")
         return result.stdout
 
-    def _start(self, name: str, argv: list[str]) -> Component:
+    def _start(self, name: str, argv: list[str], env: Mapping[str, str] | None = None) -> Component:
         comp = Component(name, argv, self.paths.log_dir / f"{name}.log")
-        comp.proc = self.in_namespaces(argv, log=comp.log)
+        comp.proc = self.in_namespaces(argv, log=comp.log, env=env)
         self.components[name] = comp
         return comp
 
@@ -783,41 +779,26 @@ class Cluster:
             [str(self.bundle.kube_multi), "fakecri", "--endpoint", self.runtime_endpoint],
         )
 
+    @property
+    def containerd_binaries(self) -> Containerd:
+        """containerd's binaries (`ctr`, `cdicheck`, ...): from the tarball beside the bundle."""
+        source = containerd_source(self.bundle.home)
+        if source is None:
+            raise ClusterError(containerd_missing(self.bundle) or "no containerd")
+        return resolve_containerd(source)
+
     def _start_containerd(self) -> None:
         root = self.paths.root
         (root / "cni" / "10-loopback.conflist").write_text(
             json.dumps({"cniVersion": "0.4.0", "name": "lo", "plugins": [{"type": "loopback"}]})
         )
-        cri = 'plugins."io.containerd.grpc.v1.cri"'
-        config = f"""version = 2
-root = "/var/lib/containerd"
-state = "/run/containerd"
-disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.v1.btrfs",
-  "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper",
-  "io.containerd.snapshotter.v1.aufs", "io.containerd.tracing.processor.v1.otlp",
-  "io.containerd.internal.v1.tracing"]
-[grpc]
-  address = "/run/containerd/containerd.sock"
-[ttrpc]
-  address = "/run/containerd/containerd.sock.ttrpc"
-[{cri}]
-  sandbox_image = "{images.PAUSE}"
-  restrict_oom_score_adj = true
-  disable_apparmor = true
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
-  [{cri}.containerd]
-    default_runtime_name = "runc"
-    [{cri}.containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [{cri}.containerd.runtimes.runc.options]
-        SystemdCgroup = false
-  [{cri}.cni]
-    bin_dir = "{root}/cni-bin"
-    conf_dir = "{root}/cni"
-"""
-        (root / "containerd.toml").write_text(config)
-        self._start("containerd", ["containerd", "--config", str(root / "containerd.toml")])
+        binaries = self.containerd_binaries
+        (root / "containerd.toml").write_text(config_toml(root, binaries, self.containerd_options))
+        # Its shim and ctr first on PATH, whatever else is installed.
+        env = {**_base_env(), "PATH": f"{binaries.bin_dir}:{_base_env()['PATH']}"}
+        self._start(
+            "containerd", [str(binaries.containerd), "--config", str(root / "containerd.toml")], env
+        )
         # The kubelet checks its runtime once at start and exits when the socket is not there
         # yet (a loaded machine starts containerd slower than the control plane).
         sock = self.paths.containerd_state / "containerd.sock"
@@ -826,8 +807,8 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
     def _import_images(self) -> None:
         tarball = images.build_images(cache_root())
         self.run_in_namespaces(
-            ["ctr", "--address", "/run/containerd/containerd.sock", "-n", "k8s.io",
-             "images", "import", str(tarball)],
+            [str(self.containerd_binaries.ctr), "--address", "/run/containerd/containerd.sock",
+             "-n", "k8s.io", "images", "import", "--all-platforms", str(tarball)],
         )  # fmt: skip
 
     def _write_kubelet_config(self) -> None:
@@ -1129,10 +1110,15 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
         path = self.paths.containerd_state / "io.containerd.runtime.v2.task" / "k8s.io" / cid
         return int((path / "init.pid").read_text())
 
+    def container_cgroup(self, pod: str, name: str) -> str:
+        """The container's own cgroup (containerd): its first process's, as /proc/PID/cgroup
+        says it (the memory controller's, or cgroup v2's), e.g.
+        `/vgpu-e2e-<id>/kubepods/besteffort/pod<uid>/<container id>`."""
+        return _memory_cgroup_of(self.container_init_pid(pod, name))
+
     def container_pids(self, pod: str, name: str) -> list[int]:
         """Every host PID in the container's cgroup (containerd)."""
-        pid = self.container_init_pid(pod, name)
-        cgroup = _memory_cgroup_of(pid)
+        cgroup = self.container_cgroup(pod, name)
         procs = Path("/sys/fs/cgroup/memory") / cgroup.lstrip("/") / "cgroup.procs"
         if not procs.exists():
             procs = Path("/sys/fs/cgroup/unified") / cgroup.lstrip("/") / "cgroup.procs"
@@ -1150,13 +1136,30 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
                 if sep:
                     env[key] = value
             return env
+        return self._last_create_container(pod, name).envs
+
+    def container_cdi_devices(self, pod: str, name: str) -> tuple[str, ...]:
+        """The CDI devices the kubelet asked the runtime to give the container, the last time
+        it was created: containerd's debug line for the container's ID, or the fake runtime's
+        CreateContainer line."""
+        if self.runtime == "containerd":
+            assert self.containerd_options.debug, "containerd logs CDI devices only at debug"
+            cid = self.container_id(pod, name)
+            log = (self.paths.log_dir / "containerd.log").read_text(errors="replace")
+            found = [m.group("ids") for m in _CONTAINERD_CDI_LINE.finditer(log)
+                     if m.group("id") == cid]  # fmt: skip
+            return tuple(found[-1].split()) if found else ()
+        return self._last_create_container(pod, name).cdi_devices
+
+    def _last_create_container(self, pod: str, name: str) -> CreateContainer:
+        """The fake runtime's last CreateContainer for the pod's container `name`."""
         found = [
             c for c in parse_fakecri_log(self.fakecri_log())
             if c.pod == f"{NAMESPACE}/{pod}" and c.container == name
         ]  # fmt: skip
         if not found:
             raise KeyError(f"the fake runtime logged no CreateContainer for {pod}/{name}")
-        return found[-1].envs
+        return found[-1]
 
     def checkpoint_devices(
         self, pod: str, container_name: str, resource: str = RESOURCE
@@ -1188,7 +1191,14 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
     # -- vgpu ---------------------------------------------------------------------------------
 
     def write_gpus(self, state: FakeState) -> None:
+        """The fake GPUs' state file, and the stand-in NVIDIA CDI spec for their UUIDs."""
         write_state_file(self.paths.gpus, state)
+        self.write_cdi_spec(STANDIN_SPEC, standin_nvidia_spec(state))
+
+    def write_cdi_spec(self, name: str, spec: Mapping[str, Any]) -> Path:
+        """Write a CDI spec file into the node's CDI directory (/var/run/cdi inside), in one
+        rename; e.g. `standin_nvidia_spec(gpus, CdiEdits(hooks=[...]))` as STANDIN_SPEC."""
+        return write_cdi_spec(self.paths.cdi_dir, name, spec)
 
     def start_daemon(
         self,

@@ -1,8 +1,10 @@
 """vgpu as a DRA driver on a real kubelet v1.36.2, with the real scheduler (docs/dra.md).
 
-The fake runtime logs each CreateContainer with the CDI devices the kubelet handed it: what a
-container gets is read there and in the CDI spec files those devices name, never from vgpu's own
-answers. What the scheduler granted is read from the claims' status."""
+The runtime is containerd 2.x with CDI where the node can run real containers (else the fake
+CRI). What a container gets is read from the CDI devices the kubelet handed the runtime (in
+containerd's log, or the fake runtime's CreateContainer line) and the CDI spec files those
+devices name, never from vgpu's own answers (tests/e2e/test_dra_enforce.py reads them in the
+containers' environment). What the scheduler granted is read from the claims' status."""
 
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ from tests.blackbox.daemon_harness import gpu
 from tests.e2e.harness import RESOURCE, Cluster, ClusterError, Daemon, pod_manifest, wait_until
 from tests.e2e.netns import ApiError
 
-RUNTIME = "fakecri"
 GiB = 1024**3
 GPU = gpu(0, name="NVIDIA A100-PCIE-40GB", memory_gib=40)  # 10Gi and 25% a default share
 GPUS = FakeState(gpus=(GPU,))
@@ -151,9 +152,10 @@ def claim_of(cluster: Cluster, pod: str) -> dict[str, Any]:
 
 
 def cdi_of(cluster: Cluster, pod: str) -> tuple[str, ...]:
-    found = [r for r in cluster.create_container_requests() if r.pod == f"{NS}/{pod}"]
-    assert found, f"no CreateContainer for {pod}"
-    return found[-1].cdi_devices
+    """The CDI devices the kubelet gave the pod's container `main`, as the runtime saw them."""
+    found = cluster.container_cdi_devices(pod, "main")
+    assert found, f"no CDI devices for {pod}"
+    return found
 
 
 def spec_env(cluster: Cluster, cdi_device: str) -> dict[str, str]:
@@ -211,10 +213,10 @@ def test_two_claims_fill_the_gpu_a_third_waits_until_one_is_deleted(node: Cluste
     node.create_pod(claim_pod("p10", "m10-c10"))
     node.assert_stays_pending("p10", seconds=4)
     assert len(spec_files(node)) == 2
+    uid15 = cdi_of(node, "p15")[0].partition("=")[2]
     node.delete_pod("p15")
     node.wait_running("p10")
     # Deleting the pod unprepared its claim: its spec file is gone, p10's is there.
-    uid15 = cdi_of(node, "p15")[0].partition("=")[2]
     wait_until(lambda: f"{DRIVER}-claim_{uid15}.json" not in spec_files(node), timeout_s=20,
                what="p15's claim unprepared")  # fmt: skip
     assert len(spec_files(node)) == 2

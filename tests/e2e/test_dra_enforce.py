@@ -1,27 +1,16 @@
 """vgpu as a DRA driver enforcing a claim on real containers: a real kubelet v1.36.2, the real
-scheduler, containerd + runc (docs/dra.md, "On the real node, with real containers").
+scheduler, containerd 2.x with CDI + runc (docs/dra.md, "On the real node, with real containers").
 
-What a runtime with CDI does (containerd >= 1.7 with `enable_cdi`, CRI-O >= 1.23): the kubelet
-puts the CDI device IDs that NodePrepareResources returned (`vgpu.dev/claim=<claim UID>`, and
-`nvidia.com/gpu=<uuid>` by default) into the CreateContainer request; the runtime looks them up
-in the spec files of /var/run/cdi and applies their container edits to the container's OCI spec.
-vgpu's spec carries the environment (`NVIDIA_VISIBLE_DEVICES`, `VGPU_ALLOCATION_ID`,
-`VGPU_MEMORY_LIMIT_MIB_<i>`, `VGPU_COMPUTE_SHARE_PERCENT_<i>`, framework hints), so the
-container's processes carry the claim's allocation ID, by which the enforcer attributes them.
+Pods ask as a user would: a ResourceClaimTemplate in the pod spec (or, to share one claim, a
+ResourceClaim both pods name), and nothing else: no environment in the pod spec. The kubelet
+puts the CDI device IDs NodePrepareResources returned (`vgpu.dev/claim=<claim UID>` and
+`nvidia.com/gpu=<uuid>`) into the CreateContainer request; containerd resolves them in the
+node's /var/run/cdi (vgpu's spec for the claim; the harness's stand-in NVIDIA spec for the fake
+GPU) and applies their edits. The tests read what the container's first process has
+(/proc/PID/environ) against the spec file the daemon wrote: every variable of it.
 
-What this module substitutes: Debian's containerd 1.6 has no CDI and drops the CDI device IDs.
-Each pod uses a ResourceClaim made before the pod (not from a template), so the claim's UID is
-known in advance, and the pod spec itself carries the spec's environment: the allocation ID
-derived by the documented formula (the first 16 hex digits of the SHA-256 of
-`<GPU-UUID>::<claim UID>`), the visible GPU, and the limits of the amounts the claim asks for.
-After the claim is prepared, the test checks that every one of those variables, as the
-container's first process has it (/proc/PID/environ), equals what the spec file the daemon wrote
-carries: the container has what a CDI runtime would have given it. The spec's other variables
-(framework hints) are left out; nothing in enforcement reads them.
-
-Everything else is real: the scheduler's allocation, the kubelet's prepare call, the pods'
-cgroups and processes, the kubelet's pod-resources DRA entries, the kill and the restart. Only
-the GPU is the fake backend's: the test lists the containers' real PIDs in its state file."""
+Everything is real but the GPU, the fake backend's: the test lists the containers' real PIDs in
+its state file."""
 
 from __future__ import annotations
 
@@ -29,23 +18,42 @@ import dataclasses
 import hashlib
 import json
 import os
+import stat
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from deviceplugin.gpu.fake import FakeProcess, FakeState
-from tests.e2e.harness import Cluster, Daemon, containerd_available, pod_manifest, wait_until
-from tests.e2e.test_dra import DRIVER, GPU, GPUS, NS, RESOURCE_API, _install, spec_files, start_dra
-
-pytestmark = pytest.mark.skipif(
-    not containerd_available(),
-    reason="needs real containers: containerd, runc, ctr and busybox-static "
-    "(apt-get install containerd runc busybox-static)",
+from tests.e2e.harness import (
+    CdiEdits,
+    Cluster,
+    ContainerdOptions,
+    Daemon,
+    pod_manifest,
+    standin_nvidia_spec,
+    wait_until,
+)
+from tests.e2e.netns import ApiError
+from tests.e2e.runtime import STANDIN_SPEC, standin_env_name
+from tests.e2e.test_dra import (
+    DRIVER,
+    GPU,
+    GPUS,
+    NS,
+    RESOURCE_API,
+    _install,
+    claim_of,
+    claim_pod,
+    spec_files,
+    start_dra,
 )
 
 RUNTIME = "containerd"
+CONTAINERD_OPTIONS = ContainerdOptions(nri=True)  # served, no plugin: see test_nri_is_served
 GiB = 1024**3
 CONFIG = """\
 slicing: {replicas: 4}
@@ -55,9 +63,10 @@ enforcement:
   memory: {action: kill, gracePeriod: 1s}
   compute: {action: throttle, window: 1s, period: 250ms}
 """
-# (claim, memory, compute): the compute one names none gets the default, one slice's 25.
-CLAIMS = [("c15", "15Gi", "30"), ("c25", "25Gi", None)]
-LIMITS = {"c15": (15 * 1024, 30), "c25": (25 * 1024, 25)}
+# Pod -> the claim template of test_dra's TEMPLATES it names, and its limits: 15Gi and 30%;
+# 25Gi and no compute, so the default, one slice's 25%.
+PODS = {"p15": "m15-c30", "p25": "m25"}
+LIMITS = {"p15": (15 * 1024, 30), "p25": (25 * 1024, 25)}
 
 
 def allocation_id(claim_uid: str) -> str:
@@ -92,24 +101,11 @@ def make_claim(cluster: Cluster, name: str, memory: str, compute: str | None) ->
     return str(created["metadata"]["uid"])
 
 
-def cdi_env(claim: str, uid: str) -> dict[str, str]:
-    """What vgpu's CDI spec for the claim gives a container, as far as enforcement reads it;
-    a CDI runtime would add it, here the pod spec carries it."""
-    mib, percent = LIMITS[claim]
-    return {
-        "NVIDIA_VISIBLE_DEVICES": GPU.uuid,
-        "VGPU_ALLOCATION_ID": allocation_id(uid),
-        "VGPU_MEMORY_LIMIT_MIB_0": str(mib),
-        "VGPU_COMPUTE_SHARE_PERCENT_0": str(percent),
-    }
-
-
-def claim_pod(name: str, claim: str, env: dict[str, str]) -> dict[str, Any]:
+def shared_claim_pod(name: str, claim: str) -> dict[str, Any]:
+    """A pod whose container uses the ResourceClaim `claim` (made before, shared)."""
     pod = pod_manifest(name)
     pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": claim}]
-    main = pod["spec"]["containers"][0]
-    main["resources"] = {"claims": [{"name": "gpu"}]}
-    main["env"] = [{"name": k, "value": v} for k, v in env.items()]
+    pod["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
     return pod
 
 
@@ -119,27 +115,38 @@ def spec_file_env(cluster: Cluster, uid: str) -> dict[str, str]:
     return dict(e.split("=", 1) for e in device["containerEdits"]["env"])
 
 
-PODS = {"c15": "p15", "c25": "p25"}
+def assert_has_the_claims_cdi_env(cluster: Cluster, pod: str, uid: str) -> dict[str, str]:
+    """The container's first process has every variable of the claim's spec file, as written,
+    and the stand-in NVIDIA device's (the runtime applied both CDI devices); that environment."""
+    written = spec_file_env(cluster, uid)
+    has = cluster.container_env(pod, "main")
+    assert {k: has.get(k) for k in written} == written, f"{pod}: {has}"
+    assert has[standin_env_name(GPU.uuid)] == GPU.uuid
+    assert has["VGPU_ALLOCATION_ID"] == allocation_id(uid)
+    pod_spec_env = cluster.pod(pod)["spec"]["containers"][0].get("env")
+    assert pod_spec_env is None, pod_spec_env
+    return has
 
 
 def claim_pods(cluster: Cluster) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
-    """The claims of CLAIMS and a Running pod on each (PODS), the CDI spec's environment in its
-    spec: the claims' UIDs and each pod's environment, by claim."""
-    uids = {name: make_claim(cluster, name, memory, compute) for name, memory, compute in CLAIMS}
-    envs = {name: cdi_env(name, uid) for name, uid in uids.items()}
-    for claim, pod in PODS.items():
-        cluster.create_pod(claim_pod(pod, claim, envs[claim]))
-    for pod in PODS.values():
+    """A Running pod on each claim template of PODS: each pod's claim UID and its container's
+    environment (from CDI)."""
+    for pod, template in PODS.items():
+        cluster.create_pod(claim_pod(pod, template))
+    for pod in PODS:
         cluster.wait_running(pod)
+    uids = {pod: str(claim_of(cluster, pod)["metadata"]["uid"]) for pod in PODS}
+    envs = {pod: assert_has_the_claims_cdi_env(cluster, pod, uids[pod]) for pod in PODS}
     return uids, envs
 
 
 def named(dra: Daemon, envs: dict[str, dict[str, str]]) -> dict[str, dict[str, Any]]:
-    """/status's allocation record of each claim, once every one is named with its container."""
+    """/status's allocation record of each pod's claim (`envs`: each pod's environment), once
+    every one is named with its container."""
 
     def listed() -> dict[str, dict[str, Any]] | None:
         records = {a["allocation_id"]: a for a in dra.status()["allocations"]}
-        found = {claim: records.get(env["VGPU_ALLOCATION_ID"]) for claim, env in envs.items()}
+        found = {pod: records.get(env["VGPU_ALLOCATION_ID"]) for pod, env in envs.items()}
         if all(r is not None and r.get("container") == "main" for r in found.values()):
             return {k: v for k, v in found.items() if v is not None}
         return None
@@ -169,7 +176,11 @@ def node(dra: Daemon) -> Iterator[Cluster]:
         cluster.delete_pod(pod["metadata"]["name"])
     claims = f"{RESOURCE_API}/namespaces/{NS}/resourceclaims"
     for claim in cluster.api.get(claims)["items"]:
-        cluster.api.delete(f"{claims}/{claim['metadata']['name']}")
+        try:
+            cluster.api.delete(f"{claims}/{claim['metadata']['name']}")
+        except ApiError as exc:
+            if exc.status != 404:  # a template's claim, gone with its pod
+                raise
     wait_until(lambda: not spec_files(cluster), timeout_s=30, what="every claim unprepared")
 
 
@@ -182,27 +193,26 @@ def test_a_claim_over_its_memory_is_killed_its_neighbour_untouched(
     uids, envs = claim_pods(cluster)
     timings["two pods Running"] = time.monotonic() - t0
 
-    # The scheduler granted what was asked (c25 the compute default) on the one GPU.
-    for claim, (mib, percent) in LIMITS.items():
-        obj = cluster.api.get(f"{RESOURCE_API}/namespaces/{NS}/resourceclaims/{claim}")
-        (result,) = obj["status"]["allocation"]["devices"]["results"]
-        assert (result["driver"], result["device"]) == (DRIVER, "gpu-0")
-        assert result["consumedCapacity"] == {"memory": f"{mib // 1024}Gi", "compute": str(percent)}
-    # The container has exactly what the prepared claim's CDI spec carries.
+    # The scheduler granted what was asked (p25 the compute default) on the one GPU, and each
+    # container has what its prepared claim's CDI spec carries (claim_pods checked it), among
+    # it the limits of what was granted.
     assert sorted(spec_files(cluster)) == sorted(f"{DRIVER}-claim_{u}.json" for u in uids.values())
     pids: dict[str, int] = {}
-    for claim, pod in PODS.items():
-        written = spec_file_env(cluster, uids[claim])
-        has = cluster.container_env(pod, "main")
-        assert {k: has.get(k) for k in envs[claim]} == {k: written[k] for k in envs[claim]}
+    for pod, (mib, percent) in LIMITS.items():
+        (result,) = claim_of(cluster, pod)["status"]["allocation"]["devices"]["results"]
+        assert (result["driver"], result["device"]) == (DRIVER, "gpu-0")
+        assert result["consumedCapacity"] == {"memory": f"{mib // 1024}Gi", "compute": str(percent)}
+        limits = (envs[pod]["VGPU_MEMORY_LIMIT_MIB_0"], envs[pod]["VGPU_COMPUTE_SHARE_PERCENT_0"])
+        assert limits == (str(mib), str(percent))
         pids[pod] = cluster.container_init_pid(pod, "main")
 
     # Attribution's evidence: each claim named with its pod (reservedFor) and its container
     # (the kubelet's pod-resources DRA entries) in /status.
     records = named(dra, envs)
-    for claim, pod in PODS.items():
-        record = records[claim]
+    for pod in PODS:
+        record = records[pod]
         assert (record["namespace"], record["pod"], record["container"]) == (NS, pod, "main")
+        claim = claim_of(cluster, pod)["metadata"]["name"]
         assert (record["source"], record["claim"]) == ("dra", f"{NS}/{claim}")
     assert dra.status()["health"]["pod_resources_ok"] is True
     timings["claims named in /status"] = time.monotonic() - t0
@@ -257,8 +267,8 @@ def test_a_claim_over_its_memory_is_killed_its_neighbour_untouched(
     log = dra.log()
     assert "action=kill" in log
     assert f"pid={pids['p15']}" in log
-    # The restarted container carries the claim's allocation again (its env is the pod's).
-    assert cluster.container_env("p15", "main")["VGPU_ALLOCATION_ID"] == allocation_id(uids["c15"])
+    # The restarted container has its claim's CDI devices again.
+    assert_has_the_claims_cdi_env(cluster, "p15", uids["p15"])
     print("\n" + ", ".join(f"{k}: {v:.2f}s" for k, v in timings.items()))
 
 
@@ -269,11 +279,12 @@ def test_a_pod_joining_a_prepared_claim_is_held_to_it_too(node: Cluster, dra: Da
     untouched."""
     cluster = node
     uid = make_claim(cluster, "shared", "15Gi", "30")
-    env = cdi_env("c15", uid)
     for pod in ("first", "second"):
-        pod_spec = claim_pod(pod, "shared", env)
-        cluster.create_pod(pod_spec)
+        cluster.create_pod(shared_claim_pod(pod, "shared"))
         cluster.wait_running(pod)
+    # Prepared once, for the first pod; the kubelet hands both containers its CDI devices.
+    env = assert_has_the_claims_cdi_env(cluster, "first", uid)
+    assert_has_the_claims_cdi_env(cluster, "second", uid)
     first = cluster.container_init_pid("first", "main")
     second = cluster.container_init_pid("second", "main")
 
@@ -328,7 +339,7 @@ def test_claims_busy_together_are_held_to_the_compute_they_consumed(
     cluster = node
     _, envs = claim_pods(cluster)
     named(dra, envs)
-    pids = {pod: cluster.container_init_pid(pod, "main") for pod in PODS.values()}
+    pids = {pod: cluster.container_init_pid(pod, "main") for pod in PODS}
     cluster.write_gpus(
         FakeState(
             gpus=(
@@ -365,3 +376,51 @@ def test_claims_busy_together_are_held_to_the_compute_they_consumed(
         assert status["restartCount"] == 0, pod
         with open(f"/proc/{pid}/stat") as stat:
             assert stat.read().rsplit(")", 1)[1].split()[0] != "T", f"{pod} left stopped"
+
+
+# A CDI hook: the OCI state on its stdin, with what /proc says of the state's process then.
+HOOK = """
+import json, sys
+state = json.load(sys.stdin)
+proc = f"/proc/{state['pid']}"
+record = {"state": state, "cgroup": open(f"{proc}/cgroup").read(),
+          "cmdline": open(f"{proc}/cmdline").read().split("\\0")}
+with open(f"{sys.argv[1]}/{state['id']}.json", "w") as out:
+    json.dump(record, out)
+"""
+
+
+def test_a_cdi_hook_runs_before_the_containers_command_in_its_cgroup(
+    node: Cluster, dra: Daemon
+) -> None:
+    """A `createRuntime` hook in a CDI device's edits (here the stand-in NVIDIA device's) is run
+    by runc in the node's namespaces once the container's init process is in the container's
+    own cgroup and before it runs the container's command; the OCI state on the hook's stdin
+    names that process (its host PID)."""
+    out = Path(node.paths.root / "hook-records")
+    out.mkdir()
+    hook = {"hookName": "createRuntime", "path": sys.executable,
+            "args": ["python3", "-c", HOOK, str(out)]}  # fmt: skip
+    node.write_cdi_spec(STANDIN_SPEC, standin_nvidia_spec(GPUS, CdiEdits(hooks=[hook])))
+    node.create_pod(claim_pod("hooked", "m5-c5"))
+    node.wait_running("hooked")
+    cid = node.container_id("hooked", "main")
+    record = json.loads((out / f"{cid}.json").read_text())
+    pid = node.container_init_pid("hooked", "main")
+    assert record["state"]["pid"] == pid
+    assert record["state"]["status"] == "creating"
+    # Not yet the container's command: runc's own init, which execs it once started.
+    assert [Path(record["cmdline"][0]).name, record["cmdline"][1]] == ["runc", "init"]
+    # The memory controller's line (cgroup v1), else cgroup v2's, as container_cgroup reads it.
+    lines = [line.split(":", 2) for line in record["cgroup"].splitlines()]
+    cgroup = next(p for _, ctl, p in lines if "memory" in ctl.split(",") or ctl == "")
+    assert cgroup == node.container_cgroup("hooked", "main")
+    assert cgroup.endswith(f"/{cid}")
+    assert node.container_env("hooked", "main")["VGPU_MEMORY_LIMIT_MIB_0"] == "5120"
+
+
+def test_nri_is_served_where_a_plugin_would_connect(node: Cluster) -> None:
+    """CONTAINERD_OPTIONS asks for NRI: containerd serves it at /var/run/nri/nri.sock in the
+    node (`paths.nri_socket` on the host), with no plugin."""
+    assert stat.S_ISSOCK(node.paths.nri_socket.stat().st_mode)
+    assert "created NRI interface" in (node.paths.log_dir / "containerd.log").read_text()

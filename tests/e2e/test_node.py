@@ -23,7 +23,15 @@ import pytest
 
 from deviceplugin.gpu.fake import FakeMigDevice, FakeProcess, FakeState
 from tests.blackbox.daemon_harness import gpu
-from tests.e2e.harness import RESOURCE, Cluster, Daemon, container, pod_manifest, wait_until
+from tests.e2e.harness import (
+    RESOURCE,
+    Cluster,
+    Daemon,
+    container,
+    containerd_missing,
+    pod_manifest,
+    wait_until,
+)
 
 GiB = 1024**3
 A100 = gpu(0)  # 80 GiB: 20 GiB a slice
@@ -238,7 +246,7 @@ def test_memory_enforcement_kills_only_the_container_over_its_limit(
 ) -> None:
     node = vgpu.cluster
     if node.runtime != "containerd":
-        pytest.skip("needs real containers (containerd + runc)")
+        pytest.skip(f"needs real containers: {containerd_missing(node.bundle)}")
     node.create_pod(
         pod_manifest(
             "greedy",
@@ -332,7 +340,7 @@ def test_memory_enforcement_kills_only_the_container_over_its_limit(
 def test_busy_pair_on_one_gpu_the_smaller_share_is_throttled(vgpu: Daemon) -> None:
     node = vgpu.cluster
     if node.runtime != "containerd":
-        pytest.skip("needs real containers (containerd + runc)")
+        pytest.skip(f"needs real containers: {containerd_missing(node.bundle)}")
     node.create_pod(pod_manifest("small", {RESOURCE: 1}))
     node.wait_running("small")
     node.create_pod(pod_manifest("large", {RESOURCE: 3}))
@@ -382,7 +390,7 @@ def test_container_with_a_full_gpu_slice_and_a_mig_slice_sees_both_devices(node:
     """What the NVIDIA container toolkit would expose: NVIDIA_VISIBLE_DEVICES, or the
     volume-mounts list under /var/run/nvidia-container-devices, read in the real container."""
     if node.runtime != "containerd":
-        pytest.skip("needs real containers (containerd + runc)")
+        pytest.skip(f"needs real containers: {containerd_missing(node.bundle)}")
     mig = FakeMigDevice(
         uuid="MIG-00000000-0000-4000-8000-000000000001",
         gpu_instance_id=1,
