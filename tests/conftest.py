@@ -2,8 +2,9 @@
 
 And how the suite runs in parallel (pytest-xdist, `-n auto --dist loadgroup` in pyproject.toml):
 more workers than CPUs, since most tests wait on processes, sockets and timers rather than
-compute; tests sharing a module-scoped fixture stay on one worker, so it is built once; the
-real-GPU tests all run on one worker, one after another, as they share the hardware."""
+compute; tests sharing a module-scoped fixture stay on one worker, so it is built once (a real
+cluster in tests/e2e: one per module, the modules on several workers at once); the real-GPU tests
+all run on one worker, one after another, as they share the hardware."""
 
 from __future__ import annotations
 
@@ -38,8 +39,6 @@ def xdist_group(item: pytest.Item) -> str | None:
     """The group of tests that must run on the same worker as `item`, if any."""
     if item.get_closest_marker("gpu") is not None:
         return "gpu"
-    if item.nodeid.startswith("tests/e2e/"):
-        return "e2e"  # one real cluster at a time: each costs most of a core while it starts
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return None
@@ -57,6 +56,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         group = xdist_group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """In a worker under `--dist loadgroup`, a grouped test's node ID carries its group once
+    xdist has seen it: where a pytest and xdist pair no longer manage that, the groups would be
+    silently ignored (a module's cluster built on every worker), so the run stops here instead."""
+    config = session.config
+    if not hasattr(config, "workerinput") or not config.getvalue("loadgroup"):
+        return
+    grouped = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group")]
+    lost = [nodeid for nodeid in grouped if "@" not in nodeid]
+    if lost:
+        raise pytest.UsageError(
+            f"pytest-xdist did not group {len(lost)} tests (first: {lost[0]}): this pytest and "
+            "pytest-xdist do not work together; install the versions pyproject.toml asks for"
+        )
 
 
 @pytest.fixture

@@ -153,9 +153,11 @@ class ClaimPreparer:
         )
 
     def _failed(self, action: str, ref: ClaimRef, reason: str) -> str:
+        # Each format whole, as the operator's troubleshooting table quotes it.
         log.error(
-            "%s failed claim=%s/%s uid=%s error=%s",
-            action,
+            "prepare failed claim=%s/%s uid=%s error=%s"
+            if action == "prepare"
+            else "unprepare failed claim=%s/%s uid=%s error=%s",
             escaped(ref.namespace),
             escaped(ref.name),
             escaped(ref.uid),
