@@ -465,17 +465,9 @@ class NvmlModel:
         self.partition_model.get(index, gpu, limits)
 
     def partitions(self, index: int) -> PartitionRules:
-        """GPU `index`'s partitions, as the driver holds them."""
+        """GPU `index`'s partitions, as the driver holds them; what a CUDA process in a cgroup
+        sees is their `mem_get_info` (cuMemGetInfo) and `charge` (cuMemAlloc)."""
         return self.partition_model.rules(index, self.gpus[index])
-
-    def cu_mem_get_info(self, index: int, cgroup: str) -> tuple[int, int]:
-        return self.partition_model.cu_mem_get_info(index, self.gpus[index], cgroup)
-
-    def cu_mem_alloc(self, index: int, cgroup: str, nbytes: int) -> int:
-        return self.partition_model.cu_mem_alloc(index, self.gpus[index], cgroup, nbytes)
-
-    def cu_mem_free(self, index: int, cgroup: str, nbytes: int) -> None:
-        self.partition_model.cu_mem_free(index, self.gpus[index], cgroup, nbytes)
 
     # -- MIG -------------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """The driver model's GPU memory partitions (R615): nvmlDeviceSetMemoryLimits_v1 and
-nvmlDeviceGetMemoryLimits_v1 as the driver answers them, and what a CUDA process in a cgroup would
-see (`cu_mem_get_info`, `cu_mem_alloc`).
+nvmlDeviceGetMemoryLimits_v1 as the driver answers them; what a CUDA process in a cgroup would
+see is the rules' `mem_get_info` (cuMemGetInfo) and `charge` (cuMemAlloc).
 
 The rules are the product's own model of the driver (deviceplugin.gpu.fake.partitionrules, whose
 docstring gives them), applied to a directory laid out like the unified hierarchy: `cgroup_root`
@@ -29,9 +29,6 @@ import pynvml
 from deviceplugin.gpu.cgrouptree import DirectoryTree
 from deviceplugin.gpu.fake.partitionrules import PartitionCodeError, PartitionRules, Store
 from deviceplugin.partitions import driver_major
-
-CUDA_SUCCESS = 0
-CUDA_ERROR_OUT_OF_MEMORY = 2
 
 
 class PartitionedGpu(Protocol):
@@ -108,20 +105,3 @@ class ModelPartitions:
             limits.softLimit = soft
             limits.hardLimit = hard
             limits.currentUsed = used
-
-    # -- what a CUDA process in a cgroup sees ----------------------------------------------------
-
-    def cu_mem_get_info(self, index: int, gpu: PartitionedGpu, cgroup: str) -> tuple[int, int]:
-        """(free, total) as cuMemGetInfo reports them to a process in `cgroup`."""
-        with self._lock:
-            return self.rules(index, gpu).mem_get_info(cgroup)
-
-    def cu_mem_alloc(self, index: int, gpu: PartitionedGpu, cgroup: str, nbytes: int) -> int:
-        """cuMemAlloc of `nbytes` by a process in `cgroup`: CUDA_SUCCESS or OUT_OF_MEMORY."""
-        with self._lock:
-            ok = self.rules(index, gpu).charge(cgroup, nbytes)
-        return CUDA_SUCCESS if ok else CUDA_ERROR_OUT_OF_MEMORY
-
-    def cu_mem_free(self, index: int, gpu: PartitionedGpu, cgroup: str, nbytes: int) -> None:
-        with self._lock:
-            self.rules(index, gpu).release(cgroup, nbytes)

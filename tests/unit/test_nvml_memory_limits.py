@@ -23,7 +23,6 @@ from deviceplugin.gpu.nvml.partitions import (
     normal_bus_id,
 )
 from deviceplugin.partitions import (
-    LIMIT_MAX,
     NVML_ERROR_NO_PERMISSION,
     NVML_ERROR_NOT_FOUND,
     NVML_ERROR_NOT_SUPPORTED,
@@ -223,16 +222,17 @@ def test_set_get_and_clear_on_a_container_with_what_cuda_then_sees(rig: Rig) -> 
     backend = rig.backend()
     backend.set_memory_limits(uuid(rig, 0), LEAF, GiB, 8 * GiB)
     assert backend.get_memory_limits(uuid(rig, 0), LEAF) == MemoryLimits(GiB, 8 * GiB, 0)
-    assert rig.model.cu_mem_get_info(0, LEAF) == (8 * GiB, 8 * GiB)
-    assert rig.model.cu_mem_alloc(0, LEAF, 6 * GiB) == 0
-    assert rig.model.cu_mem_alloc(0, LEAF, 3 * GiB) == 2  # CUDA_ERROR_OUT_OF_MEMORY
+    cuda = rig.model.partitions(0)  # what a process in the cgroup sees
+    assert cuda.mem_get_info(LEAF) == (8 * GiB, 8 * GiB)
+    assert cuda.charge(LEAF, 6 * GiB)
+    assert not cuda.charge(LEAF, 3 * GiB)  # CUDA_ERROR_OUT_OF_MEMORY
     assert backend.get_memory_limits(uuid(rig, 0), LEAF) == MemoryLimits(GiB, 8 * GiB, 6 * GiB)
     pod = LEAF.rsplit("/", 1)[0]
     assert rig.model.partitions(0).limits[pod].soft_bytes == GiB
     assert backend.clear_memory_limits(uuid(rig, 0), LEAF)
     assert backend.get_memory_limits(uuid(rig, 0), LEAF) is None
     assert pod not in rig.model.partitions(0).limits
-    assert rig.model.cu_mem_get_info(0, LEAF)[1] == rig.gpus[0].memory_total_bytes
+    assert cuda.mem_get_info(LEAF)[1] == rig.gpus[0].memory_total_bytes
 
 
 def test_misc_reads_no_limit_as_none(rig: Rig) -> None:
@@ -286,7 +286,7 @@ def test_clear_of_a_hard_limit_alone_lifts_it_in_one_set(rig: Rig) -> None:
     assert backend.clear_memory_limits(uuid(rig, 0), LEAF)
     assert rig.model.calls[("nvmlDeviceSetMemoryLimits_v1", 0)] == sets + 1
     assert rig.model.partitions(0).limits == {}
-    assert rig.model.cu_mem_get_info(0, LEAF)[1] != LIMIT_MAX
+    assert rig.model.partitions(0).mem_get_info(LEAF)[1] == rig.gpus[0].memory_total_bytes
 
 
 # -- the host ------------------------------------------------------------------------------------
