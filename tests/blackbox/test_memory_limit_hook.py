@@ -243,6 +243,31 @@ async def test_a_state_without_one_valid_pid_is_a_usage_error(rig: LimitRig, sta
     assert 'no valid top-level "pid"' in run.stderr
 
 
+async def test_a_state_past_1_mib_is_refused_unread(rig: LimitRig) -> None:
+    huge = b'{"pid": 4242, "annotations": {"x": "' + b"a" * (1 << 20) + b'"}}'
+    run = await rig.run_hook(PID, "alloc-1", state=huge)
+    assert run.returncode == 2
+    assert "cannot read the container's state on stdin: File too large" in run.stderr
+    assert rig.limits() == {}
+
+
+def test_the_hook_needs_nothing_on_the_host(hook_binary: Path) -> None:
+    """Static: no program interpreter (PT_INTERP), so no shared library is loaded."""
+    elf = hook_binary.read_bytes()
+    assert elf[:4] == b"\x7fELF"
+    assert elf[4] == 2  # 64-bit
+    phoff = int.from_bytes(elf[0x20:0x28], "little")
+    entry_size = int.from_bytes(elf[0x36:0x38], "little")
+    entries = int.from_bytes(elf[0x38:0x3A], "little")
+    types = [
+        int.from_bytes(elf[phoff + n * entry_size : phoff + n * entry_size + 4], "little")
+        for n in range(entries)
+    ]
+    pt_interp, pt_dynamic = 3, 2
+    assert pt_interp not in types
+    assert pt_dynamic not in types
+
+
 async def test_the_pid_is_read_from_the_top_level_only(rig: LimitRig) -> None:
     nested = oci_state(PID, annotations={"pid": "1"}, extra={"pid": 1, "list": [{"pid": 1}]})
     run = await rig.run_hook(PID, "alloc-1", state=nested)
