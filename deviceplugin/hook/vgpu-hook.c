@@ -317,15 +317,19 @@ static int ask_daemon(const char *socket_path, long pid, const char *grant) {
     }
     snprintf(request, sizeof request, "VGPU-HOOK 1 apply %ld %s\n", pid, grant);
     stage = "sending the request to the vgpu daemon";
-    if (send_all(fd, request, strlen(request)) != 0) {
-        return fail(1, "cannot send to the vgpu daemon at %s: %s", socket_path, strerror(errno));
-    }
+    /* A daemon that refuses may answer and close before all was sent: its answer is read all
+     * the same, and the send's error is reported only when there is none. */
+    int send_error = send_all(fd, request, strlen(request)) != 0 ? errno : 0;
     shutdown(fd, SHUT_WR);
     stage = "waiting for the vgpu daemon's answer";
     for (;;) {
         ssize_t n = recv(fd, reply + got, MAX_ANSWER_BYTES - got, 0);
         if (n < 0 && errno == EINTR) {
             continue;
+        }
+        if (n < 0 && got == 0 && send_error != 0) {
+            return fail(1, "cannot send to the vgpu daemon at %s: %s", socket_path,
+                        strerror(send_error));
         }
         if (n < 0) {
             return fail(1, "reading the vgpu daemon's answer failed: %s", strerror(errno));
@@ -339,6 +343,10 @@ static int ask_daemon(const char *socket_path, long pid, const char *grant) {
     close(fd);
     reply[got] = '\0';
     char *newline = strchr(reply, '\n');
+    if (newline == NULL && send_error != 0) {
+        return fail(1, "cannot send to the vgpu daemon at %s: %s", socket_path,
+                    strerror(send_error));
+    }
     if (newline == NULL) {
         return fail(1, "the vgpu daemon at %s closed the connection without an answer",
                     socket_path);

@@ -153,14 +153,16 @@ class HookServer:
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
         sock = writer.get_extra_info("socket")
         uid = peer_uid(sock) if sock is not None else -1
-        if uid not in self.allowed_uids:
-            return self._refused(f"the hook socket answers root only, not uid {uid}")
+        # The request is read whoever sent it (at most 512 bytes), so that a refusal reaches a
+        # peer still sending rather than breaking its pipe.
         try:
             line = await asyncio.wait_for(reader.readline(), timeout=self.read_timeout_s)
         except TimeoutError:
             return self._refused(f"no request within {self.read_timeout_s:g}s")
         except ValueError:
             return self._refused(f"a request longer than {MAX_REQUEST_BYTES} bytes")
+        if uid not in self.allowed_uids:
+            return self._refused(f"the hook socket answers root only, not uid {uid}")
         try:
             pid, grant = parse_request(line)
         except RequestError as e:

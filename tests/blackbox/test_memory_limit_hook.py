@@ -233,6 +233,26 @@ async def test_the_socket_answers_root_only(rig: LimitRig, short_tmp: Path) -> N
     assert rig.limits() == {}
 
 
+async def test_a_refused_peer_is_answered_after_its_request_not_before(
+    rig: LimitRig, short_tmp: Path
+) -> None:
+    """An answer sent and the socket closed before the peer wrote its request would break the
+    peer's pipe: it would report a broken pipe, not the reason."""
+    strict = HookServer(short_tmp / "strict" / "hook.sock", rig.applier, allowed_uids={12345})
+    await strict.start()
+    try:
+        reader, writer = await asyncio.open_unix_connection(str(strict.path))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(reader.readline(), timeout=0.3)
+        writer.write(b"VGPU-HOOK 1 apply 4242 alloc-1\n")
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.readline(), timeout=5)
+        writer.close()
+    finally:
+        await strict.close()
+    assert answer.startswith(b"ERR the hook socket answers root only")
+
+
 @pytest.mark.parametrize(
     "state",
     [b"", b"not json", b'{"pid": 0}', b'{"pid": "4242"}', b'{"pid": 1, "pid": 2}', b"[4242]"],
