@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import socket
@@ -38,7 +39,13 @@ LEAF = leaf_of("app")
 
 @pytest.fixture(scope="session")
 def hook_binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return compile_hook(tmp_path_factory.mktemp("hook"))
+    # Built once for the session: the parallel workers' base directories share a parent.
+    shared = tmp_path_factory.getbasetemp().parent / "vgpu-hook"
+    shared.mkdir(exist_ok=True)
+    with (shared / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        binary = shared / "vgpu-hook"
+        return binary if binary.exists() else compile_hook(shared)
 
 
 @pytest.fixture
