@@ -29,7 +29,21 @@ COPY deviceplugin ./deviceplugin
 RUN python3 -m venv /opt/build \
     && /opt/build/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-# --- stage 2: the runtime, a virtual environment with the wheel and its dependencies ------------
+# --- stage 2: the runtime hook, a static binary the node's OCI runtime runs -----------------------
+# deviceplugin/hook/vgpu-hook.c (docs/design.md §15): static, so that it needs nothing on the
+# host. The compiler stays in this stage; the final image gets the binary alone.
+FROM ${BASE_IMAGE} AS hook
+# Debian's compiler of the base image's release: the versions move with its security updates.
+# hadolint ignore=DL3008
+RUN --mount=type=bind,source=deviceplugin/hook,target=/src/hook \
+    apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/* \
+    && mkdir -p /out \
+    && gcc -static -Os -s -std=c11 -Wall -Wextra -Werror -o /out/vgpu-hook /src/hook/vgpu-hook.c \
+    && /out/vgpu-hook --version
+
+# --- stage 3: the runtime, a virtual environment with the wheel and its dependencies ------------
 FROM ${BASE_IMAGE}
 ARG VERSION=0.1.0
 ARG PIP_INDEX_URL
@@ -43,15 +57,18 @@ LABEL org.opencontainers.image.title="vgpu-device-plugin" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.version="${VERSION}"
 # The locked dependencies first, each file checked against its hash; then the wheel, with no
-# dependency resolution of its own. Both come in through bind mounts: no copy stays in a layer.
+# dependency resolution of its own; then the runtime hook, which the daemon puts on the host.
+# All come in through bind mounts: no copy stays in a layer.
 RUN --mount=type=bind,source=requirements.lock,target=/tmp/requirements.lock \
     --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    --mount=type=bind,from=hook,source=/out,target=/hook \
     python3 -m venv /opt/vgpu \
     && /opt/vgpu/bin/pip install --no-cache-dir --disable-pip-version-check \
         --require-hashes --only-binary=:all: -r /tmp/requirements.lock \
     && /opt/vgpu/bin/pip install --no-cache-dir --disable-pip-version-check --no-deps \
         /wheels/*.whl \
-    && /opt/vgpu/bin/pip check
+    && /opt/vgpu/bin/pip check \
+    && install -D -m 0755 /hook/vgpu-hook /opt/vgpu/libexec/vgpu-hook
 # The root filesystem is read-only in the DaemonSet: no byte-code is written at run time (pip
 # compiled it at install), and log lines are not held in a buffer.
 ENV PATH="/opt/vgpu/bin:${PATH}" \

@@ -35,3 +35,14 @@ class AllocationError(DevicePluginError):
 
 class RegistrationError(DevicePluginError):
     """The kubelet refused our registration (wrong version, bad resource name)."""
+
+
+class MemoryLimitError(BackendError):
+    """A GPU memory limit could not be set, read or cleared (docs/design.md §15). `code` is the
+    NVML return code (None when the call never reached the driver: an unknown GPU, a timeout),
+    `code_name` its name; the message names the GPU, the cgroup and what to do."""
+
+    def __init__(self, message: str, code: int | None = None, code_name: str = "") -> None:
+        self.code = code
+        self.code_name = code_name
+        super().__init__(message)

@@ -91,9 +91,12 @@ def _open_child(name: str, parent: int, walked: PurePosixPath) -> int:
         raise
 
 
-def replace_file(dir_fd: int, name: str, data: bytes, mode: int) -> os.stat_result:
+def replace_file(
+    dir_fd: int, name: str, data: bytes, mode: int, *, sync: bool = True
+) -> os.stat_result:
     """Replace the file `name` in the open directory `dir_fd` with `data`, mode `mode` exactly
-    (whatever the umask); the new file's stat.
+    (whatever the umask); the new file's stat. `sync=False` skips the fsync, for a file that
+    need not outlive the machine (a reader still sees the old file or the new one).
 
     The data goes to a new hidden file of a random name, created with O_EXCL | O_NOFOLLOW in
     that directory, which is then renamed over `name`: whatever was at `name` (a symlink
@@ -111,7 +114,8 @@ def replace_file(dir_fd: int, name: str, data: bytes, mode: int) -> os.stat_resu
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-            os.fsync(fd)
+            if sync:
+                os.fsync(fd)
             written = os.fstat(fd)
         finally:
             os.close(fd)

@@ -173,14 +173,16 @@ fi
 size=$(podman image inspect --format '{{.Size}}' "$IMAGE")
 step "built $IMAGE ($((size / 1024 / 1024)) MiB)"
 
-# What must not be in the final image: compilers, pip's cache, the wheel.
+# What must not be in the final image: compilers, pip's cache, the wheel; what must: the runtime
+# hook, runnable on its own (static).
 # shellcheck disable=SC2016 # the script runs in the container's shell
 "${PODMAN[@]}" run --rm "${ULIMITS[@]}" --network none --entrypoint /bin/sh "$IMAGE" -c '
     for tool in gcc cc g++ make; do command -v "$tool" && exit 1; done
-    [ ! -e /root/.cache/pip ] && [ ! -e /wheels ] && [ ! -e /src ] || exit 1
+    [ ! -e /root/.cache/pip ] && [ ! -e /wheels ] && [ ! -e /src ] && [ ! -e /hook ] || exit 1
+    /opt/vgpu/libexec/vgpu-hook --version || exit 1
     vgpu-device-plugin --version' >"$WORK/inspect.log" 2>&1 ||
-    { cat "$WORK/inspect.log" >&2; fail "the image has a compiler, a pip cache or build files"; }
-step "image holds no compiler, cache or build files: $(tail -1 "$WORK/inspect.log")"
+    { cat "$WORK/inspect.log" >&2; fail "the image has a compiler, a pip cache or build files, or no hook"; }
+step "image holds the static hook and no compiler, cache or build files: $(tail -1 "$WORK/inspect.log")"
 
 # NVIDIA's config files are read through libyaml, as NVIDIA's plugin reads them (tab-indented JSON
 # included): PyYAML in the image must have its C loader.

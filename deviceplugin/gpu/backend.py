@@ -5,24 +5,60 @@ Shaped after what NVML offers, so that the real backend and the fake one answer 
 - usage: per GPU, nvmlDeviceGetMemoryInfo().used and nvmlDeviceGetUtilizationRates().gpu;
 - processes: nvmlDeviceGetComputeRunningProcesses (pid, usedGpuMemory, which may be unknown);
 - per-process SM utilisation: nvmlDeviceGetProcessUtilization, averaged since the previous call;
-- health: from NVML events (Xid, ECC) and from calls that fail with GPU_IS_LOST.
+- health: from NVML events (Xid, ECC) and from calls that fail with GPU_IS_LOST;
+- memory partitions (docs/design.md §15): per GPU what its driver can enforce of its memory
+  (dmem, misc or nothing: polling), and a cgroup's limits set, read and cleared through
+  nvmlDeviceSetMemoryLimits_v1 / nvmlDeviceGetMemoryLimits_v1.
 
-A backend is polled from one place (the poll loop), off the event loop, one call at a time.
-`open_backend` opens the one a command line names.
+A backend is polled from one place (the poll loop), off the event loop, one call at a time; the
+memory-limit calls come from any thread, beside the polls. `open_backend` opens the one a command
+line names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
 
 from deviceplugin.config import Config
 from deviceplugin.errors import BackendError
 from deviceplugin.model import NodeReading
+from deviceplugin.partitions import MemoryLimits, PartitionSupport
 
 
-class GpuBackend(Protocol):
+class PartitionBackend(Protocol):
+    """GPU memory partitions (docs/design.md §15). The backend, not the daemon, says what each
+    GPU can do; every call may come from any thread, beside the polls, and blocks at most the
+    backend's call timeout.
+
+    A cgroup is named by its path from the root of the unified hierarchy ("/kubepods.slice/...");
+    the backend joins it to the hierarchy's mount it was given. Limits are bytes; a hard limit
+    of LIMIT_MAX is none. Every refusal raises MemoryLimitError naming the GPU, the cgroup and
+    the NVML code (`code`, `code_name`)."""
+
+    def memory_partitioning(self) -> Mapping[str, PartitionSupport]:
+        """Per GPU UUID, how its memory can be enforced: `driver-dmem`, `driver-misc`, or
+        `poll` with the reason. A GPU (or MIG device) not listed is polled."""
+        ...
+
+    def set_memory_limits(
+        self, gpu_uuid: str, cgroup: str, soft_bytes: int, hard_bytes: int
+    ) -> None:
+        """Set the cgroup's soft and hard limit on the GPU (0 <= soft <= hard)."""
+        ...
+
+    def get_memory_limits(self, gpu_uuid: str, cgroup: str) -> MemoryLimits | None:
+        """The cgroup's limits on the GPU as the driver reads them; None when none is set."""
+        ...
+
+    def clear_memory_limits(self, gpu_uuid: str, cgroup: str) -> bool:
+        """Clear the cgroup's limits on the GPU: soft to 0 first, then hard to MAX (see
+        deviceplugin.partitions.clear_limits). Whether any limit was set."""
+        ...
+
+
+class GpuBackend(PartitionBackend, Protocol):
     """A source of GPU readings. Implementations are not required to be thread-safe: the daemon
     calls `poll` from one worker at a time and `close` once, after the last poll."""
 

@@ -20,6 +20,12 @@ known (`namespace_root`, found at start from the host hierarchy mounted in the d
 namespace, see `find_namespace_root`); otherwise it is refused: the process counts as in no pod.
 That is sound: a path is never guessed.
 
+A runtime hook's container (`KubeletTree.container_leaf`, docs/design.md §15) is held to more: the
+cgroup file of its init process must have exactly one unified line (`0::`, the one read on
+hybrid hosts too) naming, in plain printable ASCII with no empty, `.` or `..` component once
+resolved, exactly a container's cgroup in the kubelet's layout (not a cgroup below it); anything
+else is refused with the reason.
+
 Pure but for `find_namespace_root`, which reads /proc and the mounted hierarchy once.
 """
 
@@ -191,6 +197,65 @@ class KubeletTree:
         if any(p in ("", ".", "..") for p in parts):
             return None
         return "/" + "/".join(base + parts)
+
+
+class LeafRefusedError(ValueError):
+    """A process's cgroup file names no container's own cgroup; the message says why."""
+
+
+# What a cgroup path of the kubelet's may hold: systemd's escapes are letters and digits.
+_PLAIN_PATH = re.compile(r"/[A-Za-z0-9_.:@+=-]+(?:/[A-Za-z0-9_.:@+=-]+)*")
+_PODS_ROOT_SEGMENT = re.compile(r"(?:[a-z0-9]+-)?kubepods(?:\.slice)?")
+
+
+def container_leaf(tree: KubeletTree, content: bytes) -> PodContainer:
+    """The container a runtime hook's init process was placed in, from the content of its
+    `/proc/<pid>/cgroup`: exactly one unified line, a plain path, exactly a container's cgroup
+    in the kubelet's layout. Raises LeafRefusedError naming what is wrong."""
+    try:
+        text = content.decode("ascii")
+    except UnicodeDecodeError:
+        raise LeafRefusedError("the cgroup file is not ASCII") from None
+    unified = [line[3:] for line in text.split("\n") if line.startswith("0::")]
+    if len(unified) != 1:
+        raise LeafRefusedError(
+            f"expected one cgroup v2 line (0::<path>), found {len(unified)}: the process is not "
+            "on the unified hierarchy"
+            if not unified
+            else f"expected one cgroup v2 line (0::<path>), found {len(unified)}"
+        )
+    raw = unified[0]
+    path: str | None = raw
+    if tree.namespace_root != "" or raw == "/.." or raw.startswith("/../"):
+        path = tree.resolve(raw)
+        if path is None:
+            raise LeafRefusedError(
+                f"{_short(raw)} lies outside the hierarchy this daemon can resolve"
+            )
+    assert path is not None
+    if not _PLAIN_PATH.fullmatch(path) or any(p in (".", "..") for p in path.split("/")):
+        raise LeafRefusedError(f"{_short(path)} is not a plain cgroup path")
+    found = tree.match(path)
+    if found is None or found.cgroup != path:
+        raise LeafRefusedError(
+            f"{_short(path)} is not a container's cgroup in the kubelet's layout "
+            f"(driver {tree.layout.driver}, root {tree.layout.root})"
+        )
+    return found
+
+
+def pods_root(cgroup: str) -> str | None:
+    """The kubelet's top cgroup of pods above a container's cgroup (`<root>/kubepods` or
+    `<root>/<p>kubepods.slice`); None when the path has none."""
+    parts = cgroup.split("/")
+    for n, part in enumerate(parts):
+        if n and _PODS_ROOT_SEGMENT.fullmatch(part):
+            return "/".join(parts[: n + 1])
+    return None
+
+
+def _short(text: str) -> str:
+    return repr(text if len(text) <= 200 else text[:197] + "...")
 
 
 def kubelet_layout(driver: str, root: str) -> CgroupLayout | None:

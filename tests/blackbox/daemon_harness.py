@@ -19,6 +19,7 @@ from deviceplugin.gpu.backend import GpuBackend
 from deviceplugin.gpu.fake import FakeBackend, FakeGpu, FakeProcess, FakeState, write_state_file
 from deviceplugin.kubelet.lifecycle import endpoint_name
 from deviceplugin.model import NodeReading
+from deviceplugin.partitions import MemoryLimits, PartitionSupport
 from deviceplugin.sim.kubelet import KubeletSimulator
 
 GiB = 1024**3
@@ -210,6 +211,20 @@ class HangingBackend:
 
     def set_wake(self, wake: Callable[[], None]) -> None:
         self.inner.set_wake(wake)
+
+    def memory_partitioning(self) -> Mapping[str, PartitionSupport]:
+        return self.inner.memory_partitioning()
+
+    def set_memory_limits(
+        self, gpu_uuid: str, cgroup: str, soft_bytes: int, hard_bytes: int
+    ) -> None:
+        self.inner.set_memory_limits(gpu_uuid, cgroup, soft_bytes, hard_bytes)
+
+    def get_memory_limits(self, gpu_uuid: str, cgroup: str) -> MemoryLimits | None:
+        return self.inner.get_memory_limits(gpu_uuid, cgroup)
+
+    def clear_memory_limits(self, gpu_uuid: str, cgroup: str) -> bool:
+        return self.inner.clear_memory_limits(gpu_uuid, cgroup)
 
 
 async def eventually(

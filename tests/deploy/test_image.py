@@ -54,16 +54,17 @@ def test_hadolint_passes() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_two_stages_from_one_base_image_taken_by_digest() -> None:
+def test_three_stages_from_one_base_image_taken_by_digest() -> None:
     steps = instructions()
     keyword, base = steps[0]
     assert keyword == "ARG"
     assert re.fullmatch(r"BASE_IMAGE=python:3\.11-slim-bookworm@sha256:[0-9a-f]{64}", base), base
     froms = [rest for keyword, rest in steps if keyword == "FROM"]
-    assert froms == ["${BASE_IMAGE} AS build", "${BASE_IMAGE}"]
+    assert froms == ["${BASE_IMAGE} AS build", "${BASE_IMAGE} AS hook", "${BASE_IMAGE}"]
     stages = [i for i, (keyword, _) in enumerate(steps) if keyword == "FROM"]
     build = " ".join(rest for _, rest in steps[stages[0] : stages[1]])
-    final_steps = steps[stages[1] :]
+    hook = " ".join(rest for _, rest in steps[stages[1] : stages[2]])
+    final_steps = steps[stages[2] :]
     final = " ".join(rest for _, rest in final_steps)
     assert "pip wheel --no-cache-dir --no-deps" in build
     # The runtime: a venv with the wheel and its dependencies, and nothing copied in.
@@ -71,6 +72,12 @@ def test_two_stages_from_one_base_image_taken_by_digest() -> None:
     assert re.search(r"/opt/vgpu/bin/pip install --no-cache-dir [^&]*/wheels/\*\.whl", final)
     assert "--mount=type=bind,from=build" in final
     assert not [r for k, r in final_steps if k in {"COPY", "ADD"}]
+    # The runtime hook: compiled static in a stage of its own, only the binary in the image.
+    assert "gcc -static" in hook
+    assert "source=deviceplugin/hook" in hook
+    assert "--mount=type=bind,from=hook" in final
+    assert "install -D -m 0755 /hook/vgpu-hook /opt/vgpu/libexec/vgpu-hook" in final
+    assert "gcc" not in final
 
 
 def test_entrypoint_labels_and_path() -> None:

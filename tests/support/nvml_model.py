@@ -10,6 +10,11 @@ Faults are injected per function and GPU: `fail(name, code)` makes calls raise, 
 makes them wait until released, `hide(name)` removes a function as an older pynvml lacks it.
 `calls` counts every call by (function, GPU index), for rate checks.
 
+Memory partitions (R615): a ModelGpu's `memory_partitions` ("dmem", "misc" or None) and the
+model's `cgroup_root` (a directory standing for /sys/fs/cgroup) drive nvmlDeviceSetMemoryLimits_v1
+and nvmlDeviceGetMemoryLimits_v1, with the rules and error codes tests/support/nvml_partitions.py
+describes.
+
 MIG: a ModelGpu with `mig_enabled` has `mig_devices`, one per slot (None: an empty slot), reached
 through nvmlDeviceGetMaxMigDeviceCount and nvmlDeviceGetMigDeviceHandleByIndex as in NVML. A MIG
 device answers for its UUID, name, memory, processes, instance IDs and attributes; utilisation
@@ -25,9 +30,13 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pynvml
+
+from deviceplugin.gpu.fake.partitionrules import PartitionRules
+from tests.support.nvml_partitions import ModelPartitions
 
 GiB = 1024**3
 NOT_AVAILABLE = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE as the plain (v1) call reports it
@@ -98,6 +107,8 @@ class ModelGpu:
         | pynvml.nvmlEventTypeDoubleBitEccError
         | pynvml.nvmlEventTypeSingleBitEccError
     )
+    # The store of the driver's memory partitions on this GPU: "dmem", "misc", or None.
+    memory_partitions: str | None = None
 
 
 def model_gpus(count: int, *, processes: int = 0, first_pid: int = 1000) -> list[ModelGpu]:
@@ -181,10 +192,14 @@ class NvmlModel:
         cuda_version: int = 12060,
         filter_samples: bool = True,
         bytes_strings: bool = False,
+        cgroup_root: Path | None = None,
+        root_user: bool = True,
     ) -> None:
         for name in dir(pynvml):
             if name.startswith(("NVML_", "NVMLError", "nvmlEventType", "NVMLLibraryMismatch")):
                 setattr(self, name, getattr(pynvml, name))
+        self.c_nvmlSetMemoryLimits_v1_t = pynvml.c_nvmlSetMemoryLimits_v1_t
+        self.c_nvmlGetMemoryLimits_v1_t = pynvml.c_nvmlGetMemoryLimits_v1_t
         self.gpus = list(gpus)
         self.driver_version = driver_version
         self.cuda_version = cuda_version
@@ -202,6 +217,7 @@ class NvmlModel:
         self._blockers: dict[str, list[tuple[int | None, Blocker]]] = {}
         self._hidden: set[str] = set()
         self.handles = [ModelHandle(index) for index in range(len(self.gpus))]
+        self.partition_model = ModelPartitions(cgroup_root, root_user)
 
     # -- faults ----------------------------------------------------------------------------------
 
@@ -428,6 +444,30 @@ class NvmlModel:
         gpu = self._gpu("nvmlDeviceGetMigMode", handle)
         mode = pynvml.NVML_DEVICE_MIG_ENABLE if gpu.mig_enabled else pynvml.NVML_DEVICE_MIG_DISABLE
         return [mode, mode]
+
+    # -- memory partitions (R615) ---------------------------------------------------------------
+
+    def _partitioned(self, name: str, handle: object) -> tuple[int, ModelGpu]:
+        index = self._enter(name, handle)
+        assert index is not None
+        gpu = self.gpus[index]
+        self.partition_model.check(
+            self.driver_version, gpu, mig_handle=isinstance(handle, ModelMigHandle)
+        )
+        return index, gpu
+
+    def nvmlDeviceSetMemoryLimits_v1(self, handle: object, limits: Any) -> None:  # noqa: N802
+        index, gpu = self._partitioned("nvmlDeviceSetMemoryLimits_v1", handle)
+        self.partition_model.set(index, gpu, limits)
+
+    def nvmlDeviceGetMemoryLimits_v1(self, handle: object, limits: Any) -> None:  # noqa: N802
+        index, gpu = self._partitioned("nvmlDeviceGetMemoryLimits_v1", handle)
+        self.partition_model.get(index, gpu, limits)
+
+    def partitions(self, index: int) -> PartitionRules:
+        """GPU `index`'s partitions, as the driver holds them; what a CUDA process in a cgroup
+        sees is their `mem_get_info` (cuMemGetInfo) and `charge` (cuMemAlloc)."""
+        return self.partition_model.rules(index, self.gpus[index])
 
     # -- MIG -------------------------------------------------------------------------------------
 

@@ -11,10 +11,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from deviceplugin.errors import BackendError, StateFileError
+from deviceplugin.gpu.cgrouptree import DirectoryTree
+from deviceplugin.gpu.fake.memlimits import FakeMemoryLimits, stores
+from deviceplugin.gpu.fake.partitionstate import FakePartitions, default_path
 from deviceplugin.gpu.fake.sampler import (
     _MANY_PROCESSES,
     _NOT_RUNNING_STATES,
@@ -27,6 +30,7 @@ from deviceplugin.gpu.fake.sampler import (
 from deviceplugin.gpu.fake.state import FakeGpu
 from deviceplugin.gpu.fake.statefile import _decode_state, read_bounded, read_state_file
 from deviceplugin.model import GpuReading, NodeReading, ProcessSample, SampleReuse
+from deviceplugin.partitions import MemoryLimits, PartitionSupport
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +50,11 @@ def _signature(st: os.stat_result) -> _Signature:
 
 class FakeBackend:
     """A GpuBackend serving the GPUs of a state file, with utilisation modelled from the real run
-    state of the listed processes. Starts a daemon sampler thread; `close` stops it."""
+    state of the listed processes. Starts a daemon sampler thread; `close` stops it.
+
+    Memory limits (docs/design.md §15) are set on cgroups under `cgroup_root` (a directory laid
+    out like the unified hierarchy, or the hierarchy itself) and kept in `partitions_path`
+    (default: `<path>.memory-limits.json`); `wall_clock` stamps when each was set."""
 
     def __init__(
         self,
@@ -55,6 +63,9 @@ class FakeBackend:
         sample_interval_s: float = 0.02,
         proc_root: Path = Path("/proc"),
         clock: Callable[[], float] = time.monotonic,
+        cgroup_root: Path = Path("/sys/fs/cgroup"),
+        partitions_path: Path | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         if not sample_interval_s > 0:
             raise ValueError(f"sample_interval_s must be positive, got {sample_interval_s}")
@@ -90,6 +101,13 @@ class FakeBackend:
                 f"cannot start the fake GPU backend: {e}; fix the file and start again"
             ) from e
 
+        self._partitions = FakePartitions(
+            partitions_path or default_path(self._path),
+            DirectoryTree(cgroup_root, dmem="always"),
+            wall_clock,
+        )
+        self._partitions.sync(stores(self._state))
+        self._limits = FakeMemoryLimits(self._partitions, lambda: self._state)
         self._signature: _Signature | None = _signature(st)
         self._problem: str | None = None
         # Utilisation: the latest instantaneous value per (gpu uuid, pid), and its integral
@@ -261,6 +279,34 @@ class FakeBackend:
     def set_wake(self, wake: Callable[[], None]) -> None:
         """Nothing to report between polls: the state file is read at each poll."""
 
+    # -- memory partitions (docs/design.md §15): any thread, the state file as last read ------
+
+    def _limit_calls(self) -> FakeMemoryLimits:
+        with self._lock:
+            if self._closed:
+                raise BackendError(f"{self.name}: used after close")
+            self._refresh()
+        return self._limits
+
+    def memory_partitioning(self) -> Mapping[str, PartitionSupport]:
+        return self._limit_calls().memory_partitioning()
+
+    def set_memory_limits(
+        self, gpu_uuid: str, cgroup: str, soft_bytes: int, hard_bytes: int
+    ) -> None:
+        self._limit_calls().set_memory_limits(gpu_uuid, cgroup, soft_bytes, hard_bytes)
+
+    def get_memory_limits(self, gpu_uuid: str, cgroup: str) -> MemoryLimits | None:
+        return self._limit_calls().get_memory_limits(gpu_uuid, cgroup)
+
+    def clear_memory_limits(self, gpu_uuid: str, cgroup: str) -> bool:
+        return self._limit_calls().clear_memory_limits(gpu_uuid, cgroup)
+
+    @property
+    def partitions(self) -> FakePartitions:
+        """The fake driver's partitions (for tests and the demo)."""
+        return self._partitions
+
     def __enter__(self) -> FakeBackend:
         return self
 
@@ -305,6 +351,7 @@ class FakeBackend:
             self._advance(self._clock())
             self._state = state
             self._set_plan()
+            self._partitions.sync(stores(state))
 
     def _reject(self, problem: str) -> None:
         if problem != self._problem:

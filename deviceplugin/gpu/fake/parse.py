@@ -18,7 +18,9 @@ from deviceplugin.gpu.fake.checks import (
     _Problems,
     _show,
 )
+from deviceplugin.gpu.fake.partitionrules import STORES
 from deviceplugin.gpu.fake.state import FakeGpu, FakeMigDevice, FakeProcess, FakeState
+from deviceplugin.partitions import driver_major
 
 _TOP_KEYS = ("gpus",)
 _GPU_KEYS = (
@@ -34,6 +36,8 @@ _GPU_KEYS = (
     "mig_enabled",
     "health_reason",
     "mig",
+    "driver_version",
+    "memory_partitions",
 )
 _MIG_KEYS = ("enabled", "devices")
 _MIG_DEVICE_KEYS = (
@@ -228,6 +232,25 @@ def _parse_gpu(data: object, path: str, problems: _Problems) -> FakeGpu | None:
     pci = field("pci_bus_id", "a string or null", lambda v: v is None or isinstance(v, str), None)
     mig = field("mig_enabled", "true or false", lambda v: isinstance(v, bool), False)
     reason = field("health_reason", "a string", lambda v: isinstance(v, str), "")
+    driver = field(
+        "driver_version",
+        'a driver version like "615.71"',
+        lambda v: isinstance(v, str) and driver_major(v) is not None,
+        None,
+    )
+    partitions = field(
+        "memory_partitions",
+        '"dmem", "misc" or null',
+        lambda v: v is None or v in STORES,
+        None,
+    )
+    if partitions is not None and driver is None:
+        problems.add(
+            f"{path}.memory_partitions",
+            'needs the GPU\'s driver_version (memory partitions came with "615"; an older one'
+            " models a driver without them)",
+        )
+        ok = False
     mig_devices: tuple[FakeMigDevice, ...] = ()
     if "mig" in data:
         parsed_mig = _parse_mig(data["mig"], f"{path}.mig", memory, problems)
@@ -239,28 +262,9 @@ def _parse_gpu(data: object, path: str, problems: _Problems) -> FakeGpu | None:
         else:
             mig, mig_devices = parsed_mig
 
-    processes: list[FakeProcess] = []
-    raw_processes = data.get("processes", [])
-    if not isinstance(raw_processes, list):
-        problems.expected(f"{path}.processes", "a list of processes", raw_processes)
+    processes = _parse_processes(data.get("processes", []), f"{path}.processes", problems)
+    if processes is None:
         ok = False
-    else:
-        first_seen: dict[int, int] = {}
-        for i, raw in enumerate(raw_processes):
-            process = _parse_process(raw, f"{path}.processes[{i}]", problems)
-            if process is None:
-                ok = False
-                continue
-            if process.pid in first_seen:
-                problems.add(
-                    f"{path}.processes[{i}].pid",
-                    f"duplicate of {path}.processes[{first_seen[process.pid]}].pid, "
-                    f"got {process.pid}; list a process once per GPU",
-                )
-                ok = False
-            else:
-                first_seen[process.pid] = i
-            processes.append(process)
 
     if not ok:
         return None
@@ -274,6 +278,8 @@ def _parse_gpu(data: object, path: str, problems: _Problems) -> FakeGpu | None:
     assert pci is None or isinstance(pci, str)
     assert isinstance(mig, bool)
     assert isinstance(reason, str)
+    assert driver is None or isinstance(driver, str)
+    assert partitions is None or isinstance(partitions, str)
     return FakeGpu(
         uuid=uuid,
         index=index,
@@ -282,12 +288,14 @@ def _parse_gpu(data: object, path: str, problems: _Problems) -> FakeGpu | None:
         minor=minor,
         numa_node=numa,
         healthy=healthy,
-        processes=tuple(processes),
+        processes=tuple(processes or ()),
         pci_bus_id=pci,
         mig_enabled=mig,
         health_reason=reason,
         mig_devices=mig_devices,
         mig_block="mig" in data,
+        driver_version=driver,
+        memory_partitions=partitions,
     )
 
 

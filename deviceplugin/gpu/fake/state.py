@@ -7,6 +7,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from deviceplugin.model import GpuInfo
+from deviceplugin.partitions import (
+    MIN_DRIVER_MAJOR,
+    PartitionMode,
+    PartitionSupport,
+    PollCause,
+    driver_major,
+    polled,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +57,10 @@ class FakeGpu:
     mig_devices: tuple[FakeMigDevice, ...] = ()
     # Whether the file had a `mig` block (written back as one).
     mig_block: bool = False
+    # The driver's version ("615.71"), and the store its memory partitions use (docs/design.md
+    # §15): "dmem", "misc", or None for a driver that partitions nothing.
+    driver_version: str | None = None
+    memory_partitions: str | None = None
 
     def mig_info(self, device: FakeMigDevice) -> GpuInfo:
         """A MIG device as NVML reports it: its own UUID and memory, its parent's index, and
@@ -67,6 +79,27 @@ class FakeGpu:
             compute_instance_id=device.compute_instance_id,
             mig_index=self.mig_devices.index(device),
         )
+
+    @property
+    def partition_support(self) -> PartitionSupport:
+        """What this GPU's driver can enforce of its memory (docs/design.md §15): the store of
+        `memory_partitions` on a driver of 615 or newer, out of MIG mode; polling otherwise."""
+        if self.mig_enabled:
+            return polled(PollCause.MIG, "MIG mode is on: the driver partitions no MIG device")
+        if self.memory_partitions is None:
+            return polled(
+                PollCause.NO_PARTITIONS,
+                "the driver offers no memory partitions on this GPU (memory_partitions unset)",
+            )
+        major = driver_major(self.driver_version)
+        if major is None or major < MIN_DRIVER_MAJOR:
+            return polled(
+                PollCause.DRIVER_TOO_OLD,
+                f"driver {self.driver_version} predates memory partitions ({MIN_DRIVER_MAJOR})",
+            )
+        if self.memory_partitions == "dmem":
+            return PartitionSupport(PartitionMode.DMEM)
+        return PartitionSupport(PartitionMode.MISC)
 
     @property
     def info(self) -> GpuInfo:
@@ -90,8 +123,8 @@ class FakeState:
 
     def to_json(self) -> dict[str, Any]:
         """The state as JSON data; `parse_state(state.to_json()) == state`. The optional keys beyond
-        docs/design.md §8 (pci_bus_id, mig_enabled, health_reason) are written only when
-        they are set."""
+        docs/design.md §8 (pci_bus_id, mig_enabled, health_reason, driver_version,
+        memory_partitions) are written only when they are set."""
         gpus: list[dict[str, Any]] = []
         for gpu in self.gpus:
             entry: dict[str, Any] = {
@@ -139,5 +172,9 @@ class FakeState:
                 entry["mig_enabled"] = True
             if gpu.health_reason:
                 entry["health_reason"] = gpu.health_reason
+            if gpu.driver_version is not None:
+                entry["driver_version"] = gpu.driver_version
+            if gpu.memory_partitions is not None:
+                entry["memory_partitions"] = gpu.memory_partitions
             gpus.append(entry)
         return {"gpus": gpus}

@@ -3,6 +3,8 @@
 package that imports pynvml, as the default of its `nvml` argument.
 
 Driver and CUDA versions are logged at start and kept in `driver_version` and `cuda_version`.
+What each GPU's driver can enforce of its memory is detected once its inventory is read
+(`partitions`), and memory-limit calls run on the GPU's worker, bounded by `limit_timeout_s`.
 """
 
 from __future__ import annotations
@@ -29,23 +31,29 @@ from deviceplugin.gpu.nvml.library import (
     handle_key,
     text,
 )
+from deviceplugin.gpu.nvml.limits import MemoryLimitCalls
+from deviceplugin.gpu.nvml.partitions import CgroupHost, NodeFacts, node_facts
 from deviceplugin.gpu.nvml.sampling import Gpu, Sample
 from deviceplugin.gpu.nvml.workers import GpuFaultError, TransientError
 from deviceplugin.model import GpuReading, NodeReading
+from deviceplugin.partitions import PartitionSupport
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PROCESS_LIST_INTERVAL_S = 0.5
 DEFAULT_CALL_TIMEOUT_S = 0.5
 DEFAULT_EVENT_WAIT_TIMEOUT_S = 1.0
+DEFAULT_LIMIT_TIMEOUT_S = 5.0
 
 
-class NvmlBackend(HealthChecks):
+class NvmlBackend(HealthChecks, MemoryLimitCalls):
     """The GpuBackend of the node's real GPUs. See the package docstring for threads and errors.
 
     `nvml` is the pynvml module; tests pass a driver model with the same functions. Every
     duration is in seconds; `clock` (monotonic) times hangs, process-list intervals and recovery.
-    Raises BackendError when NVML cannot start."""
+    `cgroups` says where the unified hierarchy is and where the memory-partition probe may run
+    (default: /sys/fs/cgroup, no probe: every GPU polled). Raises BackendError when NVML cannot
+    start."""
 
     def __init__(
         self,
@@ -57,6 +65,8 @@ class NvmlBackend(HealthChecks):
         event_wait_timeout_s: float = DEFAULT_EVENT_WAIT_TIMEOUT_S,
         sysfs_root: Path = Path("/sys"),
         clock: Callable[[], float] = time.monotonic,
+        cgroups: CgroupHost | None = None,
+        limit_timeout_s: float = DEFAULT_LIMIT_TIMEOUT_S,
     ) -> None:
         if not call_timeout_s > 0:
             raise ValueError(f"call_timeout_s must be positive, got {call_timeout_s}")
@@ -83,6 +93,10 @@ class NvmlBackend(HealthChecks):
         self.event_wait_errors = 0
         self.driver_version: str | None = None
         self.cuda_version: str | None = None
+        self._cgroups = cgroups or CgroupHost()
+        self._limit_timeout_s = limit_timeout_s
+        self._node_facts = NodeFacts(None)
+        self._partitioning: dict[str, PartitionSupport] = {}
 
         self._lib.init()
         try:
@@ -114,6 +128,7 @@ class NvmlBackend(HealthChecks):
                 f"cannot start the nvml backend: nvmlDeviceGetCount failed with "
                 f"{self.describe_error(e)}; {INIT_HINT}"
             ) from e
+        self._node_facts = node_facts(nvml, self._cgroups, self.driver_version)
         for index in range(count):
             self._health[index] = Health()
             self._gpus.append(Gpu(self._lib, index, self._clock))
@@ -192,6 +207,7 @@ class NvmlBackend(HealthChecks):
                 gpu.register_events(self._event_set, event_mask)
             except GpuFaultError as fault:
                 self._mark_unhealthy(gpu, str(fault), self._clock(), error=True)
+        self._detect_partitions(gpu)
 
     # -- the GpuBackend protocol -----------------------------------------------------------------
 

@@ -1,0 +1,206 @@
+"""The fake GPUs' memory partitions: the limits their driver holds, kept where tests and the
+demo can read them (docs/design.md §8, §15).
+
+Per GPU with a store (`memory_partitions` in the state file) one `PartitionRules` applies the
+driver's rules; what it holds is written, after every change, to a JSON file beside the state
+file (`<state file>.memory-limits.json` by default), atomically:
+
+    {"version": 1,
+     "gpus": {"GPU-...": {"store": "dmem",
+                          "limits": {"/kubepods/pod.../<id>": {"soft_bytes": 0,
+                                     "hard_bytes": 8589934592,
+                                     "set_at": "2026-12-04T22:23:01.123456Z",
+                                     "set_at_s": 1796422981.123456}}}},
+     "events": [{"at": "...Z", "at_s": ..., "gpu": "GPU-...", "cgroup": "...",
+                 "action": "set|clear|removed", "soft_bytes": ..., "hard_bytes": ...}]}
+
+`limits` lists every cgroup with anything set (on dmem, the ancestors carrying leaves' soft
+shares too); `events` the last 1000 changes, oldest first. The file is read back when the backend
+starts, as the driver would still hold the limits when the daemon restarts, so that a restarted
+daemon finds what one killed outright left behind. A cgroup that is gone is dropped (on dmem its
+ancestors keep their share: the leak) when the next call, or `forget_removed`, notices.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from deviceplugin.gpu.fake.partitionrules import (
+    STORES,
+    CgroupTree,
+    Limit,
+    PartitionRules,
+    Store,
+)
+from deviceplugin.partitions import LIMIT_MAX, rfc3339
+
+logger = logging.getLogger(__name__)
+
+VERSION = 1
+MAX_EVENTS = 1000
+_MAX_FILE_BYTES = 16 << 20
+
+
+def default_path(state_file: Path) -> Path:
+    return state_file.with_name(state_file.name + ".memory-limits.json")
+
+
+class FakePartitions:
+    """The partitions of the fake GPUs, by UUID; thread-safe."""
+
+    def __init__(self, path: Path, tree: CgroupTree, clock: Callable[[], float]) -> None:
+        self.path = Path(path)
+        self.tree = tree
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._rules: dict[str, PartitionRules] = {}
+        self._saved_limits, self._events = self._load()
+
+    def _load(self) -> tuple[dict[str, tuple[Store, dict[str, Limit]]], list[dict[str, Any]]]:
+        try:
+            with self.path.open("rb") as f:
+                raw = f.read(_MAX_FILE_BYTES + 1)
+        except FileNotFoundError:
+            return {}, []
+        except OSError as e:
+            logger.error("fake memory limits unreadable path=%s error=%s", self.path, e)
+            return {}, []
+        try:
+            doc = json.loads(raw)
+            gpus = doc["gpus"]
+            saved: dict[str, tuple[Store, dict[str, Limit]]] = {}
+            for uuid, entry in gpus.items():
+                store = entry["store"]
+                if store not in STORES:
+                    raise ValueError(f"store {store!r}")
+                limits = {
+                    str(cgroup): Limit(
+                        int(v["soft_bytes"]), int(v["hard_bytes"]), float(v["set_at_s"])
+                    )
+                    for cgroup, v in entry["limits"].items()
+                }
+                saved[str(uuid)] = (store, limits)
+            events = [e for e in doc.get("events", []) if isinstance(e, dict)]
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            logger.error(
+                "fake memory limits unreadable, starting with none path=%s error=%r", self.path, e
+            )
+            return {}, []
+        return saved, events[-MAX_EVENTS:]
+
+    def sync(self, gpus: Iterable[tuple[str, Store | None, int]]) -> None:
+        """Follow the state file: (UUID, store or None, memory) per GPU. A GPU keeps its limits
+        while its store stays; one that changes store starts with none."""
+        with self._lock:
+            wanted = {uuid: (store, capacity) for uuid, store, capacity in gpus if store}
+            for uuid in [u for u, r in self._rules.items() if wanted.get(u, ("",))[0] != r.store]:
+                del self._rules[uuid]
+            for uuid, (store, capacity) in wanted.items():
+                assert store is not None
+                if uuid in self._rules:
+                    self._rules[uuid].capacity_bytes = capacity
+                    continue
+                saved_store, limits = self._saved_limits.pop(uuid, (store, {}))
+                if saved_store != store:
+                    limits = {}
+                self._rules[uuid] = PartitionRules(
+                    store, self.tree, capacity, self.clock, limits=limits
+                )
+            self._forget_removed_locked()
+
+    def rules(self, uuid: str) -> PartitionRules | None:
+        return self._rules.get(uuid)
+
+    def set(self, uuid: str, cgroup: str, soft_bytes: int, hard_bytes: int) -> None:
+        """Set (or, with 0 and MAX, clear) a cgroup's limits; PartitionCodeError as the driver
+        refuses. KeyError for a GPU with no store."""
+        with self._lock:
+            self._forget_removed_locked()
+            rules = self._rules[uuid]
+            rules.set(cgroup, soft_bytes, hard_bytes)
+            cleared = soft_bytes == 0 and hard_bytes == LIMIT_MAX
+            self._event(uuid, cgroup, "clear" if cleared else "set", soft_bytes, hard_bytes)
+            self._save()
+
+    def get(self, uuid: str, cgroup: str) -> tuple[int, int, int]:
+        with self._lock:
+            self._forget_removed_locked()
+            return self._rules[uuid].get(cgroup)
+
+    def forget_removed(self) -> None:
+        with self._lock:
+            self._forget_removed_locked()
+
+    def _forget_removed_locked(self) -> None:
+        changed = False
+        for uuid, rules in self._rules.items():
+            for cgroup, limit in rules.forget_removed():
+                self._event(uuid, cgroup, "removed", limit.soft_bytes, limit.hard_bytes)
+                changed = True
+        if changed:
+            self._save()
+
+    def _event(self, uuid: str, cgroup: str, action: str, soft: int, hard: int) -> None:
+        now = self.clock()
+        self._events.append(
+            {
+                "at": rfc3339(now),
+                "at_s": now,
+                "gpu": uuid,
+                "cgroup": cgroup,
+                "action": action,
+                "soft_bytes": soft,
+                "hard_bytes": hard,
+            }
+        )
+        del self._events[:-MAX_EVENTS]
+
+    def to_json(self) -> dict[str, Any]:
+        gpus = {
+            uuid: {"store": rules.store, "limits": _limits_json(rules.limits)}
+            for uuid, rules in sorted(self._rules.items())
+        }
+        # GPUs that left the state file keep their limits in the file until they come back.
+        for uuid, (store, limits) in self._saved_limits.items():
+            gpus.setdefault(uuid, {"store": store, "limits": _limits_json(limits)})
+        return {"version": VERSION, "gpus": gpus, "events": list(self._events)}
+
+    def _save(self) -> None:
+        content = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")) + "\n"
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+        try:
+            # Atomic, not durable: the limits a driver holds do not outlive the machine either.
+            with os.fdopen(fd, "w") as f:
+                f.write(content)
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def _limits_json(limits: dict[str, Limit]) -> dict[str, Any]:
+    return {
+        cgroup: {
+            "soft_bytes": limit.soft_bytes,
+            "hard_bytes": limit.hard_bytes,
+            "set_at": rfc3339(limit.set_at_s),
+            "set_at_s": limit.set_at_s,
+        }
+        for cgroup, limit in sorted(limits.items())
+    }
+
+
+def read_partitions(path: Path) -> dict[str, Any]:
+    """The fake's memory-limit file as JSON data (for tests and the demo); {} when absent."""
+    try:
+        data: dict[str, Any] = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return {}
+    return data
