@@ -40,6 +40,8 @@ from deviceplugin.safefs import replace_file
 log = logging.getLogger(__name__)
 
 RECORD_NAME = "memory-limits.json"
+# A record of this size holds thousands of containers; anything larger is not one of ours.
+MAX_RECORD_BYTES = 8 << 20
 VERSION = 1
 _MAX_RECORD_BYTES = 16 << 20
 
@@ -176,7 +178,7 @@ class LimitRecord:
     def load(self) -> None:
         """Read the record left by an earlier daemon of this boot (see the module docstring)."""
         try:
-            raw = files.read_file(self.state_dir, RECORD_NAME)
+            raw = files.read_file(self.state_dir, RECORD_NAME, MAX_RECORD_BYTES)
         except OSError as e:
             log.error("memory-limit record unreadable path=%s error=%s", self.path, e)
             return
