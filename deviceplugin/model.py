@@ -253,6 +253,9 @@ class ContainerAllocation:
     devices: tuple[DeviceNodeSpec, ...] = ()
     annotations: Mapping[str, str] = field(default_factory=dict)
     cdi_devices: tuple[str, ...] = ()
+    # What its environment states per GPU: the allocation's grants (DeviceGrant), in the order
+    # of `gpu_uuids`.
+    grants: tuple[DeviceGrant, ...] = ()
 
 
 SOURCE_DEVICE_PLUGIN = "device-plugin"
@@ -260,26 +263,36 @@ SOURCE_DRA = "dra"
 
 
 @dataclass(frozen=True, slots=True)
-class DeviceShare:
-    """What an allocation may use of one GPU (or MIG device): its memory limit, its compute
-    share (0..1) and how many slices' worth that is (for display)."""
+class DeviceGrant:
+    """What an allocation may use of one GPU (or MIG device), fixed when the allocation is made:
+    its memory limit in bytes and its compute share (0..1), the figures its environment states
+    for its whole life (docs/design.md §3). A device-plugin allocation's are its slices' at
+    Allocate (`slices` of them); a DRA claim's, the capacity it consumed (memory, compute / 100;
+    `slices` 1). Never recomputed from a later plan: a reload changes only what new allocations
+    get.
+
+    `memory_request_bytes` is what it is guaranteed, at most the limit; None: the limit (every
+    grant today; a request below the limit is room for request/limit sharing)."""
 
     gpu_uuid: str
     memory_limit_bytes: int
     compute_share_ratio: float
     slices: int = 1
+    memory_request_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class AllocationRecord:
-    """An allocation this daemon made or recovered, and who holds it when known.
+    """An allocation this daemon made or recovered, what it was granted and who holds it.
 
-    Source-agnostic: attribution and the enforcer see an allocation ID, who holds it and what it
-    may use per GPU, never where it came from. A device-plugin allocation names its slices
-    (`slice_ids`; the inventory gives each slice's memory and compute); any other source (a
-    prepared DRA claim: memory = its consumed memory, compute = its consumed compute / 100)
-    states them per device in `shares`. `source` and `claim` (a DRA claim's namespace/name)
-    are for display only."""
+    Source-agnostic: attribution, the snapshot and the enforcer see an allocation ID, who holds
+    it and its `grants` (one per GPU it holds), never where it came from. Where it came from is
+    kept beside: a device-plugin allocation names the extended resource and its slices
+    (`resource_name`, `slice_ids`: the kubelet's bookkeeping, and the slice counts of /status);
+    a DRA claim (`source` dra) names the claim (`claim`, its namespace/name) and holds no slice,
+    its grants being the capacity it consumed. A record without grants (recovered from the
+    kubelet before the daemon has looked for what it was given) is granted on entering the
+    allocation book (`state.AllocationBook`)."""
 
     allocation_id: str
     slice_ids: tuple[str, ...]
@@ -294,7 +307,7 @@ class AllocationRecord:
     # longer serves that name (a reload renamed it): held until the kubelet frees it.
     resource_name: str = ""
     retired_resource: bool = False
-    shares: tuple[DeviceShare, ...] = ()
+    grants: tuple[DeviceGrant, ...] = ()
     source: str = SOURCE_DEVICE_PLUGIN
     claim: str = ""
     # A pod's init container's, which has finished (pod-resources lists regular containers only;

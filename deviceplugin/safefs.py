@@ -1,4 +1,5 @@
-"""Directories and files under paths that a config names, opened without following a symlink.
+"""Directories and files under paths that a config names, opened without following a symlink;
+and state files read back bounded, never through a symlink.
 
 The daemon runs as root, and a config (a ConfigMap that people other than the node's owner may
 edit) names some of the paths it writes. Every such path is walked one component at a time from
@@ -14,6 +15,7 @@ import contextlib
 import errno
 import os
 import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
@@ -113,3 +115,43 @@ def replace_file(dir_fd: int, name: str, data: bytes, mode: int) -> os.stat_resu
             os.unlink(temporary, dir_fd=dir_fd)
         raise
     return written
+
+
+def read_at_most(fd: int, limit: int) -> bytearray:
+    """Up to `limit` bytes from `fd`, in one buffer of at most that size."""
+    buffer = bytearray()
+    while len(buffer) < limit:
+        chunk = os.read(fd, min(1 << 20, limit - len(buffer)))
+        if not chunk:
+            break
+        buffer += chunk
+    return buffer
+
+
+def read_regular_file(path: str | os.PathLike[str], max_bytes: int) -> bytes:
+    """The content of the regular file at `path`, of at most `max_bytes`, opened without
+    following a symbolic link (at its last component) and without blocking: a FIFO or a device
+    planted there is refused, never read, and no more than `max_bytes` is ever read.
+
+    Raises FileNotFoundError when there is no file, UnsafePathError (naming the path) for a
+    symbolic link, something that is not a regular file, or a file larger than `max_bytes`, and
+    OSError for the rest."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafePathError(e.errno, f"{path} is a symbolic link") from e
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(
+                errno.EINVAL,
+                f"{path} is not a regular file (mode {stat.filemode(st.st_mode)})",
+            )
+        data = read_at_most(fd, max_bytes + 1) if st.st_size <= max_bytes else b""
+        if st.st_size > max_bytes or len(data) > max_bytes:
+            raise UnsafePathError(errno.EFBIG, f"{path} is more than {max_bytes} bytes")
+        return bytes(data)
+    finally:
+        os.close(fd)

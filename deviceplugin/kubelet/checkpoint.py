@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deviceplugin.model import SliceId, allocation_id
+from deviceplugin.safefs import read_at_most
 
 CHECKPOINT_FILE = "kubelet_internal_checkpoint"
 # A checkpoint larger than this is refused unread; a kubelet's is a few hundred bytes to a few
@@ -273,7 +274,7 @@ class CheckpointReader:
         if st.st_size > self._max_bytes:
             return self._keep(key, DeviceCheckpoint.unreadable(f"{too_large} ({st.st_size})"))
         try:
-            blob = _read_at_most(fd, self._max_bytes + 1)
+            blob = read_at_most(fd, self._max_bytes + 1)
         except OSError as e:
             # Not remembered: a file that could not be read is tried again on the next call.
             return self._keep(None, DeviceCheckpoint.unreadable(f"cannot read {self.path}: {e}"))
@@ -288,14 +289,3 @@ class CheckpointReader:
         self._key = key
         self._latest = checkpoint
         return checkpoint
-
-
-def _read_at_most(fd: int, limit: int) -> bytearray:
-    """Up to `limit` bytes from `fd`, in one buffer of at most that size."""
-    buffer = bytearray()
-    while len(buffer) < limit:
-        chunk = os.read(fd, min(1 << 20, limit - len(buffer)))
-        if not chunk:
-            break
-        buffer += chunk
-    return buffer

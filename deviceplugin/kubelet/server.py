@@ -206,6 +206,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                     allocation.slice_ids,
                     now,
                     resource_name=self._resource_name,
+                    grants=allocation.grants,
                 )
             )
             log.info(

@@ -145,6 +145,17 @@ def _allocation(a: AllocationRecord) -> dict[str, Any]:
         "pod": a.pod,
         "container": a.container,
         "slice_ids": list(a.slice_ids),
+        # What it may use per GPU, fixed when it was made (its environment's figures; a DRA
+        # claim's consumed capacity): never changed by a reload.
+        "grants": [
+            {
+                "gpu_uuid": g.gpu_uuid,
+                "memory_limit_bytes": g.memory_limit_bytes,
+                "compute_share_ratio": _num(g.compute_share_ratio),
+                "slices": g.slices,
+            }
+            for g in a.grants
+        ],
         # The resource it was made under; `retired`: a name this node no longer serves (renamed
         # by a reload), held until the kubelet frees it.
         "resource_name": a.resource_name or None,

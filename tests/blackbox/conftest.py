@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.blackbox.daemon_harness import TWO_GPUS, Node
+from tests.blackbox.daemon_harness import TWO_GPUS, Node, Workloads
 
 
 @pytest.fixture
@@ -18,3 +18,13 @@ async def node(short_tmp: Path) -> AsyncIterator[Node]:
         yield n
     finally:
         await n.sim.stop()
+
+
+@pytest.fixture
+def workloads() -> Iterator[Workloads]:
+    """Real processes standing in for containers' GPU processes, resumed and killed at the end."""
+    w = Workloads()
+    try:
+        yield w
+    finally:
+        w.close()

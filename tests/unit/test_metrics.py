@@ -18,7 +18,7 @@ from deviceplugin.model import (
     AllocationRecord,
     ContainerUsage,
     DaemonHealth,
-    DeviceShare,
+    DeviceGrant,
     EnforcementCount,
     GpuInfo,
     GpuReading,
@@ -452,7 +452,7 @@ DRA_ALLOCATION = AllocationRecord(
     namespace="team-d",
     pod="claimant-0",
     container="main,sidecar",
-    shares=(DeviceShare(UUID1, 10 * GiB, 0.25),),
+    grants=(DeviceGrant(UUID1, 10 * GiB, 0.25),),
     source=SOURCE_DRA,
     claim="team-d/gpu-claim",
 )
