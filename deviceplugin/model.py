@@ -51,6 +51,14 @@ def mig_profile_name(gpu_slices: int, compute_slices: int, memory_mib: int) -> s
     return f"{gpu_slices}g.{memory_gb}gb"
 
 
+def dra_device_name(gpu: GpuInfo) -> str:
+    """The name of a GPU's device in the DRA driver's ResourceSlice: `gpu-<index>`, or
+    `gpu-<index>-mig-<gi>-<ci>` for a MIG device."""
+    if gpu.parent_uuid:
+        return f"gpu-{gpu.index}-mig-{gpu.gpu_instance_id}-{gpu.compute_instance_id}"
+    return f"gpu-{gpu.index}"
+
+
 @dataclass(frozen=True, slots=True)
 class GpuInfo:
     """What the driver says about one physical GPU. Static while the GPU is present."""
@@ -345,6 +353,22 @@ class ContainerUsage:
 
 
 @dataclass(frozen=True, slots=True)
+class DraDevice:
+    """DRA mode: a GPU (or MIG device) as the node's ResourceSlice publishes it, what the claims
+    prepared on it consumed (the sums of their grants there) and what is left for more claims.
+    `full`: no claim fits any more, as less memory or compute is left than the request
+    policy's minimum (the config's `dra.memory.min`, `dra.compute.min`)."""
+
+    name: str
+    memory_claimed_bytes: int
+    memory_free_bytes: int
+    compute_claimed_ratio: float
+    compute_free_ratio: float
+    claims: int
+    full: bool
+
+
+@dataclass(frozen=True, slots=True)
 class GpuUsage:
     """One GPU in one snapshot: the backend's reading plus what the daemon derived from it."""
 
@@ -366,6 +390,9 @@ class GpuUsage:
     # (PID, pod UID) of the unattributed processes that run in a pod's cgroup: that pod's use
     # outside its GPU containers (a sidecar), never charged to them.
     unattributed_pods: tuple[tuple[int, str], ...] = ()
+    # DRA mode: the device the driver publishes for it; None in device-plugin mode, and for a
+    # GPU it publishes no device of (one in MIG mode: its MIG devices are the devices).
+    dra: DraDevice | None = None
 
     @property
     def info(self) -> GpuInfo:
@@ -452,3 +479,5 @@ class NodeSnapshot:
     enforcement: tuple[EnforcementCount, ...] = ()
     # Signals the enforcer decided on but did not send, by reason (moved, permission_denied).
     signals_not_sent: tuple[tuple[str, int], ...] = ()
+    # How the kubelet is served: SOURCE_DEVICE_PLUGIN (slices) or SOURCE_DRA (devices, claims).
+    kubelet_api: str = SOURCE_DEVICE_PLUGIN

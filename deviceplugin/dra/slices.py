@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deviceplugin.config import DraConfig
-from deviceplugin.model import GpuPlan, Inventory
+from deviceplugin.model import GpuPlan, Inventory, dra_device_name
 
 API_VERSION = "resource.k8s.io/v1"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "vgpu"}
@@ -53,10 +53,7 @@ class DeviceHealth:
 
 def device_name(plan: GpuPlan) -> str:
     """`gpu-<index>`, or `gpu-<index>-mig-<gi>-<ci>` for a MIG device."""
-    gpu = plan.gpu
-    if gpu.parent_uuid:
-        return f"gpu-{gpu.index}-mig-{gpu.gpu_instance_id}-{gpu.compute_instance_id}"
-    return f"gpu-{gpu.index}"
+    return dra_device_name(plan.gpu)
 
 
 def slice_name(node_name: str, driver_name: str) -> str:
