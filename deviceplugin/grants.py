@@ -140,7 +140,6 @@ class GrantStore:
         self._inventory = inventory
         self._entries: dict[str, _Entry] = {}
         self._loaded = False
-        self.write_failures = 0
 
     @property
     def path(self) -> Path:
@@ -212,7 +211,6 @@ class GrantStore:
         try:
             files.write_file(self._dir, GRANTS_FILE, json.dumps(doc, indent=1).encode())
         except (OSError, ValueError) as e:
-            self.write_failures += 1
             log.error(
                 "cannot keep the allocation grants; after a restart of the daemon its "
                 "allocations get the plan of that time path=%s error=%s",
@@ -240,6 +238,8 @@ class GrantStore:
             return replace(record, grants=kept[1])
         by_id = self._inventory().by_id
         grants = slice_grants([by_id[s] for s in slice_ids if s in by_id])
+        if not grants:
+            return record  # none of its slices is in the plan (yet): asked again at next sync
         log.warning(
             "allocation known to the kubelet has no kept grant; it gets the current plan's "
             "figures allocation_id=%s pod=%s/%s/%s %s",
@@ -250,8 +250,7 @@ class GrantStore:
             describe_grants(grants),
         )
         granted = replace(record, grants=grants)
-        if grants:
-            self.made(granted)
+        self.made(granted)
         return granted
 
     def forget(self, allocation_ids: Collection[str]) -> None:

@@ -175,6 +175,9 @@ class AllocationBook:
         for record in live:
             live_ids.add(record.allocation_id)
             known = self._records.get(record.allocation_id)
+            if known is not None and not known.grants:
+                # Granted nothing when it came (none of its slices in the plan yet): again.
+                known = self._records[record.allocation_id] = self._granted(known)
             if known is None:
                 added += 1
                 self._records[record.allocation_id] = self._granted(record)

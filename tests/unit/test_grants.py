@@ -228,3 +228,20 @@ def test_a_reload_names_each_running_allocation_the_new_plan_would_have_changed(
         f"pod=ml/small/main gpu={UUID1} slices=1 memory=20Gi compute=0.25 "
         "new_plan_memory=10Gi new_plan_compute=0.12",
     ]
+
+
+def test_an_allocation_whose_slices_are_not_in_the_plan_yet_is_granted_once_they_are(
+    tmp_path: Path,
+) -> None:
+    plan: list[Inventory] = [Inventory()]  # the first poll has not seen its GPU yet
+    book = AllocationBook(GrantStore(tmp_path / "state", lambda: plan[0]))
+    record = known(made(*TWO, pod="trainer"))
+    book.sync([record], now_s=1.0, grace_s=60.0)
+    held = book.get(record.allocation_id)
+    assert held is not None
+    assert held.grants == ()
+    plan[0] = INVENTORY
+    book.sync([record], now_s=2.0, grace_s=60.0)
+    held = book.get(record.allocation_id)
+    assert held is not None
+    assert held.grants == (DeviceGrant(UUID0, 40 * GI, 0.5, 2),)
