@@ -7,6 +7,9 @@ allocations get, never what a running one was given. A restarted daemon learns o
 allocations from the kubelet (pod-resources, its checkpoint), which knows their slices but not
 what they were given, so the grants are kept in `<state-dir>/allocation-grants.json`, written
 before Allocate answers and read back at the next start: bounded, never through a symbolic link.
+The file is replaced on a thread of its own (`_Writer`), never on the event loop, and Allocate
+awaits that; the writer then syncs it to disk, as the kubelet keeps Allocate's answer across a
+reboot of the node and starts the containers again with it.
 
 An allocation the kubelet names with no grant kept here (made by a daemon that kept none, a lost
 or unreadable file) gets what the current plan gives its slices, with a log line saying so, and
@@ -21,9 +24,14 @@ it, and nothing of it is kept here.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import logging
 import math
+import os
+import queue
+import threading
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -31,7 +39,6 @@ from typing import Any
 
 from deviceplugin.allocation import slice_grants
 from deviceplugin.config import Config
-from deviceplugin.dra import files
 from deviceplugin.model import (
     SOURCE_DEVICE_PLUGIN,
     AllocationRecord,
@@ -41,7 +48,7 @@ from deviceplugin.model import (
     Inventory,
     SliceId,
 )
-from deviceplugin.safefs import read_regular_file
+from deviceplugin.safefs import read_regular_file, replace_file
 from deviceplugin.slicing import format_bytes, plan_gpus
 from deviceplugin.state import AllocationBook, Published
 
@@ -130,6 +137,47 @@ def _entry_from_json(data: object) -> _Entry:
     return tuple(sorted(slice_ids)), grants
 
 
+class _Writer:
+    """Writes the grants file on a daemon thread of its own, whole each time: of the contents
+    handed to it while a write runs, only the latest is written next (each is the whole file),
+    and every one handed before it counts as written with it. A content counts as written once
+    the file is replaced (a daemon killed from then on finds it); the writer then syncs it to
+    disk, which no one waits for."""
+
+    def __init__(self, write: Callable[[bytes], bool], sync: Callable[[], None]) -> None:
+        self._write = write
+        self._sync = sync
+        self._queue: queue.SimpleQueue[tuple[bytes, concurrent.futures.Future[None]]] = (
+            queue.SimpleQueue()
+        )
+        self._thread: threading.Thread | None = None
+        self.last: concurrent.futures.Future[None] | None = None
+
+    def submit(self, data: bytes) -> concurrent.futures.Future[None]:
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._queue.put((data, future))
+        self.last = future
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="vgpu-grants", daemon=True)
+            self._thread.start()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while not self._queue.empty():
+                batch.append(self._queue.get())
+            written = False
+            try:
+                written = self._write(batch[-1][0])  # logs its failure: Allocate answers anyway
+            except Exception:
+                log.exception("writing the allocation grants failed")
+            for _, future in batch:
+                future.set_result(None)
+            if written and self._queue.empty():
+                self._sync()
+
+
 class GrantStore:
     """The book's `GrantKeeper` in device-plugin mode: every allocation's grants by allocation
     ID, mirrored to `<state_dir>/allocation-grants.json` on every change (read on first use).
@@ -140,6 +188,7 @@ class GrantStore:
         self._inventory = inventory
         self._entries: dict[str, _Entry] = {}
         self._loaded = False
+        self._writer = _Writer(self._write, self._sync)
 
     @property
     def path(self) -> Path:
@@ -198,6 +247,7 @@ class GrantStore:
         log.info("allocation grants read path=%s allocations=%d", self.path, len(self._entries))
 
     def _save(self) -> None:
+        """Hand the whole file to the writer (see `kept`)."""
         doc = {
             "version": VERSION,
             "allocations": {
@@ -208,15 +258,51 @@ class GrantStore:
                 for allocation, (slice_ids, grants) in sorted(self._entries.items())
             },
         }
+        self._writer.submit(json.dumps(doc, separators=(",", ":")).encode())
+
+    def _write(self, data: bytes) -> bool:
+        """Replace the file with `data` (the writer's thread); whether it was replaced."""
         try:
-            files.write_file(self._dir, GRANTS_FILE, json.dumps(doc, indent=1).encode())
-        except (OSError, ValueError) as e:
+            self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            dir_fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                replace_file(dir_fd, GRANTS_FILE, data, 0o600, sync=False)
+            finally:
+                os.close(dir_fd)
+        except OSError as e:
             log.error(
                 "cannot keep the allocation grants; after a restart of the daemon its "
                 "allocations get the plan of that time path=%s error=%s",
                 self.path,
-                getattr(e, "strerror", None) or e,
+                e.strerror or e,
             )
+            return False
+        return True
+
+    def _sync(self) -> None:
+        """The file and its directory to disk (the writer's thread, after Allocate answered)."""
+        try:
+            for path, flags in (
+                (self.path, os.O_RDONLY),
+                (self._dir, os.O_RDONLY | os.O_DIRECTORY),
+            ):
+                fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        except OSError as e:
+            log.warning("cannot sync the allocation grants to disk path=%s error=%s", self.path, e)
+
+    async def kept(self) -> None:
+        """Until every change made so far is on disk."""
+        if self._writer.last is not None:
+            await asyncio.wrap_future(self._writer.last)
+
+    def wait_kept(self, timeout_s: float = 10.0) -> None:
+        """`kept`, off the event loop (tests, tools)."""
+        if self._writer.last is not None:
+            self._writer.last.result(timeout_s)
 
     def get(self, allocation_id: str) -> tuple[DeviceGrant, ...] | None:
         self._load()

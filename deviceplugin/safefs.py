@@ -85,13 +85,17 @@ def _open_child(name: str, parent: int, walked: PurePosixPath) -> int:
         raise
 
 
-def replace_file(dir_fd: int, name: str, data: bytes, mode: int) -> os.stat_result:
+def replace_file(
+    dir_fd: int, name: str, data: bytes, mode: int, *, sync: bool = True
+) -> os.stat_result:
     """Replace the file `name` in the open directory `dir_fd` with `data`, mode `mode` exactly
     (whatever the umask); the new file's stat.
 
     The data goes to a new hidden file of a random name, created with O_EXCL | O_NOFOLLOW in
     that directory, which is then renamed over `name`: whatever was at `name` (a symlink
-    included) is replaced, never written through, and a failure leaves no temporary behind."""
+    included) is replaced, never written through, and a failure leaves no temporary behind.
+    With `sync` (the default) the data is on disk before the rename; without, the caller syncs
+    the file and the directory itself when it can wait for the disk."""
     temporary = f".{name}.{secrets.token_hex(8)}.tmp"
     fd = os.open(
         temporary,
@@ -105,7 +109,8 @@ def replace_file(dir_fd: int, name: str, data: bytes, mode: int) -> os.stat_resu
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-            os.fsync(fd)
+            if sync:
+                os.fsync(fd)
             written = os.fstat(fd)
         finally:
             os.close(fd)

@@ -53,7 +53,10 @@ class GrantKeeper(Protocol):
     """Where the book's grants are kept beyond the daemon's life (`deviceplugin.grants`)."""
 
     def made(self, record: AllocationRecord) -> None:
-        """A fresh Allocate's grants, kept before Allocate answers."""
+        """A fresh Allocate's grants, to keep (Allocate awaits `kept` before it answers)."""
+
+    async def kept(self) -> None:
+        """Until every grant handed over so far is kept."""
 
     def grant(self, record: AllocationRecord) -> AllocationRecord:
         """`record`, known from the kubelet without its grants, with the grants it was made
@@ -94,6 +97,11 @@ class AllocationBook:
             self._keeper.made(record)
         self._records[record.allocation_id] = record
         self._confirmed.discard(record.allocation_id)
+
+    async def kept(self) -> None:
+        """Until the grants of every allocation made so far are kept (Allocate answers then)."""
+        if self._keeper is not None:
+            await self._keeper.kept()
 
     def _granted(self, record: AllocationRecord) -> AllocationRecord:
         if record.grants or self._keeper is None:

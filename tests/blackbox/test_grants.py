@@ -24,9 +24,9 @@ EIGHT = ENFORCE + "slicing:\n  replicas: 8\n"
 
 
 def kept_grants(node: Node) -> dict[str, Any]:
-    """The allocations whose grants the daemon keeps in its state directory."""
-    doc = json.loads((node.root / "state" / GRANTS_FILE).read_text())
-    return dict(doc["allocations"])
+    """The allocations whose grants the daemon keeps in its state directory ({}: no file)."""
+    path = node.root / "state" / GRANTS_FILE
+    return dict(json.loads(path.read_text())["allocations"]) if path.exists() else {}
 
 
 def popen(workloads: Workloads, pid: int) -> subprocess.Popen[bytes]:
@@ -145,4 +145,7 @@ async def test_an_allocation_recovered_without_a_kept_grant_gets_the_current_pla
         assert f"allocation_id={allocation}" in line
         assert "memory=20Gi compute=0.25 slices=2" in line
         # Kept from then on: the next restart does not say it again.
+        await eventually(
+            lambda: allocation in kept_grants(node), what="the current plan's grant kept"
+        )
         assert kept_grants(node)[allocation]["grants"][0]["memory_limit_bytes"] == 20 * GiB

@@ -3,6 +3,7 @@ allocation book that keeps them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -62,7 +63,9 @@ def test_a_grant_kept_at_allocate_is_what_a_new_daemon_gives_the_allocation(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     record = made(*TWO, pod="trainer")
-    store(tmp_path).made(record)
+    first = store(tmp_path)
+    first.made(record)
+    first.wait_kept()
     path = tmp_path / "state" / GRANTS_FILE
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     # A new daemon whose plan gives each slice half as much.
@@ -77,7 +80,9 @@ def test_an_allocation_without_a_kept_grant_gets_the_current_plan_and_keeps_it(
 ) -> None:
     caplog.set_level(logging.WARNING)
     record = known(made(*TWO, pod="trainer"))
-    granted = store(tmp_path, resliced(8)).grant(record)
+    keeper = store(tmp_path, resliced(8))
+    granted = keeper.grant(record)
+    keeper.wait_kept()
     assert granted.grants == (DeviceGrant(UUID0, 20 * GI, 0.25, 2),)
     (line,) = [r.getMessage() for r in caplog.records]
     assert "has no kept grant; it gets the current plan's figures" in line
@@ -116,6 +121,7 @@ def test_a_bad_entry_is_skipped_and_the_others_kept(
     keeper = store(tmp_path)
     for record in (good, bad, elsewhere):
         keeper.made(record)
+    keeper.wait_kept()
     path = tmp_path / "state" / GRANTS_FILE
     doc = json.loads(path.read_text())
     doc["allocations"][bad.allocation_id]["grants"][0]["memory_limit_bytes"] = -1
@@ -193,9 +199,11 @@ def test_the_book_keeps_grants_and_forgets_those_of_pods_gone(tmp_path: Path) ->
     # A fresh Allocate is kept before it is answered; its pod going forgets it.
     fresh = made(sid(UUID0, 3), pod="c")
     book.allocated(fresh)
+    asyncio.run(book.kept())  # what Allocate awaits before it answers
     assert store(tmp_path).get(fresh.allocation_id) == fresh.grants
     book.sync([known(running), known(fresh)], now_s=301.0, grace_s=60.0)
     book.sync([known(running)], now_s=302.0, grace_s=60.0)
+    keeper.wait_kept()
     assert store(tmp_path).get(fresh.allocation_id) is None
     assert store(tmp_path).get(running.allocation_id) == running.grants
 
