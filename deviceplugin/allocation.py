@@ -93,6 +93,7 @@ from deviceplugin.config import AllocationConfig, DeviceIdStrategy, DeviceListSt
 from deviceplugin.errors import AllocationError
 from deviceplugin.model import (
     ContainerAllocation,
+    DeviceGrant,
     DeviceNodeSpec,
     GpuInfo,
     GpuPlan,
@@ -218,6 +219,24 @@ def _validate(device_ids: Sequence[str], inventory: Inventory) -> list[Slice]:
     if problems:
         raise AllocationError("; ".join(problems))
     return slices
+
+
+def slice_grants(slices: Sequence[Slice]) -> tuple[DeviceGrant, ...]:
+    """What `slices` give per GPU, in the order of their GPUs' first slices: the sum of their
+    memory and of their compute shares, and how many they are. Allocate's grants; also what the
+    current plan gives an allocation recovered without them."""
+    by_gpu: dict[str, list[Slice]] = {}
+    for s in slices:
+        by_gpu.setdefault(s.id.gpu_uuid, []).append(s)
+    return tuple(
+        DeviceGrant(
+            uuid,
+            sum(s.memory_limit_bytes for s in held),
+            sum(s.compute_share_ratio for s in held),
+            len(held),
+        )
+        for uuid, held in by_gpu.items()
+    )
 
 
 def _gpu_info(inventory: Inventory, first: Slice) -> tuple[GpuInfo, int]:
@@ -407,6 +426,7 @@ def build_container_allocation(
         devices=devices,
         annotations=annotations,
         cdi_devices=cdi_devices,
+        grants=slice_grants(slices),
     )
 
 
@@ -436,4 +456,5 @@ __all__ = [
     "mps_pipe_directory",
     "mps_shm_directory",
     "runtime_device_id",
+    "slice_grants",
 ]

@@ -28,6 +28,7 @@ from deviceplugin.dra.settings import DraSettings, device_ids_ignored
 from deviceplugin.enforcement_mode import as_run, in_monitor_mode, mode_line
 from deviceplugin.errors import StartupError
 from deviceplugin.gpu.backend import GpuBackend, open_backend
+from deviceplugin.grants import allocation_book
 from deviceplugin.kubelet.checkpoint import (
     CHECKPOINT_FILE,
     CheckpointEntry,
@@ -45,7 +46,7 @@ from deviceplugin.model import DaemonHealth, Inventory, NodeSnapshot
 from deviceplugin.nodelabels import NodeLabelFile
 from deviceplugin.poller import Poller, idle_interval_s
 from deviceplugin.slicing import plan_gpus
-from deviceplugin.state import AllocationBook, Published
+from deviceplugin.state import Published
 from deviceplugin.statedir import check_state_file, claim_state_dir
 from deviceplugin.usage.cgroups import kubelet_layout
 from deviceplugin.usage.httpserver import HttpServer, TlsFiles
@@ -153,7 +154,7 @@ class Daemon:
         self.listing_first = listing_first
         cfg = settings.config
         self.inventory: Published[Inventory] = Published(Inventory())
-        self.book = AllocationBook()
+        self.book = allocation_book(settings.state_dir, self.inventory, keep=settings.dra is None)
         # Made by _make_metrics(), on first use (a scrape may come first, on an HTTP thread);
         # until then (listing_first) the durations observed wait in these lists.
         self._metrics: DaemonMetrics | None = None
@@ -792,12 +793,9 @@ class _ClaimEvidence:
     def read(self) -> DeviceCheckpoint:
         return DeviceCheckpoint.of(
             tuple(
+                # A claim holds no slice: no device IDs.
                 CheckpointEntry(
-                    normalize_pod_uid(o.pod_uid),
-                    o.container,
-                    o.allocation_id,
-                    o.slice_ids,
-                    o.gpu_uuids,
+                    normalize_pod_uid(o.pod_uid), o.container, o.allocation_id, (), o.gpu_uuids
                 )
                 for o in self._dra.claim_owners()
             )

@@ -51,6 +51,14 @@ def mig_profile_name(gpu_slices: int, compute_slices: int, memory_mib: int) -> s
     return f"{gpu_slices}g.{memory_gb}gb"
 
 
+def dra_device_name(gpu: GpuInfo) -> str:
+    """The name of a GPU's device in the DRA driver's ResourceSlice: `gpu-<index>`, or
+    `gpu-<index>-mig-<gi>-<ci>` for a MIG device."""
+    if gpu.parent_uuid:
+        return f"gpu-{gpu.index}-mig-{gpu.gpu_instance_id}-{gpu.compute_instance_id}"
+    return f"gpu-{gpu.index}"
+
+
 @dataclass(frozen=True, slots=True)
 class GpuInfo:
     """What the driver says about one physical GPU. Static while the GPU is present."""
@@ -253,6 +261,9 @@ class ContainerAllocation:
     devices: tuple[DeviceNodeSpec, ...] = ()
     annotations: Mapping[str, str] = field(default_factory=dict)
     cdi_devices: tuple[str, ...] = ()
+    # What its environment states per GPU: the allocation's grants (DeviceGrant), in the order
+    # of `gpu_uuids`.
+    grants: tuple[DeviceGrant, ...] = ()
 
 
 SOURCE_DEVICE_PLUGIN = "device-plugin"
@@ -260,26 +271,36 @@ SOURCE_DRA = "dra"
 
 
 @dataclass(frozen=True, slots=True)
-class DeviceShare:
-    """What an allocation may use of one GPU (or MIG device): its memory limit, its compute
-    share (0..1) and how many slices' worth that is (for display)."""
+class DeviceGrant:
+    """What an allocation may use of one GPU (or MIG device), fixed when the allocation is made:
+    its memory limit in bytes and its compute share (0..1), the figures its environment states
+    for its whole life (docs/design.md §3). A device-plugin allocation's are its slices' at
+    Allocate (`slices` of them); a DRA claim's, the capacity it consumed (memory, compute / 100;
+    `slices` 1). Never recomputed from a later plan: a reload changes only what new allocations
+    get.
+
+    `memory_request_bytes` is what it is guaranteed, at most the limit; None: the limit (every
+    grant today; a request below the limit is room for request/limit sharing)."""
 
     gpu_uuid: str
     memory_limit_bytes: int
     compute_share_ratio: float
     slices: int = 1
+    memory_request_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class AllocationRecord:
-    """An allocation this daemon made or recovered, and who holds it when known.
+    """An allocation this daemon made or recovered, what it was granted and who holds it.
 
-    Source-agnostic: attribution and the enforcer see an allocation ID, who holds it and what it
-    may use per GPU, never where it came from. A device-plugin allocation names its slices
-    (`slice_ids`; the inventory gives each slice's memory and compute); any other source (a
-    prepared DRA claim: memory = its consumed memory, compute = its consumed compute / 100)
-    states them per device in `shares`. `source` and `claim` (a DRA claim's namespace/name)
-    are for display only."""
+    Source-agnostic: attribution, the snapshot and the enforcer see an allocation ID, who holds
+    it and its `grants` (one per GPU it holds), never where it came from. Where it came from is
+    kept beside: a device-plugin allocation names the extended resource and its slices
+    (`resource_name`, `slice_ids`: the kubelet's bookkeeping, and the slice counts of /status);
+    a DRA claim (`source` dra) names the claim (`claim`, its namespace/name) and holds no slice,
+    its grants being the capacity it consumed. A record without grants (recovered from the
+    kubelet before the daemon has looked for what it was given) is granted on entering the
+    allocation book (`state.AllocationBook`)."""
 
     allocation_id: str
     slice_ids: tuple[str, ...]
@@ -294,7 +315,7 @@ class AllocationRecord:
     # longer serves that name (a reload renamed it): held until the kubelet frees it.
     resource_name: str = ""
     retired_resource: bool = False
-    shares: tuple[DeviceShare, ...] = ()
+    grants: tuple[DeviceGrant, ...] = ()
     source: str = SOURCE_DEVICE_PLUGIN
     claim: str = ""
     # A pod's init container's, which has finished (pod-resources lists regular containers only;
@@ -332,6 +353,22 @@ class ContainerUsage:
 
 
 @dataclass(frozen=True, slots=True)
+class DraDevice:
+    """DRA mode: a GPU (or MIG device) as the node's ResourceSlice publishes it, what the claims
+    prepared on it consumed (the sums of their grants there) and what is left for more claims.
+    `full`: no claim fits any more, as less memory or compute is left than the request
+    policy's minimum (the config's `dra.memory.min`, `dra.compute.min`)."""
+
+    name: str
+    memory_claimed_bytes: int
+    memory_free_bytes: int
+    compute_claimed_ratio: float
+    compute_free_ratio: float
+    claims: int
+    full: bool
+
+
+@dataclass(frozen=True, slots=True)
 class GpuUsage:
     """One GPU in one snapshot: the backend's reading plus what the daemon derived from it."""
 
@@ -353,6 +390,9 @@ class GpuUsage:
     # (PID, pod UID) of the unattributed processes that run in a pod's cgroup: that pod's use
     # outside its GPU containers (a sidecar), never charged to them.
     unattributed_pods: tuple[tuple[int, str], ...] = ()
+    # DRA mode: the device the driver publishes for it; None in device-plugin mode, and for a
+    # GPU it publishes no device of (one in MIG mode: its MIG devices are the devices).
+    dra: DraDevice | None = None
 
     @property
     def info(self) -> GpuInfo:
@@ -468,3 +508,5 @@ class NodeSnapshot:
     enforcement: tuple[EnforcementCount, ...] = ()
     # Signals the enforcer decided on but did not send, by reason (moved, permission_denied).
     signals_not_sent: tuple[tuple[str, int], ...] = ()
+    # How the kubelet is served: SOURCE_DEVICE_PLUGIN (slices) or SOURCE_DRA (devices, claims).
+    kubelet_api: str = SOURCE_DEVICE_PLUGIN

@@ -245,7 +245,7 @@ class Poller:
         self._enforce = enforce
         self._on_poll_duration = on_poll_duration
         self._on_inventory = on_inventory
-        # DRA mode: the built inventory as the prepared claims make it (deviceplugin.dra).
+        # DRA mode (given only there): the built inventory as the DRA driver serves it.
         self._inventory_view = inventory_view
         self._interval_s = config.enforcement.poll_interval_s
         self._idle_interval_s = idle_interval_s(config)
@@ -307,6 +307,8 @@ class Poller:
             health=self._health(),
             previous_reading_s=self._previous_reading_s,
             evidence=self._evidence(),
+            # DRA mode: the snapshot speaks devices and claims, with the current policies.
+            dra=None if self._inventory_view is None else cfg.dra,
         )
         self._previous_reading_s = now_s
         duration_s = time.perf_counter() - started

@@ -25,8 +25,11 @@ once applied (where it took the slice before) is undone and counted refused.
 One that passes is applied by `apply_config`, the one entry point (`Daemon.apply_config` calls
 it):
 
-- slicing: the next poll builds the inventory from the new plan. A slice that the new plan drops
-  and that an allocation holds stays advertised Unhealthy until the kubelet frees it.
+- slicing: the next poll builds the inventory from the new plan. A running allocation keeps
+  what it was given (its grants: the memory and compute its environment states), whatever the
+  new plan gives its slices, and a WARNING line names each one the new plan would have changed
+  (its figures and the new plan's); only new allocations get the new plan. A slice that the new
+  plan drops and that an allocation holds stays advertised Unhealthy until the kubelet frees it.
 - slicing and MIG strategy: the poll that follows reconciles the set of resources with the new
   inventory: a resource it names (a MIG profile under the mixed strategy) is served and
   registered; one it no longer names goes once no allocation holds its slices.
@@ -61,6 +64,7 @@ from deviceplugin.config import Config, config_from_bytes, is_empty_document
 from deviceplugin.dra.settings import device_ids_ignored
 from deviceplugin.dra.slices import build_devices, build_slice, slice_problems
 from deviceplugin.errors import ConfigError
+from deviceplugin.grants import held_changes
 from deviceplugin.kubelet.dirwatch import DirectoryWatch
 from deviceplugin.model import Inventory
 from deviceplugin.slicing import plan_gpus
@@ -189,6 +193,10 @@ async def apply_config(daemon: Daemon, new: Config) -> None:
         )
         daemon.resources.set_primary(new.resource_name)
         daemon.reconcile_resources()
+    # Running allocations keep what they were given (their grants); say where the new plan
+    # would have given them something else.
+    for line in held_changes(daemon.book, [p.gpu for p in daemon.inventory.value.plans], new):
+        log.warning("config reload: %s", line)
     # And polls at once: the new plan reaches the kubelet now. The poll reconciles the resource
     # set with it: a new MIG strategy or slicing rule registers the resources it names, and
     # those it drops go once no allocation holds their slices.

@@ -1,4 +1,5 @@
-"""Directories and files under paths that a config names, opened without following a symlink.
+"""Directories and files under paths that a config names, opened without following a symlink;
+and state files read back bounded, never through a symlink.
 
 The daemon runs as root, and a config (a ConfigMap that people other than the node's owner may
 edit) names some of the paths it writes. Every such path is walked one component at a time from
@@ -100,7 +101,9 @@ def replace_file(
 
     The data goes to a new hidden file of a random name, created with O_EXCL | O_NOFOLLOW in
     that directory, which is then renamed over `name`: whatever was at `name` (a symlink
-    included) is replaced, never written through, and a failure leaves no temporary behind."""
+    included) is replaced, never written through, and a failure leaves no temporary behind.
+    With `sync` (the default) the data is on disk before the rename; without, the caller syncs
+    the file and the directory itself when it can wait for the disk."""
     temporary = f".{name}.{secrets.token_hex(8)}.tmp"
     fd = os.open(
         temporary,

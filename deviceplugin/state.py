@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import replace
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from deviceplugin.model import AllocationRecord, Slice
 
@@ -49,14 +49,43 @@ class Published(Generic[T]):
             await self._changed.wait()
 
 
-class AllocationBook:
-    """Every allocation this daemon handed out or recovered, by allocation ID."""
+class GrantKeeper(Protocol):
+    """Where the book's grants are kept beyond the daemon's life (`deviceplugin.grants`)."""
 
-    def __init__(self) -> None:
+    def made(self, record: AllocationRecord) -> None:
+        """A fresh Allocate's grants, to keep (Allocate awaits `kept` before it answers)."""
+
+    async def kept(self) -> None:
+        """Until every grant handed over so far is kept."""
+
+    def grant(self, record: AllocationRecord) -> AllocationRecord:
+        """`record`, known from the kubelet without its grants, with the grants it was made
+        with (kept by `made`), else those the current plan gives."""
+
+    def forget(self, allocation_ids: Collection[str]) -> None:
+        """Forget the grants of these allocations (their pods are gone)."""
+
+    def retain(self, allocation_ids: Collection[str]) -> None:
+        """Forget the grants of every allocation but these (those of pods that went while the
+        daemon was away)."""
+
+
+class AllocationBook:
+    """Every allocation this daemon handed out or recovered, by allocation ID.
+
+    With a `keeper`, an allocation made here has its grants kept there, one known only from
+    the kubelet (pod-resources, its checkpoint) gets its grants from there, and the grants of
+    allocations the book drops are forgotten; a record that arrives with grants (a DRA claim)
+    keeps its own."""
+
+    def __init__(self, keeper: GrantKeeper | None = None) -> None:
+        self._keeper = keeper
         self._records: dict[str, AllocationRecord] = {}
         # Allocations the kubelet has listed at least once: gone as soon as it stops listing them.
         self._confirmed: set[str] = set()
         self._synced = False
+        # Whether the keeper's grants were pruned to the book's allocations once.
+        self._pruned = False
         # Resource names this node no longer serves (renamed by a reload): records made under
         # one are marked `retired_resource` when read.
         self.retired: frozenset[str] = frozenset()
@@ -64,8 +93,20 @@ class AllocationBook:
     def allocated(self, record: AllocationRecord) -> None:
         """A fresh Allocate. Its ID may be an old one (the same slices again, for a new pod): the
         old pod's names and time go, and the kubelet has yet to list it."""
+        if self._keeper is not None:
+            self._keeper.made(record)
         self._records[record.allocation_id] = record
         self._confirmed.discard(record.allocation_id)
+
+    async def kept(self) -> None:
+        """Until the grants of every allocation made so far are kept (Allocate answers then)."""
+        if self._keeper is not None:
+            await self._keeper.kept()
+
+    def _granted(self, record: AllocationRecord) -> AllocationRecord:
+        if record.grants or self._keeper is None:
+            return record
+        return self._keeper.grant(record)
 
     def get(self, allocation_id: str) -> AllocationRecord | None:
         return self._records.get(allocation_id)
@@ -118,7 +159,7 @@ class AllocationBook:
         added = 0
         for record in records:
             if record.allocation_id not in self._records:
-                self._records[record.allocation_id] = record
+                self._records[record.allocation_id] = self._granted(record)
                 added += 1
         return added
 
@@ -142,9 +183,12 @@ class AllocationBook:
         for record in live:
             live_ids.add(record.allocation_id)
             known = self._records.get(record.allocation_id)
+            if known is not None and not known.grants:
+                # Granted nothing when it came (none of its slices in the plan yet): again.
+                known = self._records[record.allocation_id] = self._granted(known)
             if known is None:
                 added += 1
-                self._records[record.allocation_id] = record
+                self._records[record.allocation_id] = self._granted(record)
             elif (known.namespace, known.pod, known.container, known.init_container) != (
                 record.namespace,
                 record.pod,
@@ -173,6 +217,14 @@ class AllocationBook:
             del self._records[allocation]
         kept = {a for a in keep if a in self._records}
         self._confirmed = live_ids | kept
+        if self._keeper is not None:
+            if stale:
+                self._keeper.forget(stale)
+            if live_ids and not self._pruned:
+                # The kubelet lists its pods: a grant kept for none of the book's allocations
+                # is of a pod that went while this daemon was away.
+                self._keeper.retain(self._records.keys())
+                self._pruned = True
         self._synced = True
         return added, len(stale)
 

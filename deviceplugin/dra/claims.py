@@ -3,7 +3,8 @@
 The scheduler writes the allocation into the claim's status: per request a result naming the
 driver, the pool (this node), the device, and with consumable capacity the `consumedCapacity`
 (memory, compute) and a `shareID`. Prepare reads it once, here, into a `PreparedClaim`; from then
-on the claim is an allocation like a device-plugin one:
+on the claim is an allocation like a device-plugin one, whose grants (`model.DeviceGrant`) are
+what it consumed:
 
 - memory limit on a GPU = the memory the claim consumed on it;
 - compute share on a GPU = the compute it consumed / 100;
@@ -36,10 +37,9 @@ from deviceplugin.dra.slices import device_name, device_plans
 from deviceplugin.model import (
     SOURCE_DRA,
     AllocationRecord,
+    DeviceGrant,
     GpuPlan,
     Inventory,
-    Slice,
-    SliceId,
     allocation_id,
 )
 
@@ -290,36 +290,27 @@ def claim_edits(
     return ContainerEdits(env, mounts, nodes)
 
 
-def claim_slices(claim: PreparedClaim, healthy: bool = True) -> list[Slice]:
-    """The claim as slices of its GPUs, one per GPU with the claim's memory and compute: how the
-    snapshot and the enforcer, which count in slices, see a prepared claim."""
-    n = int(claim.allocation_id[:12], 16)
-    return [
-        Slice(
-            id=SliceId(d.gpu_uuid, n),
-            gpu_index=d.gpu_index,
-            numa_node=None,
-            memory_limit_bytes=memory,
-            compute_share_ratio=compute / 100.0,
-            healthy=healthy,
-            resource_name=f"claim:{claim.namespace}/{claim.name}",
-        )
-        for d, memory, compute in claim.per_gpu()
-    ]
+def claim_grants(claim: PreparedClaim) -> tuple[DeviceGrant, ...]:
+    """What the claim may use per GPU, in index order: the capacity it consumed there (memory;
+    compute / 100), the figures its CDI spec's environment states."""
+    return tuple(
+        DeviceGrant(d.gpu_uuid, memory, compute / 100.0) for d, memory, compute in claim.per_gpu()
+    )
 
 
 def claim_record(claim: PreparedClaim, container: str = "") -> AllocationRecord:
     """The claim in the allocation book: its pod's names (the container where pod-resources
     has named it; several pods or containers sharing a claim are joined with commas), its
-    slices."""
+    grants. A claim holds no slice."""
     pod = ",".join(dict.fromkeys(name for name, _ in claim.pods))
     return AllocationRecord(
         allocation_id=claim.allocation_id,
-        slice_ids=tuple(s.device_id for s in claim_slices(claim)),
+        slice_ids=(),
         allocated_at_s=claim.prepared_at_s,
         namespace=claim.namespace,
         pod=pod,
         container=container,
+        grants=claim_grants(claim),
         source=SOURCE_DRA,
         claim=f"{claim.namespace}/{claim.name}",
     )
@@ -334,7 +325,6 @@ class ClaimOwner:
     pod_uid: str
     container: str
     allocation_id: str
-    slice_ids: tuple[str, ...]
     gpu_uuids: frozenset[str]
 
 
@@ -348,36 +338,11 @@ def claim_owners(
     only where the kubelet's container names cannot be read at all."""
     owners: list[ClaimOwner] = []
     for claim in claims:
-        record = claim_record(claim)
+        allocation = claim.allocation_id
         gpus = frozenset(claim.gpu_uuids)
         for pod_name, pod_uid in claim.pods:
             containers = sorted({c for p, c in users.get(claim.uid, ()) if p == pod_name})
             owners.extend(
-                ClaimOwner(pod_uid, container, record.allocation_id, record.slice_ids, gpus)
-                for container in containers or [""]
+                ClaimOwner(pod_uid, container, allocation, gpus) for container in containers or [""]
             )
     return owners
-
-
-def inventory_with_claims(inventory: Inventory, claims: Iterable[PreparedClaim]) -> Inventory:
-    """The poll's inventory as DRA mode sees it: the plans, and one slice per prepared claim
-    and GPU (no device-plugin slices: nothing is advertised that way)."""
-    known = {p.gpu.uuid for p in inventory.plans}
-    healthy = {s.id.gpu_uuid for s in inventory.slices if s.healthy}
-    slices = [s for claim in claims for s in claim_slices(claim) if s.id.gpu_uuid in known]
-    return Inventory.of(
-        inventory.plans,
-        (s if s.id.gpu_uuid in healthy else _unhealthy(s) for s in slices),
-    )
-
-
-def _unhealthy(s: Slice) -> Slice:
-    return Slice(
-        s.id,
-        s.gpu_index,
-        s.numa_node,
-        s.memory_limit_bytes,
-        s.compute_share_ratio,
-        False,
-        s.resource_name,
-    )

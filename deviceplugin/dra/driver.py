@@ -6,9 +6,9 @@ allocation is read from the API server (the claims of one call together, outside
 then, under one lock, its CDI spec is written and it is checkpointed before the answer goes
 back. Unprepare removes the spec, then the checkpoint entry; a claim it does not know is
 already unprepared. Both, and the reconcile of the prepared claims against the API server, are
-`prepare.ClaimPreparer`'s. Every prepared claim is an allocation in the daemon's book, and one slice
-per GPU in the inventory the poll builds, with the memory and compute it consumed: the
-snapshot, /status, /metrics and the enforcer treat it like any other.
+`prepare.ClaimPreparer`'s. Every prepared claim is an allocation in the daemon's book, granted per
+GPU the memory and compute it consumed: the snapshot, /status, /metrics and the enforcer treat it
+like any other.
 
 The ResourceSlice follows the poll's inventory (GPUs, their health, the MIG layout, a reload's
 new plan): whenever the devices it would publish change, the publisher (`publisher`) writes it.
@@ -36,7 +36,6 @@ from deviceplugin.dra.claims import (
     PreparedClaim,
     claim_owners,
     claim_record,
-    inventory_with_claims,
     plans_by_device,
     reserved_pods,
 )
@@ -129,9 +128,10 @@ class DraDriver:
 
     def inventory_view(self, built: Inventory) -> Inventory:
         """Called by the poll worker with the inventory it built: remember its plans and health
-        for the slice, and hand back the claims as the inventory's slices."""
+        for the slice, and hand back its plans alone (nothing is advertised as slices; the
+        prepared claims are allocations of the book, with their grants)."""
         self._built = built
-        return inventory_with_claims(built, self._claims)
+        return Inventory.of(built.plans, ())
 
     def inventory_changed(self, _: Inventory) -> None:
         """After each poll, on the event loop: publish when the devices changed."""

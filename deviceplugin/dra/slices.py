@@ -29,7 +29,7 @@ from typing import Any
 
 from deviceplugin.config import DraConfig
 from deviceplugin.dra.validation import slice_errors
-from deviceplugin.model import GpuPlan, Inventory
+from deviceplugin.model import GpuPlan, Inventory, dra_device_name
 from deviceplugin.slicing import format_bytes
 
 API_VERSION = "resource.k8s.io/v1"
@@ -55,10 +55,7 @@ class DeviceHealth:
 
 def device_name(plan: GpuPlan) -> str:
     """`gpu-<index>`, or `gpu-<index>-mig-<gi>-<ci>` for a MIG device."""
-    gpu = plan.gpu
-    if gpu.parent_uuid:
-        return f"gpu-{gpu.index}-mig-{gpu.gpu_instance_id}-{gpu.compute_instance_id}"
-    return f"gpu-{gpu.index}"
+    return dra_device_name(plan.gpu)
 
 
 def slice_name(node_name: str, driver_name: str) -> str:

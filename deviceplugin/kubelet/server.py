@@ -206,6 +206,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                     allocation.slice_ids,
                     now,
                     resource_name=self._resource_name,
+                    grants=allocation.grants,
                 )
             )
             log.info(
@@ -214,6 +215,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 brief_list(allocation.slice_ids),
                 brief_list(allocation.gpu_uuids),
             )
+        # What each container was granted is kept before it gets it (deviceplugin.grants).
+        await self._book.kept()
         response = dp.AllocateResponse(
             container_responses=[allocate_response(a) for a in allocations]
         )

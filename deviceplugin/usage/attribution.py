@@ -23,8 +23,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Hashable, Mapping, Sequence
 
+from deviceplugin.config import DraConfig
 from deviceplugin.kubelet.checkpoint import DeviceCheckpoint
 from deviceplugin.model import (
+    SOURCE_DEVICE_PLUGIN,
+    SOURCE_DRA,
     AllocationRecord,
     ContainerUsage,
     DaemonHealth,
@@ -46,6 +49,7 @@ from deviceplugin.usage.charges import (
     ratio_of,
 )
 from deviceplugin.usage.claims import Claim, DeviceClaims
+from deviceplugin.usage.devices import dra_devices
 from deviceplugin.usage.window import UtilizationWindow
 
 __all__ = [
@@ -104,6 +108,7 @@ class SnapshotBuilder:
         health: DaemonHealth,
         previous_reading_s: float | None,
         evidence: AttributionEvidence | None = None,
+        dra: DraConfig | None = None,
     ) -> tuple[NodeSnapshot, frozenset[str]]:
         """The snapshot of `reading`, and the allocation IDs accepted for GPU processes that are
         not in `allocations` (the caller asks pod-resources again when there are any). Processes
@@ -114,7 +119,8 @@ class SnapshotBuilder:
         becomes `taken_at_s`. `pid_allocation` maps a process's PID to the allocation IDs found
         in its environment (its claim; `DeviceClaims` where it names some per device); a PID it
         does not list counts as None. Without `evidence`
-        every claim stands; with it, `attribute` decides."""
+        every claim stands; with it, `attribute` decides. With `dra` (DRA mode: its request
+        policies), each published device's claimed and free capacity is in its GpuUsage."""
         duration_s = 0.0 if previous_reading_s is None else max(now_s - previous_reading_s, 0.0)
         gpus = sorted(reading.gpus, key=lambda g: g.info.index)
         gpu_by_uuid: dict[str, GpuReading] = {g.info.uuid: g for g in gpus}
@@ -135,6 +141,7 @@ class SnapshotBuilder:
             self._build_containers(charges, now_s, duration_s)
         live_keys.update(self._containers)
 
+        devices = {} if dra is None else dra_devices(inventory.plans, allocations, dra)
         gpu_usages: list[GpuUsage] = []
         for gpu in gpus:
             uuid = gpu.info.uuid
@@ -152,6 +159,7 @@ class SnapshotBuilder:
                     unattributed=charges.unattributed[uuid],
                     misattributed=charges.misattributed[uuid],
                     unattributed_pods=charges.unattributed_pods[uuid],
+                    dra=devices.get(uuid),
                 )
             )
         window.forget_except(live_keys)
@@ -164,6 +172,7 @@ class SnapshotBuilder:
             allocations=tuple(allocations),
             stale=False,
             health=health,
+            kubelet_api=SOURCE_DEVICE_PLUGIN if dra is None else SOURCE_DRA,
         )
         return snapshot, charges.unknown
 

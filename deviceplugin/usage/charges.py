@@ -1,5 +1,6 @@
 """Pure: who each GPU process is charged to, by the attribution rules (docs/design.md §12), and
-the slice counts per GPU.
+the slice counts per GPU. What each container may use on a GPU is its allocation's grant there
+(`model.DeviceGrant`), whatever source made it and whatever the inventory says now.
 
 The allocation ID in a process's environment is a claim any process can make, and the ID is
 predictable. Given evidence (the pod and container cgroup of each process, and the kubelet's
@@ -217,33 +218,25 @@ def charge_processes(
     held_unconfirmed: set[str] = set()
     by_id = inventory.by_id
     for record in records.values():
+        # What it may use is what it was granted, whatever the inventory says now.
+        for grant in record.grants:
+            if grant.gpu_uuid not in gpu_by_uuid:
+                continue
+            key = (record.allocation_id, grant.gpu_uuid)
+            acc = accumulators.get(key)
+            if acc is None:
+                acc = accumulators[key] = _Accumulator(record)
+            acc.slices += grant.slices
+            acc.memory_limit_bytes += grant.memory_limit_bytes
+            acc.compute_share_ratio += grant.compute_share_ratio
+        # Its slices (a device-plugin allocation's) count as allocated or unconfirmed.
+        if not record.slice_ids:
+            continue
+        held = held_healthy if confirmed(record, wall_s) else held_unconfirmed
         for slice_id in record.slice_ids:
             s = by_id.get(slice_id)
-            if s is None or s.id.gpu_uuid not in gpu_by_uuid:
-                continue
-            key = (record.allocation_id, s.id.gpu_uuid)
-            acc = accumulators.get(key)
-            if acc is None:
-                acc = accumulators[key] = _Accumulator(record)
-            acc.slices += 1
-            acc.memory_limit_bytes += s.memory_limit_bytes
-            acc.compute_share_ratio += s.compute_share_ratio
-            if s.healthy:
-                if confirmed(record, wall_s):
-                    held_healthy.add(slice_id)
-                else:
-                    held_unconfirmed.add(slice_id)
-        for share in record.shares:
-            # Stated per device (a DRA claim): no slices of the inventory to count.
-            if share.gpu_uuid not in gpu_by_uuid:
-                continue
-            key = (record.allocation_id, share.gpu_uuid)
-            acc = accumulators.get(key)
-            if acc is None:
-                acc = accumulators[key] = _Accumulator(record)
-            acc.slices += share.slices
-            acc.memory_limit_bytes += share.memory_limit_bytes
-            acc.compute_share_ratio += share.compute_share_ratio
+            if s is not None and s.healthy and s.id.gpu_uuid in gpu_by_uuid:
+                held.add(slice_id)
     # (allocation, GPU) pairs whose allocation holds slices of that GPU.
     held_on = frozenset(accumulators)
     slices_allocated = dict.fromkeys(gpu_by_uuid, 0)

@@ -11,7 +11,14 @@ from collections.abc import Callable, Iterable, Iterator
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from deviceplugin.model import ContainerUsage, EnforcementCount, NodeSnapshot, ProcessSample
+from deviceplugin.model import (
+    SOURCE_DRA,
+    ContainerUsage,
+    EnforcementCount,
+    GpuInfo,
+    NodeSnapshot,
+    ProcessSample,
+)
 
 # A MIG device is a GPU of its own (gpu_uuid is its MIG UUID, gpu_index its GPU's index); its
 # series also name its parent GPU, profile and instance IDs, all "" on a full GPU's series.
@@ -19,6 +26,8 @@ MIG_LABELS = ("parent_gpu_uuid", "mig_profile", "gpu_instance_id", "compute_inst
 GPU_LABELS = ("node", "gpu_uuid", "gpu_index", *MIG_LABELS)
 GPU_INFO_LABELS = (*GPU_LABELS, "model", "minor", "numa_node", "pci_bus_id")
 SLICE_LABELS = (*GPU_LABELS, "state")
+# DRA mode's device series: a GPU's labels and the device's name in the ResourceSlice.
+DRA_DEVICE_LABELS = (*GPU_LABELS, "device")
 XID_LABELS = (*GPU_LABELS, "xid")
 # namespace/pod/container are "" until pod-resources has named the container; allocation_id
 # identifies it from the moment it was allocated.
@@ -55,6 +64,19 @@ def _memory_of(processes: Iterable[ProcessSample]) -> int:
     return sum(p.used_memory_bytes for p in processes if p.used_memory_bytes is not None)
 
 
+def gpu_label_values(node: str, info: GpuInfo) -> list[str]:
+    """The values of GPU_LABELS for a GPU or MIG device."""
+    return [
+        node,
+        info.uuid,
+        str(info.index),
+        info.parent_uuid,
+        info.mig_profile,
+        "" if info.gpu_instance_id is None else str(info.gpu_instance_id),
+        "" if info.compute_instance_id is None else str(info.compute_instance_id),
+    ]
+
+
 def _container_labels(node: str, c: ContainerUsage | EnforcementCount) -> list[str]:
     return [node, c.namespace, c.pod, c.container, c.gpu_uuid, c.allocation_id]
 
@@ -86,13 +108,15 @@ class SnapshotCollector(Collector):
 
     def describe(self) -> Iterable[Metric]:
         # Names only, for the registry's duplicate check; no snapshot is read.
-        return [self._build_info(), *self._families(None, 0.0)]
+        return [self._build_info(), *self._families(None, 0.0), *dra_families(self._node, None)]
 
     def collect(self) -> Iterable[Metric]:
         snapshot = self._get_snapshot()  # one reference: every family sees the same poll
         yield self._build_info()
         if snapshot is not None:
             yield from self._families(snapshot, self._clock())
+            if snapshot.kubelet_api == SOURCE_DRA:
+                yield from dra_families(self._node, snapshot)
 
     def _build_info(self) -> Metric:
         build = _gauge("vgpu_build_info", "Build of the vgpu daemon; always 1.", BUILD_LABELS)
@@ -258,15 +282,7 @@ class SnapshotCollector(Collector):
         if snapshot is not None:
             for gpu in snapshot.gpus:
                 info = gpu.info
-                g = [
-                    node,
-                    info.uuid,
-                    str(info.index),
-                    info.parent_uuid,
-                    info.mig_profile,
-                    "" if info.gpu_instance_id is None else str(info.gpu_instance_id),
-                    "" if info.compute_instance_id is None else str(info.compute_instance_id),
-                ]
+                g = gpu_label_values(node, info)
                 gpu_info.add_metric(
                     [
                         *g,
@@ -286,10 +302,11 @@ class SnapshotCollector(Collector):
                     gpu_mem_used.add_metric(g, float(gpu.reading.memory_used_bytes))
                 if gpu.sm_utilization_ratio is not None:
                     gpu_util.add_metric(g, _ratio(gpu.sm_utilization_ratio))
-                slices.add_metric([*g, "allocated"], float(gpu.slices_allocated))
-                slices.add_metric([*g, "free"], float(max(gpu.slices_free, 0)))
-                slices.add_metric([*g, "unhealthy"], float(gpu.slices_unhealthy))
-                slices.add_metric([*g, "unconfirmed"], float(gpu.slices_unconfirmed))
+                if snapshot.kubelet_api != SOURCE_DRA:  # DRA mode has devices, not slices
+                    slices.add_metric([*g, "allocated"], float(gpu.slices_allocated))
+                    slices.add_metric([*g, "free"], float(max(gpu.slices_free, 0)))
+                    slices.add_metric([*g, "unhealthy"], float(gpu.slices_unhealthy))
+                    slices.add_metric([*g, "unconfirmed"], float(gpu.slices_unconfirmed))
                 unattributed.add_metric(g, float(len(gpu.unattributed)))
                 misattributed.add_metric(g, float(len(gpu.misattributed)))
                 unattributed_mem.add_metric(g, float(_memory_of(gpu.unattributed)))
@@ -369,3 +386,52 @@ class SnapshotCollector(Collector):
             mps_restarts,
             mps_drift,
         )
+
+
+def dra_families(node: str, snapshot: NodeSnapshot | None) -> list[Metric]:
+    """DRA mode's device series (docs/design.md §5): per device the node's ResourceSlice
+    publishes, what the prepared claims consumed and what is left. Names only without a
+    snapshot."""
+    memory_claimed = _gauge(
+        "vgpu_dra_device_memory_claimed_bytes",
+        "DRA mode: memory of the device that the claims prepared on it consumed, in bytes.",
+        DRA_DEVICE_LABELS,
+    )
+    memory_free = _gauge(
+        "vgpu_dra_device_memory_free_bytes",
+        "DRA mode: memory of the device no prepared claim consumed, in bytes.",
+        DRA_DEVICE_LABELS,
+    )
+    compute_claimed = _gauge(
+        "vgpu_dra_device_compute_claimed_ratio",
+        "DRA mode: compute of the device that the claims prepared on it consumed, 0..1.",
+        DRA_DEVICE_LABELS,
+    )
+    compute_free = _gauge(
+        "vgpu_dra_device_compute_free_ratio",
+        "DRA mode: compute of the device no prepared claim consumed, 0..1.",
+        DRA_DEVICE_LABELS,
+    )
+    claims = _gauge(
+        "vgpu_dra_device_claims",
+        "DRA mode: claims prepared on the device, a count.",
+        DRA_DEVICE_LABELS,
+    )
+    full = _gauge(
+        "vgpu_dra_device_full",
+        "DRA mode: 1 when no claim fits on the device any more (less memory or compute is "
+        "left than the request policy's minimum), else 0.",
+        DRA_DEVICE_LABELS,
+    )
+    for gpu in snapshot.gpus if snapshot is not None else ():
+        device = gpu.dra
+        if device is None:
+            continue
+        labels = [*gpu_label_values(node, gpu.info), device.name]
+        memory_claimed.add_metric(labels, float(device.memory_claimed_bytes))
+        memory_free.add_metric(labels, float(device.memory_free_bytes))
+        compute_claimed.add_metric(labels, _ratio(device.compute_claimed_ratio))
+        compute_free.add_metric(labels, _ratio(device.compute_free_ratio))
+        claims.add_metric(labels, float(device.claims))
+        full.add_metric(labels, _flag(device.full))
+    return [memory_claimed, memory_free, compute_claimed, compute_free, claims, full]

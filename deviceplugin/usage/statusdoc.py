@@ -6,13 +6,16 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
 from deviceplugin.model import (
+    SOURCE_DRA,
     AllocationRecord,
     ContainerUsage,
     DaemonHealth,
+    DraDevice,
     EnforcementCount,
     GpuUsage,
     NodeSnapshot,
@@ -69,7 +72,43 @@ def _health(h: DaemonHealth, taken_at_s: float) -> dict[str, Any]:
     }
 
 
-def _gpu(g: GpuUsage) -> dict[str, Any]:
+def _claims_on(allocations: Iterable[AllocationRecord]) -> dict[str, list[dict[str, Any]]]:
+    """Per GPU UUID, the claims (allocations) holding it and what each was granted there."""
+    on: dict[str, list[dict[str, Any]]] = {}
+    for a in allocations:
+        for g in a.grants:
+            on.setdefault(g.gpu_uuid, []).append(
+                {
+                    "claim": a.claim,
+                    "allocation_id": a.allocation_id,
+                    "namespace": a.namespace,
+                    "pod": a.pod,
+                    "container": a.container,
+                    "memory_bytes": g.memory_limit_bytes,
+                    "compute_ratio": _num(g.compute_share_ratio),
+                }
+            )
+    return on
+
+
+def _dra(device: DraDevice | None, claims: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """DRA mode: what the device the driver publishes has given out and has left."""
+    if device is None:
+        return None
+    return {
+        "device": device.name,
+        "memory_claimed_bytes": device.memory_claimed_bytes,
+        "memory_free_bytes": device.memory_free_bytes,
+        "compute_claimed_ratio": _num(device.compute_claimed_ratio),
+        "compute_free_ratio": _num(device.compute_free_ratio),
+        "full": device.full,
+        "claims": claims,
+    }
+
+
+def _gpu(
+    g: GpuUsage, dra_mode: bool = False, claims: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     info = g.info
     pods = dict(g.unattributed_pods)
     return {
@@ -95,13 +134,19 @@ def _gpu(g: GpuUsage) -> dict[str, Any]:
         "memory_total_bytes": info.memory_total_bytes,
         "memory_used_bytes": g.reading.memory_used_bytes,
         "sm_utilization_ratio": _num(g.sm_utilization_ratio),
-        "slices": {
+        # Device-plugin mode: its slices by state; null in DRA mode, which has no slices.
+        "slices": None
+        if dra_mode
+        else {
             "total": g.slices_total,
             "allocated": g.slices_allocated,
             "free": g.slices_free,
             "unhealthy": g.slices_unhealthy,
             "unconfirmed": g.slices_unconfirmed,
         },
+        # DRA mode: its device's claimed and free memory and compute, and the claims on it;
+        # null in device-plugin mode and for a GPU the driver publishes no device of.
+        "dra": _dra(g.dra, claims or []) if dra_mode else None,
         "unattributed": [_unattributed(p, pods) for p in g.unattributed],
     }
 
@@ -145,6 +190,17 @@ def _allocation(a: AllocationRecord) -> dict[str, Any]:
         "pod": a.pod,
         "container": a.container,
         "slice_ids": list(a.slice_ids),
+        # What it may use per GPU, fixed when it was made (its environment's figures; a DRA
+        # claim's consumed capacity): never changed by a reload.
+        "grants": [
+            {
+                "gpu_uuid": g.gpu_uuid,
+                "memory_limit_bytes": g.memory_limit_bytes,
+                "compute_share_ratio": _num(g.compute_share_ratio),
+                "slices": g.slices,
+            }
+            for g in a.grants
+        ],
         # The resource it was made under; `retired`: a name this node no longer serves (renamed
         # by a reload), held until the kubelet frees it.
         "resource_name": a.resource_name or None,
@@ -175,13 +231,17 @@ def _enforcement(e: EnforcementCount) -> dict[str, Any]:
 def snapshot_to_json(snapshot: NodeSnapshot) -> dict[str, Any]:
     """The /status document: plain JSON data with a fixed key order."""
     mig_devices = frozenset(g.info.uuid for g in snapshot.gpus if g.info.is_mig_device)
+    dra_mode = snapshot.kubelet_api == SOURCE_DRA
+    claims = _claims_on(snapshot.allocations) if dra_mode else {}
     return {
         "node": snapshot.node_name,
+        # How the kubelet is served: device-plugin (slices) or dra (devices and claims).
+        "kubelet_api": snapshot.kubelet_api,
         "taken_at": rfc3339(snapshot.taken_at_s),
         "taken_at_s": snapshot.taken_at_s,
         "stale": snapshot.stale,
         "health": _health(snapshot.health, snapshot.taken_at_s),
-        "gpus": [_gpu(g) for g in snapshot.gpus],
+        "gpus": [_gpu(g, dra_mode, claims.get(g.info.uuid)) for g in snapshot.gpus],
         "containers": [_container(c, mig_devices) for c in snapshot.containers],
         "allocations": [_allocation(a) for a in snapshot.allocations],
         "enforcement": [_enforcement(e) for e in snapshot.enforcement],

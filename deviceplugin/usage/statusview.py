@@ -139,8 +139,9 @@ def _header(doc: Mapping[str, Any], width: int) -> list[str]:
     when = _text(doc.get("taken_at", "?"))
     freshness = "STALE" if doc.get("stale") else "fresh"
     first = _name_and_tail(0, f"node {_text(doc.get('node', '?'))}", f"{when}  {freshness}", width)
+    who = "DRA driver" if doc.get("kubelet_api") == "dra" else "kubelet"
     flags = [
-        "kubelet registered" if health.get("registered") else "kubelet NOT REGISTERED",
+        f"{who} registered" if health.get("registered") else f"{who} NOT REGISTERED",
         "pod-resources up" if health.get("pod_resources_ok") else "pod-resources DOWN",
         f"GPUs {_healthy_of(full)} healthy",
     ]
@@ -186,12 +187,19 @@ def _gpu_lines(
     slices = g.get("slices") or {}
     health = "healthy" if g.get("healthy") else "UNHEALTHY"
     reason = _text(g.get("health_reason") or "")
-    tail = (
-        f"{health}  slices: {_int(slices.get('allocated'))} used, "
-        f"{_int(slices.get('free'))} free, {_int(slices.get('unhealthy'))} unhealthy"
-    )
-    if _int(slices.get("unconfirmed")):
-        tail += f", {_int(slices.get('unconfirmed'))} unconfirmed"
+    dra = g.get("dra")
+    if isinstance(dra, Mapping):
+        n = len(dra.get("claims") or [])
+        tail = f"{health}  device {_text(dra.get('device', '?'))}: {n} claim{'s' if n != 1 else ''}"
+    elif g.get("slices") is None:  # DRA mode, a GPU published as no device (MIG mode)
+        tail = f"{health}  no device of its own"
+    else:
+        tail = (
+            f"{health}  slices: {_int(slices.get('allocated'))} used, "
+            f"{_int(slices.get('free'))} free, {_int(slices.get('unhealthy'))} unhealthy"
+        )
+        if _int(slices.get("unconfirmed")):
+            tail += f", {_int(slices.get('unconfirmed'))} unconfirmed"
     mig = bool(g.get("parent_gpu_uuid"))
     if mig:
         name = (
@@ -203,6 +211,8 @@ def _gpu_lines(
     lines = [_name_and_tail(0, name, tail, width)]
     if reason and not g.get("healthy"):
         lines.append(_clip(f"  reason: {reason}", width))
+    if isinstance(dra, Mapping):
+        lines.append(_clip("  " + _claimed(dra), width))
 
     total = _int(g.get("memory_total_bytes"))
     used_raw = g.get("memory_used_bytes")
@@ -257,6 +267,18 @@ def _gpu_lines(
         )
     )
     return lines
+
+
+def _claimed(dra: Mapping[str, Any]) -> str:
+    """What a DRA device has given out and has left: `claimed: memory 25Gi (15Gi free),
+    compute 55% (45% free)`, and FULL when no claim of the policy's minimum fits there."""
+    text = (
+        f"claimed: memory {format_bytes(_int(dra.get('memory_claimed_bytes')))} "
+        f"({format_bytes(_int(dra.get('memory_free_bytes')))} free), "
+        f"compute {_percent(_float(dra.get('compute_claimed_ratio')))} "
+        f"({_percent(_float(dra.get('compute_free_ratio')))} free)"
+    )
+    return text + (", FULL" if dra.get("full") else "")
 
 
 def _enforcement_line(entries: Iterable[Mapping[str, Any]], width: int) -> str:
@@ -346,10 +368,16 @@ def _compact_gpu(g: Mapping[str, Any], width: int) -> str:
     used_raw = g.get("memory_used_bytes")
     used = "?" if used_raw is None else format_bytes(_int(used_raw))
     total = format_bytes(_int(g.get("memory_total_bytes")))
-    tail = (
-        f"{used}/{total}  SM {_percent(_float(g.get('sm_utilization_ratio')))}  "
-        f"slices {_int(slices.get('allocated'))} used {_int(slices.get('free'))} free"
+    dra = g.get("dra")
+    held = (
+        f"free {format_bytes(_int(dra.get('memory_free_bytes')))} "
+        f"{_percent(_float(dra.get('compute_free_ratio')))}" + (" FULL" if dra.get("full") else "")
+        if isinstance(dra, Mapping)
+        else "no device"
+        if g.get("slices") is None
+        else f"slices {_int(slices.get('allocated'))} used {_int(slices.get('free'))} free"
     )
+    tail = f"{used}/{total}  SM {_percent(_float(g.get('sm_utilization_ratio')))}  {held}"
     return _name_and_tail(0, name, tail, width)
 
 

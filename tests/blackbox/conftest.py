@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.blackbox.daemon_harness import TWO_GPUS, Node
+from tests.blackbox.daemon_harness import TWO_GPUS, Node, Workloads
 from tests.support.fake_apiserver import FakeApiServer
 
 # The node the DRA tests' fake API server knows.
@@ -39,3 +39,13 @@ def api() -> Iterator[FakeApiServer]:
     # Shown with a failing test's output: requests the fake server gave up on.
     for error in server.errors:
         print(f"fake API server: {error}")
+
+
+@pytest.fixture
+def workloads() -> Iterator[Workloads]:
+    """Real processes standing in for containers' GPU processes, resumed and killed at the end."""
+    w = Workloads()
+    try:
+        yield w
+    finally:
+        w.close()

@@ -47,6 +47,7 @@ from deviceplugin.model import (
     AllocationRecord,
     ContainerUsage,
     DaemonHealth,
+    DeviceGrant,
     EnforcementCount,
     GpuInfo,
     GpuReading,
@@ -77,6 +78,12 @@ A_SLICES = slices(0)  # compute share 0.25
 B_SLICES = slices(1, 2, 3)  # compute share 0.75
 A = allocation_id(A_SLICES)
 B = allocation_id(B_SLICES)
+
+
+def granted(slice_ids: tuple[str, ...]) -> tuple[DeviceGrant, ...]:
+    """What Allocate grants `slice_ids` of the 80Gi GPU in 4 slices."""
+    k = len(slice_ids)
+    return (DeviceGrant(GPU, k * 20 * GIB, k * 0.25, k),)
 
 
 @pytest.fixture
@@ -170,8 +177,8 @@ class Node:
     processes: list[Proc]
     control: ProcessControl = field(default_factory=SpyControl)
     allocations: tuple[AllocationRecord, ...] = (
-        AllocationRecord(A, A_SLICES, 0.0, "team-a", "pod-a", "main"),
-        AllocationRecord(B, B_SLICES, 0.0, "team-b", "pod-b", "main"),
+        AllocationRecord(A, A_SLICES, 0.0, "team-a", "pod-a", "main", grants=granted(A_SLICES)),
+        AllocationRecord(B, B_SLICES, 0.0, "team-b", "pod-b", "main", grants=granted(B_SLICES)),
     )
     readings: list[NodeReading] = field(default_factory=list)
     tick_times: list[float] = field(default_factory=list)

@@ -9,7 +9,7 @@ import json
 import signal
 import sys
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -33,15 +33,6 @@ enforcement:
   memory: {action: kill, gracePeriod: 500ms}
   compute: {action: throttle, window: 1s, period: 200ms, workConserving: true}
 """
-
-
-@pytest.fixture
-def workloads() -> Iterator[Workloads]:
-    w = Workloads()
-    try:
-        yield w
-    finally:
-        w.close()
 
 
 class Serve:

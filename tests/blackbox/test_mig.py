@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Iterator
 
 import pytest
 
@@ -80,15 +79,6 @@ def mixed(**overrides: object) -> Config:
 async def mig_node(node: Node) -> Node:
     node.write_gpus([gpu(0, name="NVIDIA L4", memory_gib=24), mig_gpu(1, *LAYOUT)])
     return node
-
-
-@pytest.fixture
-def workloads() -> Iterator[Workloads]:
-    w = Workloads()
-    try:
-        yield w
-    finally:
-        w.close()
 
 
 async def test_mixed_registers_one_resource_per_profile(mig_node: Node) -> None:

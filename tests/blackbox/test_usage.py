@@ -6,9 +6,7 @@ import asyncio
 import json
 import sys
 import urllib.request
-from collections.abc import Iterator
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deviceplugin.app import Daemon
@@ -42,15 +40,6 @@ CONTRACT_METRICS = {
     "vgpu_poll_duration_seconds",
     "vgpu_kubelet_registrations_total",
 }
-
-
-@pytest.fixture
-def workloads() -> Iterator[Workloads]:
-    w = Workloads()
-    try:
-        yield w
-    finally:
-        w.close()
 
 
 def get(daemon: Daemon, path: str) -> tuple[int, str]:

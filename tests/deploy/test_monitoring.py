@@ -3,6 +3,7 @@ asks only for series the exporter really exposes (built from its output on a sam
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from functools import cache
@@ -16,6 +17,7 @@ import deviceplugin
 from deviceplugin.dra.kubeapi import KubeApi
 from deviceplugin.dra.publisher import SlicePublisher
 from deviceplugin.dra.settings import DraSettings
+from deviceplugin.model import NodeSnapshot
 from deviceplugin.reload import ReloadMetrics, config_hash
 from deviceplugin.usage.metrics import DaemonMetrics
 from tests.deploy.support import (
@@ -26,7 +28,7 @@ from tests.deploy.support import (
     NAMESPACE,
     one,
 )
-from tests.unit.test_metrics import sample_snapshot
+from tests.unit.test_metrics import dra_sample_snapshot, sample_snapshot
 
 # docs/design.md §5 and the issue that made the dashboard: the series the dashboard and alerts
 # rely on.
@@ -59,6 +61,7 @@ REQUIRED_ALERTS = {
     "VgpuDaemonNotPolling",
     "VgpuNotRegistered",
     "VgpuSlicesExhausted",
+    "VgpuDraDeviceFull",
     "VgpuDaemonAbsent",
 }
 # dcgm-exporter's series that the recording rules join, with the labels it gives them.
@@ -83,25 +86,33 @@ LABEL_REF = re.compile(r"\$labels\.([A-Za-z_][A-Za-z0-9_]*)")
 BY = re.compile(r"\bby\s*\(([^)]*)\)")
 
 
+VERSION = deviceplugin.__version__
+
+
+def _same(snapshot: NodeSnapshot) -> NodeSnapshot:
+    return snapshot
+
+
 @cache
 def exposed() -> dict[str, set[str]]:
     """Sample name -> label names, from the exporter's text output for a sample snapshot."""
-    snapshot = sample_snapshot()
-    metrics = DaemonMetrics("node-a", lambda: snapshot, version=deviceplugin.__version__)
-    # The daemon adds the config reload series to the same registry, and in DRA mode the
-    # ResourceSlice's publication series.
-    ReloadMetrics(metrics.registry, "node-a", config_hash(b""))
-    publisher = SlicePublisher(DraSettings(node_name="node-a"), cast(KubeApi, None), list)
-    metrics.registry.register(publisher.collector("node-a"))
-    metrics.observe_allocate(0.001)
-    metrics.observe_poll(0.002)
-    payload, _ = metrics.render()
     series: dict[str, set[str]] = {}
-    for family in text_string_to_metric_families(payload.decode()):
-        for suffix in SUFFIXES.get(family.type, ("",)):
-            series.setdefault(family.name + suffix, set())
-        for sample in family.samples:
-            series.setdefault(sample.name, set()).update(sample.labels)
+    # A device-plugin node's and a DRA node's: each mode has series of its own.
+    for snapshot in (sample_snapshot(), dra_sample_snapshot()):
+        metrics = DaemonMetrics("node-a", functools.partial(_same, snapshot), version=VERSION)
+        # The daemon adds the config reload series to the same registry, and in DRA mode the
+        # ResourceSlice's publication series.
+        ReloadMetrics(metrics.registry, "node-a", config_hash(b""))
+        publisher = SlicePublisher(DraSettings(node_name="node-a"), cast(KubeApi, None), list)
+        metrics.registry.register(publisher.collector("node-a"))
+        metrics.observe_allocate(0.001)
+        metrics.observe_poll(0.002)
+        payload, _ = metrics.render()
+        for family in text_string_to_metric_families(payload.decode()):
+            for suffix in SUFFIXES.get(family.type, ("",)):
+                series.setdefault(family.name + suffix, set())
+            for sample in family.samples:
+                series.setdefault(sample.name, set()).update(sample.labels)
     return series
 
 

@@ -17,10 +17,9 @@ from deviceplugin.dra.claims import (
     PreparedClaim,
     claim_owners,
     claim_record,
-    inventory_with_claims,
 )
 from deviceplugin.dra.driver import DraDriver
-from deviceplugin.model import NodeSnapshot, ProcessSample
+from deviceplugin.model import Inventory, NodeSnapshot, ProcessSample
 from deviceplugin.usage.containerlogs import ContainerLogIndex
 from deviceplugin.usage.procs import AllocationResolver
 from tests.blackbox.daemon_harness import GiB
@@ -58,7 +57,7 @@ def snapshot_of(
         resolver,
         processes,
         checkpoint,
-        inventory_with_claims(INVENTORY, [CLAIM]),
+        Inventory.of(INVENTORY.plans, ()),
         [claim_record(CLAIM, "main")],
     )
 

@@ -22,8 +22,7 @@ from deviceplugin.dra import cdi
 from deviceplugin.dra.claims import (
     ClaimError,
     claim_edits,
-    claim_slices,
-    inventory_with_claims,
+    claim_record,
     parse_quantity,
     plans_by_device,
     read_claim,
@@ -123,8 +122,12 @@ def test_consumed_capacity_becomes_the_limits_and_the_env() -> None:
     assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.36"
     assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
     assert edits.device_nodes == ()
-    (s,) = claim_slices(claim)
-    assert (s.memory_limit_bytes, s.compute_share_ratio) == (15 * GIB, 0.3)
+    (grant,) = claim_record(claim).grants
+    assert (grant.gpu_uuid, grant.memory_limit_bytes, grant.compute_share_ratio) == (
+        "GPU-aaaa",
+        15 * GIB,
+        0.3,
+    )
 
 
 def test_two_shares_of_one_gpu_add_up_and_two_gpus_get_two_ordinals() -> None:
@@ -197,19 +200,38 @@ def test_claims_that_cannot_be_prepared_say_why(claim: dict[str, Any], message: 
         _read(claim)
 
 
-def test_the_inventory_holds_one_slice_per_claim_and_gpu() -> None:
+def test_a_claim_is_an_allocation_granted_what_it_consumed_per_gpu_and_holds_no_slice() -> None:
     claim = _read(
         _claim(
             {
-                "request": "g",
+                "request": "a",
+                "device": "gpu-1",
+                "consumedCapacity": {"memory": "4Gi", "compute": "10"},
+            },
+            {
+                "request": "b",
                 "device": "gpu-0",
                 "consumedCapacity": {"memory": "1Gi", "compute": "5"},
-            }
+            },
+            {
+                "request": "c",
+                "device": "gpu-0",
+                "consumedCapacity": {"memory": "2Gi", "compute": "20"},
+            },
         )
     )
-    view = inventory_with_claims(INVENTORY, [claim])
-    assert view.plans == INVENTORY.plans
-    assert [(s.id.gpu_uuid, s.memory_limit_bytes) for s in view.slices] == [("GPU-aaaa", GIB)]
+    record = claim_record(claim, "main")
+    assert record.slice_ids == ()
+    assert (record.source, record.claim, record.pod, record.container) == (
+        "dra",
+        "ml/train",
+        "trainer-0",
+        "main",
+    )
+    assert [(g.gpu_uuid, g.memory_limit_bytes, g.compute_share_ratio) for g in record.grants] == [
+        ("GPU-aaaa", 3 * GIB, 0.25),
+        ("GPU-bbbb", 4 * GIB, 0.1),
+    ]
 
 
 def test_cdi_spec_is_owner_only_replaced_whole_and_never_through_a_symlink(tmp_path: Path) -> None:

@@ -771,7 +771,7 @@ def test_repeated_inputs_decide_as_a_policy_that_ticks_every_time(
 def test_an_allocation_stating_its_shares_is_enforced_like_a_slice_allocation() -> None:
     """The enforcer does not know where an allocation came from: one that states its memory
     limit per device (a DRA claim) is held to it like a device-plugin allocation of slices."""
-    from deviceplugin.model import SOURCE_DRA, AllocationRecord, DaemonHealth, DeviceShare
+    from deviceplugin.model import SOURCE_DRA, AllocationRecord, DaemonHealth, DeviceGrant
     from deviceplugin.usage.attribution import SnapshotBuilder
     from tests.unit.test_usage import INVENTORY, UUID0, reading
 
@@ -783,7 +783,7 @@ def test_an_allocation_stating_its_shares_is_enforced_like_a_slice_allocation() 
         "ml",
         "trainer",
         "main",
-        shares=(DeviceShare(UUID0, 12 * gib, 0.3),),
+        grants=(DeviceGrant(UUID0, 12 * gib, 0.3),),
         source=SOURCE_DRA,
         claim="ml/trainer-gpu",
     )

@@ -18,7 +18,8 @@ from deviceplugin.model import (
     AllocationRecord,
     ContainerUsage,
     DaemonHealth,
-    DeviceShare,
+    DeviceGrant,
+    DraDevice,
     EnforcementCount,
     GpuInfo,
     GpuReading,
@@ -166,6 +167,66 @@ def sample_snapshot(
         ),
         enforcement=enforcement,
         signals_not_sent=(("moved", 1), ("permission_denied", 2)),
+    )
+
+
+DRA_GPU = GpuInfo(
+    "GPU-00000000-0000-4000-8000-0000000000d0", 0, "NVIDIA A100-PCIE-40GB", 40 * GiB, 0
+)
+DRA_MIG_PARENT = GpuInfo(
+    "GPU-00000000-0000-4000-8000-0000000000d1", 1, "NVIDIA A100-SXM4-80GB", 80 * GiB, 1,
+    mig_enabled=True,
+)  # fmt: skip
+DRA_MIG = GpuInfo(
+    "MIG-00000000-0000-4000-8000-0000000000d2", 1, "NVIDIA A100-SXM4-80GB 3g.40gb", 40 * GiB, 1,
+    parent_uuid=DRA_MIG_PARENT.uuid, mig_profile="3g.40gb", gpu_instance_id=1,
+    compute_instance_id=0, mig_index=0,
+)  # fmt: skip
+# Two claims on the A100 (15Gi and 30% of it, 25Gi and 25%): its memory is all claimed.
+DRA_CLAIMS = (
+    AllocationRecord(
+        "c1a1c1a1c1a1c1a1", (), T0 - 60, "ml", "p15", "main",
+        grants=(DeviceGrant(DRA_GPU.uuid, 15 * GiB, 0.3),), source=SOURCE_DRA, claim="ml/p15-gpu",
+    ),
+    AllocationRecord(
+        "c2a2c2a2c2a2c2a2", (), T0 - 30, "ml", "p25", "main",
+        grants=(DeviceGrant(DRA_GPU.uuid, 25 * GiB, 0.25),), source=SOURCE_DRA, claim="ml/p25-gpu",
+    ),
+)  # fmt: skip
+
+
+def dra_sample_snapshot() -> NodeSnapshot:
+    """DRA mode: an A100 whose memory two claims consumed, and a MIG device of another GPU (in
+    MIG mode, so no device itself) that no claim holds."""
+    gpus = (
+        GpuUsage(
+            GpuReading(DRA_GPU, True, "", 30 * GiB, 50.0),
+            sm_utilization_ratio=0.5,
+            dra=DraDevice("gpu-0", 40 * GiB, 0, 0.55, 0.45, 2, True),
+        ),
+        GpuUsage(GpuReading(DRA_MIG_PARENT), sm_utilization_ratio=None),
+        GpuUsage(
+            GpuReading(DRA_MIG),
+            sm_utilization_ratio=None,
+            dra=DraDevice("gpu-1-mig-1-0", 0, 40 * GiB, 0.0, 1.0, 0, False),
+        ),
+    )
+    containers = tuple(
+        ContainerUsage(
+            a.allocation_id, DRA_GPU.uuid, 0, 1, 10 * GiB, a.grants[0].memory_limit_bytes, 0.25,
+            a.grants[0].compute_share_ratio, namespace=a.namespace, pod=a.pod,
+            container=a.container,
+        )
+        for a in DRA_CLAIMS
+    )  # fmt: skip
+    return NodeSnapshot(
+        taken_at_s=T0,
+        node_name=NODE,
+        gpus=gpus,
+        containers=containers,
+        allocations=DRA_CLAIMS,
+        health=DaemonHealth(registered=True, last_poll_success_s=T0, pod_resources_ok=True),
+        kubelet_api=SOURCE_DRA,
     )
 
 
@@ -452,7 +513,7 @@ DRA_ALLOCATION = AllocationRecord(
     namespace="team-d",
     pod="claimant-0",
     container="main,sidecar",
-    shares=(DeviceShare(UUID1, 10 * GiB, 0.25),),
+    grants=(DeviceGrant(UUID1, 10 * GiB, 0.25),),
     source=SOURCE_DRA,
     claim="team-d/gpu-claim",
 )
@@ -749,3 +810,55 @@ def test_a_mig_device_is_a_gpu_series_naming_its_parent_and_has_no_utilisation()
     labels = container_labels(on_mig)
     assert r.get_sample_value("vgpu_container_gpu_memory_used_bytes", labels) is not None
     assert r.get_sample_value("vgpu_container_sm_utilization_ratio", labels) is None
+
+
+# --- DRA mode --------------------------------------------------------------------------------
+
+DRA_DEVICE = GPU | {"device"}
+DRA_SERIES = {
+    "vgpu_dra_device_memory_claimed_bytes",
+    "vgpu_dra_device_memory_free_bytes",
+    "vgpu_dra_device_compute_claimed_ratio",
+    "vgpu_dra_device_compute_free_ratio",
+    "vgpu_dra_device_claims",
+    "vgpu_dra_device_full",
+}
+
+
+def test_dra_mode_speaks_devices_and_claims_not_slices() -> None:
+    metrics, _ = make(dra_sample_snapshot())
+    samples = exposed(metrics)
+    assert "vgpu_slices" not in samples  # no slice, so no "0 free" on a half-empty GPU
+    for name in DRA_SERIES:
+        assert [set(labels) for labels in samples[name]] == [DRA_DEVICE, DRA_DEVICE], name
+    r = metrics.registry
+    gpu0 = {"node": NODE, "gpu_uuid": DRA_GPU.uuid, "gpu_index": "0", **NO_MIG, "device": "gpu-0"}
+    assert r.get_sample_value("vgpu_dra_device_memory_claimed_bytes", gpu0) == 40 * GiB
+    assert r.get_sample_value("vgpu_dra_device_memory_free_bytes", gpu0) == 0
+    assert r.get_sample_value("vgpu_dra_device_compute_claimed_ratio", gpu0) == 0.55
+    assert r.get_sample_value("vgpu_dra_device_compute_free_ratio", gpu0) == 0.45
+    assert r.get_sample_value("vgpu_dra_device_claims", gpu0) == 2
+    assert r.get_sample_value("vgpu_dra_device_full", gpu0) == 1
+    mig = {
+        "node": NODE,
+        "gpu_uuid": DRA_MIG.uuid,
+        "gpu_index": "1",
+        "parent_gpu_uuid": DRA_MIG_PARENT.uuid,
+        "mig_profile": "3g.40gb",
+        "gpu_instance_id": "1",
+        "compute_instance_id": "0",
+        "device": "gpu-1-mig-1-0",
+    }
+    assert r.get_sample_value("vgpu_dra_device_memory_free_bytes", mig) == 40 * GiB
+    assert r.get_sample_value("vgpu_dra_device_full", mig) == 0
+    # The containers' series are those of device-plugin mode, with the claims' grants.
+    limits = {
+        labels["pod"]: value
+        for labels, value in exposed_values(metrics)["vgpu_container_gpu_memory_limit_bytes"]
+    }
+    assert limits == {"p15": 15 * GiB, "p25": 25 * GiB}
+
+
+def test_device_plugin_mode_has_no_dra_series() -> None:
+    metrics, _ = make(sample_snapshot())
+    assert not DRA_SERIES & set(exposed(metrics))

@@ -49,6 +49,7 @@ def test_document_key_order_is_stable() -> None:
     doc = snapshot_to_json(sample_snapshot())
     assert list(doc) == [
         "node",
+        "kubelet_api",
         "taken_at",
         "taken_at_s",
         "stale",

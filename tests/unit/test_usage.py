@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deviceplugin.allocation import slice_grants
 from deviceplugin.kubelet.checkpoint import DeviceCheckpoint, parse_checkpoint
 from deviceplugin.model import (
     AllocationRecord,
@@ -247,8 +248,15 @@ def inventory(*gpus: tuple[GpuInfo, bool]) -> Inventory:
 
 
 def record(
-    *slice_ids: str, namespace: str = "", pod: str = "", container: str = ""
+    *slice_ids: str,
+    namespace: str = "",
+    pod: str = "",
+    container: str = "",
+    granted_by: Inventory | None = None,
 ) -> AllocationRecord:
+    """An allocation of `slice_ids`, granted what they are in `granted_by` (default: the
+    inventory of REPLICAS slices per GPU) as Allocate grants it."""
+    by_id = (granted_by or inventory((gpu_info(0, UUID0), True), (gpu_info(1, UUID1), True))).by_id
     return AllocationRecord(
         allocation_id(slice_ids),
         tuple(sorted(slice_ids)),
@@ -256,6 +264,7 @@ def record(
         namespace=namespace,
         pod=pod,
         container=container,
+        grants=slice_grants([by_id[s] for s in sorted(slice_ids) if s in by_id]),
     )
 
 
@@ -421,6 +430,28 @@ def test_slice_states_count_allocated_free_and_unhealthy() -> None:
     assert (gpu1.slices_total, gpu1.slices_allocated, gpu1.slices_unhealthy) == (4, 0, 4)
     assert gpu1.slices_free == 0
     assert usage_of(snapshot, B, UUID1).memory_limit_bytes == SLICE_MEMORY
+
+
+def test_a_running_allocation_keeps_its_grant_when_the_plan_reslices_its_gpu() -> None:
+    # A was granted two slices of 4 (40Gi, 50%); a reload to 8 slices makes each slice 10Gi.
+    infos = (gpu_info(0, UUID0), gpu_info(1, UUID1))
+    resliced = Inventory.of(
+        [GpuPlan(i, 8, GPU_MEMORY // 8, 1 / 8) for i in infos],
+        [
+            Slice(SliceId(i.uuid, n), i.index, None, GPU_MEMORY // 8, 1 / 8, True)
+            for i in infos
+            for n in range(8)
+        ],
+    )
+    snapshot, _ = build(SnapshotBuilder("n", 5.0), reading(), [A], {}, inv=resliced)
+    a0 = usage_of(snapshot, A, UUID0)
+    assert (a0.slices, a0.memory_limit_bytes, a0.compute_share_ratio) == (2, 40 * GI, 0.5)
+    # Only its slices' count comes from the inventory.
+    assert (snapshot.gpus[0].slices_total, snapshot.gpus[0].slices_allocated) == (8, 2)
+    # An allocation made under the new plan gets the new plan.
+    new = record(sid(UUID0, 4), granted_by=resliced)
+    snapshot, _ = build(SnapshotBuilder("n", 5.0), reading(), [A, new], {}, inv=resliced)
+    assert usage_of(snapshot, new, UUID0).memory_limit_bytes == 10 * GI
 
 
 def test_a_slice_held_twice_is_allocated_once() -> None:

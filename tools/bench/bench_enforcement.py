@@ -70,6 +70,7 @@ from deviceplugin.model import (
     AllocationRecord,
     ContainerUsage,
     DaemonHealth,
+    DeviceGrant,
     GpuInfo,
     GpuReading,
     GpuUsage,
@@ -232,8 +233,15 @@ class Pipeline:
             "a": (f"{GPU}::0",),
             "b": (f"{GPU}::1", f"{GPU}::2", f"{GPU}::3"),
         }
+        # Granted what Allocate grants them on the 4-slice GPU: 1/4 of it per slice.
         self.allocations = tuple(
-            AllocationRecord(allocation_id(s), s, 0.0) for s in self.slices.values()
+            AllocationRecord(
+                allocation_id(s),
+                s,
+                0.0,
+                grants=(DeviceGrant(GPU, len(s) * 20 * GIB, len(s) / 4, len(s)),),
+            )
+            for s in self.slices.values()
         )
         self.backend = FakeBackend(self.state_file, sample_interval_s=0.004)
         self.resolver = AllocationResolver()

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from deviceplugin.allocation import slice_grants
 from deviceplugin.model import (
     AllocationRecord,
     DaemonHealth,
@@ -97,7 +98,8 @@ def make_inventory() -> Inventory:
     return Inventory.of(plans, slices)
 
 
-def make_allocations() -> list[AllocationRecord]:
+def make_allocations(inventory: Inventory) -> list[AllocationRecord]:
+    """One allocation per slice of `inventory`, granted that slice as Allocate grants it."""
     records: list[AllocationRecord] = []
     for g in range(GPUS):
         for n in range(SLICES_PER_GPU):
@@ -110,6 +112,7 @@ def make_allocations() -> list[AllocationRecord]:
                     namespace=f"team-{g}",
                     pod=f"job-{n}",
                     container="main",
+                    grants=slice_grants([inventory.by_id[slice_id]]),
                 )
             )
     return records
@@ -254,9 +257,9 @@ def hit_rate(resolver: AllocationResolver, run: Callable[[], object]) -> float:
 
 
 def bench_fake(root: Path, iterations: int) -> dict[str, dict[str, float]]:
-    records = make_allocations()
-    make_proc_tree(root, records)
     inventory = make_inventory()
+    records = make_allocations(inventory)
+    make_proc_tree(root, records)
     pids = [gpu_pid(g, i) for g in range(GPUS) for i in range(PROCESSES_PER_GPU)]
 
     cold = [cpu_ms(lambda: AllocationResolver(root).resolve(pids)) for _ in range(iterations)]
@@ -282,8 +285,8 @@ def bench_real(iterations: int) -> dict[str, dict[str, float]]:
     """The same node with real processes: one sleeping child per GPU process, each started with
     its allocation's VGPU_ALLOCATION_ID (the real /proc gives no way to clear a child's
     environment after the fact, so here every process has the variable itself)."""
-    records = make_allocations()
     inventory = make_inventory()
+    records = make_allocations(inventory)
     children: dict[tuple[int, int], subprocess.Popen[bytes]] = {}
     env = NOISE_ENV | {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     try:
