@@ -30,9 +30,7 @@ from tests.blackbox.daemon_harness import (
     running_daemon,
     with_processes,
 )
-from tests.blackbox.test_enforcement_daemon import alive, workloads
-
-__all__ = ["workloads"]  # the fixture, shared with the daemon's enforcement tests
+from tests.blackbox.test_enforcement_daemon import alive
 
 NVIDIA = b"""\
 version: v1
