@@ -168,8 +168,10 @@ def test_the_file_is_never_read_through_a_symlink_or_from_a_fifo(
     )
     (state / GRANTS_FILE).symlink_to(elsewhere)
     caplog.set_level(logging.ERROR)
-    assert store(tmp_path).grant(known(record)).grants == (DeviceGrant(UUID0, 40 * GI, 0.5, 2),)
+    grants = store(tmp_path)
+    assert grants.grant(known(record)).grants == (DeviceGrant(UUID0, 40 * GI, 0.5, 2),)
     assert "is a symbolic link" in caplog.records[0].getMessage()
+    grants.wait_kept()  # the grant just made is written (over the link) on the writer's thread
     (state / GRANTS_FILE).unlink()
     os.mkfifo(state / GRANTS_FILE)  # a reader that blocked on it would hang here
     with pytest.raises(RefusedFileError, match="not a regular file"):
