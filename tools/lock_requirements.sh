@@ -38,7 +38,7 @@ trap 'rm -rf "$work"' EXIT
 # the lock must describe what the public index serves.
 env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL -u PIP_INDEX_URL -u PIP_CONSTRAINT \
     PIP_CONFIG_FILE=/dev/null CUSTOM_COMPILE_COMMAND="tools/lock_requirements.sh" \
-    "$PIP_COMPILE" --quiet --generate-hashes --strip-extras --allow-unsafe \
+    "$PIP_COMPILE" --quiet --generate-hashes --no-strip-extras --allow-unsafe \
     --no-emit-index-url --no-emit-find-links --index-url "$INDEX_URL" \
     "${extra[@]}" --output-file "$work/$LOCK" pyproject.toml >"$work/log" 2>&1 || {
     cat "$work/log" >&2
