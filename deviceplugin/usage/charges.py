@@ -37,12 +37,13 @@ allocation it claimed; it is counted apart per GPU.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 
 from deviceplugin.allocation import device_env_suffix
 from deviceplugin.kubelet.checkpoint import DeviceCheckpoint
 from deviceplugin.model import (
     AllocationRecord,
+    DeviceGrant,
     GpuReading,
     Inventory,
     ProcessSample,
@@ -157,6 +158,11 @@ class _Accumulator:
     sm_util_percent: float = 0.0
     processes: list[ProcessSample] = dataclasses.field(default_factory=list)
 
+    def grant(self, grant: DeviceGrant) -> None:
+        self.slices += grant.slices
+        self.memory_limit_bytes += grant.memory_limit_bytes
+        self.compute_share_ratio += grant.compute_share_ratio
+
     def add(self, process: ProcessSample) -> None:
         self.processes.append(process)
         self.memory_used_bytes += process.used_memory_bytes or 0
@@ -202,34 +208,84 @@ def charge_processes(
     docstring; `checked` is the evidence when its checkpoint is readable, else None."""
     gpu_by_uuid = {g.info.uuid: g for g in gpus}
     records = {r.allocation_id: r for r in allocations}
+    holdings = _Holdings.of(records.values(), inventory, gpu_by_uuid, wall_s)
+    ledger = _Ledger(records, holdings.accumulators, gpu_by_uuid)
+    for gpu in gpus:
+        uuid = gpu.info.uuid
+        for process, found in _claims_on(gpu, pid_allocation):
+            if checked is None:
+                # Without a readable checkpoint every claim stands: `attribute` is not asked.
+                ledger.charge(uuid, process, found)
+            else:
+                ledger.check(uuid, process, found, checked, holdings.held_on)
+    if checked is not None and ledger.pending:
+        ledger.charge_pending(checked.checkpoint, holdings.held_on)
+        ledger.put_in_driver_order(gpus)
+    total, unhealthy = _slice_counts(inventory, gpu_by_uuid)
+    return ledger.charges(total, holdings.slices_allocated, unhealthy, holdings.slices_unconfirmed)
 
-    slices_total = dict.fromkeys(gpu_by_uuid, 0)
-    slices_unhealthy = dict.fromkeys(gpu_by_uuid, 0)
+
+def _slice_counts(
+    inventory: Inventory, gpu_by_uuid: Mapping[str, GpuReading]
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Per GPU read this poll: its slices in the inventory, and how many of them are unhealthy."""
+    total = dict.fromkeys(gpu_by_uuid, 0)
+    unhealthy = dict.fromkeys(gpu_by_uuid, 0)
     for slice_ in inventory.slices:
         uuid = slice_.id.gpu_uuid
-        if uuid in slices_total:
-            slices_total[uuid] += 1
+        if uuid in total:
+            total[uuid] += 1
             if not slice_.healthy:
-                slices_unhealthy[uuid] += 1
+                unhealthy[uuid] += 1
+    return total, unhealthy
 
-    accumulators: dict[tuple[str, str], _Accumulator] = {}
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Holdings:
+    """What the allocations hold of the GPUs read this poll: per (allocation, GPU) its grants
+    there (an accumulator, no process charged yet), those pairs (`held_on`), and per GPU the
+    slices held by allocations that count as allocated and by those still unconfirmed."""
+
+    accumulators: dict[tuple[str, str], _Accumulator]
+    held_on: frozenset[tuple[str, str]]
+    slices_allocated: dict[str, int]
+    slices_unconfirmed: dict[str, int]
+
+    @classmethod
+    def of(
+        cls,
+        records: Collection[AllocationRecord],
+        inventory: Inventory,
+        gpu_by_uuid: Mapping[str, GpuReading],
+        wall_s: float,
+    ) -> _Holdings:
+        accumulators: dict[tuple[str, str], _Accumulator] = {}
+        for record in records:
+            # What it may use is what it was granted, whatever the inventory says now.
+            for grant in record.grants:
+                if grant.gpu_uuid in gpu_by_uuid:
+                    key = (record.allocation_id, grant.gpu_uuid)
+                    acc = accumulators.get(key)
+                    if acc is None:
+                        acc = accumulators[key] = _Accumulator(record)
+                    acc.grant(grant)
+        allocated, unconfirmed = _held_slices(records, inventory, gpu_by_uuid, wall_s)
+        return cls(accumulators, frozenset(accumulators), allocated, unconfirmed)
+
+
+def _held_slices(
+    records: Collection[AllocationRecord],
+    inventory: Inventory,
+    gpu_by_uuid: Mapping[str, GpuReading],
+    wall_s: float,
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Per GPU read this poll, its healthy slices that device-plugin allocations hold: those
+    that count as allocated, and those held only by allocations still unconfirmed."""
     held_healthy: set[str] = set()
     # Held by allocations the kubelet does not list, past the first seconds after Allocate.
     held_unconfirmed: set[str] = set()
     by_id = inventory.by_id
-    for record in records.values():
-        # What it may use is what it was granted, whatever the inventory says now.
-        for grant in record.grants:
-            if grant.gpu_uuid not in gpu_by_uuid:
-                continue
-            key = (record.allocation_id, grant.gpu_uuid)
-            acc = accumulators.get(key)
-            if acc is None:
-                acc = accumulators[key] = _Accumulator(record)
-            acc.slices += grant.slices
-            acc.memory_limit_bytes += grant.memory_limit_bytes
-            acc.compute_share_ratio += grant.compute_share_ratio
-        # Its slices (a device-plugin allocation's) count as allocated or unconfirmed.
+    for record in records:
         if not record.slice_ids:
             continue
         held = held_healthy if confirmed(record, wall_s) else held_unconfirmed
@@ -237,122 +293,157 @@ def charge_processes(
             s = by_id.get(slice_id)
             if s is not None and s.healthy and s.id.gpu_uuid in gpu_by_uuid:
                 held.add(slice_id)
-    # (allocation, GPU) pairs whose allocation holds slices of that GPU.
-    held_on = frozenset(accumulators)
-    slices_allocated = dict.fromkeys(gpu_by_uuid, 0)
+    allocated = dict.fromkeys(gpu_by_uuid, 0)
     for slice_id in held_healthy:
-        slices_allocated[by_id[slice_id].id.gpu_uuid] += 1
-    slices_unconfirmed = dict.fromkeys(gpu_by_uuid, 0)
+        allocated[by_id[slice_id].id.gpu_uuid] += 1
+    unconfirmed = dict.fromkeys(gpu_by_uuid, 0)
     for slice_id in held_unconfirmed - held_healthy:
-        slices_unconfirmed[by_id[slice_id].id.gpu_uuid] += 1
+        unconfirmed[by_id[slice_id].id.gpu_uuid] += 1
+    return allocated, unconfirmed
 
-    unknown: set[str] = set()
-    unattributed: dict[str, list[ProcessSample]] = {uuid: [] for uuid in gpu_by_uuid}
-    misattributed: dict[str, list[ProcessSample]] = {uuid: [] for uuid in gpu_by_uuid}
-    unattributed_pods: dict[str, list[tuple[int, str]]] = {uuid: [] for uuid in gpu_by_uuid}
-    # Processes of a pod whose claim did not stand, and the allocations that stood per
-    # container cgroup: rule 4 charges the former to the latter.
-    pending: list[tuple[str, ProcessSample, str, str | None]] = []
-    cgroup_allocations: dict[str, set[str]] = {}
 
-    def charge(uuid: str, process: ProcessSample, found: str | None) -> None:
+def _claims_on(
+    gpu: GpuReading, pid_allocation: Mapping[int, Claim]
+) -> Iterator[tuple[ProcessSample, str | None]]:
+    """Each process of `gpu` with the allocation ID its environment claims on that GPU: its
+    per-device key's for the GPU where its environment sets one, else its `VGPU_ALLOCATION_ID`."""
+    suffix: str | None = None
+    claim_of = pid_allocation.get
+    for process in gpu.processes:
+        claim = claim_of(process.pid)
+        if isinstance(claim, DeviceClaims):
+            if suffix is None:
+                suffix = device_env_suffix(gpu.info.uuid)
+            yield process, claim.on(suffix)
+        else:
+            yield process, claim
+
+
+class _Ledger:
+    """Where a build's processes are counted: per (allocation, GPU) and, per GPU, the
+    unattributed, misattributed and pods' unattributed processes; and, while the build goes on,
+    what rule 4 needs: the processes of pods whose claim did not stand, and the allocations
+    that stood per container cgroup."""
+
+    def __init__(
+        self,
+        records: Mapping[str, AllocationRecord],
+        accumulators: dict[tuple[str, str], _Accumulator],
+        gpu_by_uuid: Mapping[str, GpuReading],
+    ) -> None:
+        self._records = records
+        self._accumulators = accumulators
+        self._gpu_by_uuid = gpu_by_uuid
+        self._unknown: set[str] = set()
+        self._unattributed: dict[str, list[ProcessSample]] = {uuid: [] for uuid in gpu_by_uuid}
+        self._misattributed: dict[str, list[ProcessSample]] = {uuid: [] for uuid in gpu_by_uuid}
+        self._unattributed_pods: dict[str, list[tuple[int, str]]] = {
+            uuid: [] for uuid in gpu_by_uuid
+        }
+        # (GPU UUID, process, pod UID, container cgroup) of each process whose claim did not stand.
+        self.pending: list[tuple[str, ProcessSample, str, str | None]] = []
+        self._cgroup_allocations: dict[str, set[str]] = {}
+
+    def charge(self, uuid: str, process: ProcessSample, found: str | None) -> None:
         """Count `process` for the allocation it was found to belong to (None: none)."""
         if found is None:
-            unattributed[uuid].append(process)
+            self._unattributed[uuid].append(process)
             return
-        owner = records.get(found)
+        owner = self._records.get(found)
         if owner is None:
-            unattributed[uuid].append(process)
-            unknown.add(found)
+            self._unattributed[uuid].append(process)
+            self._unknown.add(found)
             return
         key = (found, uuid)
-        acc = accumulators.get(key)
+        acc = self._accumulators.get(key)
         if acc is None:
-            acc = accumulators[key] = _Accumulator(owner)
+            acc = self._accumulators[key] = _Accumulator(owner)
         acc.add(process)
 
-    # Without a readable checkpoint every claim stands: `attribute` is not asked.
-    claim_of = pid_allocation.get
-    for gpu in gpus:
-        uuid = gpu.info.uuid
-        suffix: str | None = None
-        for process in gpu.processes:
-            pid = process.pid
-            claim = claim_of(pid)
-            if isinstance(claim, DeviceClaims):
-                if suffix is None:
-                    suffix = device_env_suffix(uuid)
-                found = claim.on(suffix)
+    def check(
+        self,
+        uuid: str,
+        process: ProcessSample,
+        claim: str | None,
+        evidence: AttributionEvidence,
+        held_on: frozenset[tuple[str, str]],
+    ) -> None:
+        """Rules 1 to 3 and 5 for a process whose environment claims `claim` on `uuid`: charge
+        it, or (a pod's process whose claim did not stand) keep it for rule 4."""
+        pid = process.pid
+        pod_uid = evidence.pod_uid_of(pid)
+        container = evidence.container_of(pid) if evidence.containers_known else None
+        found, refused = attribute(claim, pod_uid, uuid, evidence, container)
+        if refused:
+            self._misattributed[uuid].append(process)
+        elif found is not None and pod_uid is not None and (found, uuid) not in held_on:
+            found = _holder_on(found, pod_uid, uuid, evidence.checkpoint, held_on)
+        if pod_uid is not None:
+            cgroup = evidence.cgroup_of(pid)
+            if found is None:
+                self.pending.append((uuid, process, pod_uid, cgroup))
+                return
+            if cgroup is not None:
+                self._cgroup_allocations.setdefault(cgroup, set()).add(found)
+        self.charge(uuid, process, found)
+
+    def charge_pending(
+        self, checkpoint: DeviceCheckpoint, held_on: frozenset[tuple[str, str]]
+    ) -> None:
+        """Rule 4: each pod's process whose claim did not stand goes to the allocation whose
+        claim stood in its container cgroup, where there is one; else it is its pod's
+        unattributed use."""
+        for uuid, process, pod_uid, cgroup in self.pending:
+            sharing = self._cgroup_allocations.get(cgroup, set()) if cgroup is not None else set()
+            if len(sharing) > 1:
+                # A container holding several allocations (slices of several resources): the
+                # one that holds this GPU.
+                sharing = {a for a in sharing if (a, uuid) in held_on}
+            if len(sharing) == 1:
+                found = next(iter(sharing))
+                if (found, uuid) not in held_on:
+                    found = _holder_on(found, pod_uid, uuid, checkpoint, held_on)
+                self.charge(uuid, process, found)
             else:
-                found = claim
-            if checked is not None:
-                pod_uid = checked.pod_uid_of(pid)
-                container = checked.container_of(pid) if checked.containers_known else None
-                found, refused = attribute(found, pod_uid, uuid, checked, container)
-                if refused:
-                    misattributed[uuid].append(process)
-                elif found is not None and pod_uid is not None and (found, uuid) not in held_on:
-                    found = _holder_on(found, pod_uid, uuid, checked.checkpoint, held_on)
-                if pod_uid is not None:
-                    cgroup = checked.cgroup_of(pid)
-                    if found is None:
-                        pending.append((uuid, process, pod_uid, cgroup))
-                        continue
-                    if cgroup is not None:
-                        cgroup_allocations.setdefault(cgroup, set()).add(found)
-            charge(uuid, process, found)
-    for uuid, process, pod_uid, cgroup in pending:
-        sharing = cgroup_allocations.get(cgroup, set()) if cgroup is not None else set()
-        if len(sharing) > 1:
-            # A container holding several allocations (slices of several resources): the one
-            # that holds this GPU.
-            sharing = {a for a in sharing if (a, uuid) in held_on}
-        if len(sharing) == 1 and checked is not None:
-            found = next(iter(sharing))
-            if (found, uuid) not in held_on:
-                found = _holder_on(found, pod_uid, uuid, checked.checkpoint, held_on)
-            charge(uuid, process, found)
-        else:
-            unattributed_pods[uuid].append((process.pid, pod_uid))
-            charge(uuid, process, None)
-    if pending:
-        # Charged after the others: put every list back in the driver's order.
+                self._unattributed_pods[uuid].append((process.pid, pod_uid))
+                self.charge(uuid, process, None)
+
+    def put_in_driver_order(self, gpus: Sequence[GpuReading]) -> None:
+        """Rule 4 charged its processes after the others: every list back in the driver's order."""
         order = {p.pid: n for gpu in gpus for n, p in enumerate(gpu.processes)}
-        for processes in unattributed.values():
+        lists = [*self._unattributed.values(), *(a.processes for a in self._accumulators.values())]
+        for processes in lists:
             if len(processes) > 1:
                 processes.sort(key=lambda p: order.get(p.pid, 0))
-        for acc in accumulators.values():
-            if len(acc.processes) > 1:
-                acc.processes.sort(key=lambda p: order.get(p.pid, 0))
-    return Charges(
-        tuple(
-            (
-                key,
-                ratio_of(acc.sm_util_percent),
-                (
-                    key[0],
-                    key[1],
-                    gpu_by_uuid[key[1]].info.index,
-                    acc.slices,
-                    acc.memory_used_bytes,
-                    acc.memory_limit_bytes,
-                ),
-                (
-                    acc.compute_share_ratio,
-                    tuple(acc.processes),
-                    acc.record.namespace,
-                    acc.record.pod,
-                    acc.record.container,
-                ),
-            )
-            for key, acc in accumulators.items()
-        ),
-        {uuid: tuple(ps) for uuid, ps in unattributed.items()},
-        {uuid: tuple(ps) for uuid, ps in misattributed.items()},
-        {uuid: tuple(ps) for uuid, ps in unattributed_pods.items()},
-        frozenset(unknown),
-        slices_total,
-        slices_allocated,
-        slices_unhealthy,
-        slices_unconfirmed,
-    )
+
+    def charges(
+        self,
+        slices_total: Mapping[str, int],
+        slices_allocated: Mapping[str, int],
+        slices_unhealthy: Mapping[str, int],
+        slices_unconfirmed: Mapping[str, int],
+    ) -> Charges:
+        return Charges(
+            tuple(self._charged(key, acc) for key, acc in self._accumulators.items()),
+            {uuid: tuple(ps) for uuid, ps in self._unattributed.items()},
+            {uuid: tuple(ps) for uuid, ps in self._misattributed.items()},
+            {uuid: tuple(ps) for uuid, ps in self._unattributed_pods.items()},
+            frozenset(self._unknown),
+            slices_total,
+            slices_allocated,
+            slices_unhealthy,
+            slices_unconfirmed,
+        )
+
+    def _charged(self, key: tuple[str, str], acc: _Accumulator) -> Charged:
+        record = acc.record
+        index = self._gpu_by_uuid[key[1]].info.index
+        head = (key[0], key[1], index, acc.slices, acc.memory_used_bytes, acc.memory_limit_bytes)
+        tail = (
+            acc.compute_share_ratio,
+            tuple(acc.processes),
+            record.namespace,
+            record.pod,
+            record.container,
+        )
+        return key, ratio_of(acc.sm_util_percent), head, tail

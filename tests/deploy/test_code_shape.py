@@ -28,7 +28,6 @@ ALLOWED = frozenset(
         "deviceplugin/model.py",
         "tools/bench/bench_enforcement.py",
         "deviceplugin/usage/collector.py:SnapshotCollector._families",
-        "deviceplugin/usage/charges.py:charge_processes",
         "deviceplugin/enforcer/compute.py:decide_compute",
         "deviceplugin/sim/demo.py:_demo",
     }
