@@ -24,7 +24,6 @@ ALLOWED = frozenset(
         "deviceplugin/config/vgpu.py",
         "deviceplugin/config/schema.py:_vgpu_schema",
         "deviceplugin/config/defaults.py:default_config_yaml",
-        # Being split here, one commit each.
     }
 )
 
