@@ -2,28 +2,29 @@
 the slice counts per GPU. What each container may use on a GPU is its allocation's grant there
 (`model.DeviceGrant`), whatever source made it and whatever the inventory says now.
 
-The allocation ID in a process's environment is a claim any process can make, and the ID is
-predictable. Given evidence (the pod and container cgroup of each process, and the kubelet's
-device checkpoint), `attribute` decides per process which allocation, if any, it belongs to, and
-whether its claim is refused ("misattributed"). Without a readable checkpoint every claim stands.
+The allocation ID in a process's environment, its allocation tag (`usage.tags`), is one any
+process can set, and the ID is predictable. Given evidence (the pod and container cgroup of each
+process, and the kubelet's device checkpoint), `attribute` decides per process which
+allocation, if any, it belongs to, and whether its tag is refused ("misattributed"). Without a
+readable checkpoint every tag stands.
 Otherwise:
-1. A claim (the process's own, or its nearest ancestor's: for a process on device U,
+1. A tag (the process's own, or its nearest ancestor's: for a process on device U,
    `VGPU_ALLOCATION_ID_<U>` where that environment sets it, else `VGPU_ALLOCATION_ID`) that the
    checkpoint records for the process's own pod stands; where the kubelet's container names
    are known (its container log links, `usage.containerlogs`), only from the very container the
-   checkpoint records it for: a claim from another container of the pod (a sidecar that copied
+   checkpoint records it for: a tag from another container of the pod (a sidecar that copied
    the ID), or from a container the kubelet does not know, is refused.
-2. A claim from a process in no pod cgroup (a host process) is refused, whatever it names;
+2. A tag from a process in no pod cgroup (a host process) is refused, whatever it names;
    `trust_host_processes` lets it stand, for workloads that run outside pod cgroups (the kubelet
    simulator, the demo, tests): `serve` refuses that setting outside a fake backend.
-3. A claim of an allocation the process's pod does not hold is refused.
-4. A process of a pod whose claim did not stand (none, invalid or refused) is charged only when
-   it shares its container cgroup with a process whose claim stood, and then to that process's
-   allocation (where that container's claims stood for several, the one holding slices of the
+3. A tag of an allocation the process's pod does not hold is refused.
+4. A process of a pod whose tag did not stand (none, invalid or refused) is charged only when
+   it shares its container cgroup with a process whose tag stood, and then to that process's
+   allocation (where that container's tags stood for several, the one holding slices of the
    process's GPU; rule 5 applies to it). Otherwise it is its pod's unattributed use
    (`GpuUsage.unattributed_pods`): it counts on its GPU and never makes the enforcer act on
    another process.
-5. A claim that stood for an allocation holding no slice of the process's GPU is charged to
+5. A tag that stood for an allocation holding no slice of the process's GPU is charged to
    the one allocation of the same container (by the checkpoint) that holds slices of that GPU:
    a container holding slices of several resources cannot move its use on one device to an
    allocation with no limit there by naming its other allocation in its environment.
@@ -31,7 +32,7 @@ Otherwise:
 So a process can neither charge its GPU use to another pod's container (nor get that container's
 processes killed or throttled for it) by copying its ID, nor push its own pod's GPU container over
 its limit from a sidecar that holds no slices. A misattributed process never counts for the
-allocation it claimed; it is counted apart per GPU.
+allocation it named; it is counted apart per GPU.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from deviceplugin.model import (
     Inventory,
     ProcessSample,
 )
-from deviceplugin.usage.claims import Claim, DeviceClaims
+from deviceplugin.usage.tags import DeviceTags, Tag
 
 
 def ratio_of(percent: float) -> float:
@@ -71,16 +72,17 @@ def _no_container(pid: int) -> tuple[str, str] | None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AttributionEvidence:
-    """What `attribute` checks claimed allocation IDs against: the kubelet's device checkpoint,
-    the UID of the pod whose cgroup holds a PID (None for a process in no pod cgroup), and the
-    cgroup path that names that pod (the container's cgroup; None where unknown)."""
+    """What `attribute` checks the allocation IDs processes name against: the kubelet's device
+    checkpoint, the UID of the pod whose cgroup holds a PID (None for a process in no pod
+    cgroup), and the cgroup path that names that pod (the container's cgroup; None where
+    unknown)."""
 
     checkpoint: DeviceCheckpoint
     pod_uid_of: Callable[[int], str | None]
     trust_host_processes: bool = False
     cgroup_of: Callable[[int], str | None] = _no_cgroup
     # (pod UID, container name) of the container a PID runs in, as the kubelet named it, and
-    # whether those names could be read at all: when they could, a claim stands only from the
+    # whether those names could be read at all: when they could, a tag stands only from the
     # very container the checkpoint gives the allocation (not from another of its pod's).
     container_of: Callable[[int], tuple[str, str] | None] = _no_container
     containers_known: bool = False
@@ -91,53 +93,53 @@ class AttributionEvidence:
 
 
 def attribute(
-    claim: str | None,
+    tag: str | None,
     pod_uid: str | None,
     gpu_uuid: str,
     evidence: AttributionEvidence,
     container: tuple[str, str] | None = None,
 ) -> tuple[str | None, bool]:
-    """The allocation a process on `gpu_uuid` belongs to by its own claim (None: not by its
-    claim), and whether its claim is refused. `claim` is the valid allocation ID found in its
+    """The allocation a process on `gpu_uuid` belongs to by its own tag (None: not by its
+    tag), and whether its tag is refused. `tag` is the valid allocation ID found in its
     environment, if any; `pod_uid` its pod (normalised), if any; `container` its container's
     (pod UID, name) where the kubelet's names are known. Rules 1 to 3 of this module's
     docstring; rule 4 (container cgroups) needs the other processes and is applied in
     `SnapshotBuilder.build`."""
     checkpoint = evidence.checkpoint
     if not checkpoint.readable:
-        return claim, False
+        return tag, False
     if pod_uid is None and evidence.trust_host_processes:
-        return claim, False
-    owners = checkpoint.owners.get(claim) if claim is not None else None
+        return tag, False
+    owners = checkpoint.owners.get(tag) if tag is not None else None
     if owners is not None and pod_uid is not None and pod_uid in owners:
         if not evidence.containers_known:
-            return claim, False
+            return tag, False
         if container is not None and container[0] == pod_uid:
-            assert claim is not None
-            if container in checkpoint.pod_of(claim):
-                return claim, False
-    return None, claim is not None
+            assert tag is not None
+            if container in checkpoint.pod_of(tag):
+                return tag, False
+    return None, tag is not None
 
 
 def _holder_on(
-    claim: str,
+    tag: str,
     pod_uid: str,
     gpu_uuid: str,
     checkpoint: DeviceCheckpoint,
     held_on: frozenset[tuple[str, str]],
 ) -> str:
-    """Rule 5: for a claim that stood but holds nothing of `gpu_uuid`, the one allocation of
-    the same container (by the checkpoint) that holds slices of it; else the claim itself."""
+    """Rule 5: for a tag that stood but holds nothing of `gpu_uuid`, the one allocation of
+    the same container (by the checkpoint) that holds slices of it; else the tag itself."""
     holders = checkpoint.pod_gpu_allocations.get((pod_uid, gpu_uuid))
     if not holders:
-        return claim
-    containers = set(checkpoint.pod_of(claim))
+        return tag
+    containers = set(checkpoint.pod_of(tag))
     found = [
         a
         for a in holders
-        if a != claim and (a, gpu_uuid) in held_on and containers.intersection(checkpoint.pod_of(a))
+        if a != tag and (a, gpu_uuid) in held_on and containers.intersection(checkpoint.pod_of(a))
     ]
-    return found[0] if len(found) == 1 else claim
+    return found[0] if len(found) == 1 else tag
 
 
 def confirmed(record: AllocationRecord, wall_s: float) -> bool:
@@ -178,7 +180,7 @@ Charged = tuple[tuple[str, str], float, UsageHead, UsageTail]
 @dataclasses.dataclass(frozen=True, slots=True)
 class Charges:
     """Phase one of a build: what is charged to each (allocation ID, GPU UUID), and per GPU UUID
-    the processes charged to no allocation, the refused claims, the pods' unattributed processes
+    the processes charged to no allocation, the refused tags, the pods' unattributed processes
     and the slice counts; the accepted allocation IDs this daemon does not know."""
 
     # Per (allocation ID, GPU UUID), in charge order: its utilisation ratio this poll, and the
@@ -198,13 +200,13 @@ def charge_processes(
     gpus: Sequence[GpuReading],
     inventory: Inventory,
     allocations: Sequence[AllocationRecord],
-    pid_allocation: Mapping[int, Claim],
+    pid_allocation: Mapping[int, Tag],
     *,
     wall_s: float,
     checked: AttributionEvidence | None,
 ) -> Charges:
     """Phase one of a build: each process of `gpus` charged to an allocation, or counted as
-    unattributed (and misattributed where its claim was refused), by the rules of this module's
+    unattributed (and misattributed where its tag was refused), by the rules of this module's
     docstring; `checked` is the evidence when its checkpoint is readable, else None."""
     gpu_by_uuid = {g.info.uuid: g for g in gpus}
     records = {r.allocation_id: r for r in allocations}
@@ -212,9 +214,9 @@ def charge_processes(
     ledger = _Ledger(records, holdings.accumulators, gpu_by_uuid)
     for gpu in gpus:
         uuid = gpu.info.uuid
-        for process, found in _claims_on(gpu, pid_allocation):
+        for process, found in _tags_on(gpu, pid_allocation):
             if checked is None:
-                # Without a readable checkpoint every claim stands: `attribute` is not asked.
+                # Without a readable checkpoint every tag stands: `attribute` is not asked.
                 ledger.charge(uuid, process, found)
             else:
                 ledger.check(uuid, process, found, checked, holdings.held_on)
@@ -302,27 +304,27 @@ def _held_slices(
     return allocated, unconfirmed
 
 
-def _claims_on(
-    gpu: GpuReading, pid_allocation: Mapping[int, Claim]
+def _tags_on(
+    gpu: GpuReading, pid_allocation: Mapping[int, Tag]
 ) -> Iterator[tuple[ProcessSample, str | None]]:
-    """Each process of `gpu` with the allocation ID its environment claims on that GPU: its
+    """Each process of `gpu` with the allocation ID its environment names for that GPU: its
     per-device key's for the GPU where its environment sets one, else its `VGPU_ALLOCATION_ID`."""
     suffix: str | None = None
-    claim_of = pid_allocation.get
+    tag_of = pid_allocation.get
     for process in gpu.processes:
-        claim = claim_of(process.pid)
-        if isinstance(claim, DeviceClaims):
+        tag = tag_of(process.pid)
+        if isinstance(tag, DeviceTags):
             if suffix is None:
                 suffix = device_env_suffix(gpu.info.uuid)
-            yield process, claim.on(suffix)
+            yield process, tag.on(suffix)
         else:
-            yield process, claim
+            yield process, tag
 
 
 class _Ledger:
     """Where a build's processes are counted: per (allocation, GPU) and, per GPU, the
     unattributed, misattributed and pods' unattributed processes; and, while the build goes on,
-    what rule 4 needs: the processes of pods whose claim did not stand, and the allocations
+    what rule 4 needs: the processes of pods whose tag did not stand, and the allocations
     that stood per container cgroup."""
 
     def __init__(
@@ -340,7 +342,7 @@ class _Ledger:
         self._unattributed_pods: dict[str, list[tuple[int, str]]] = {
             uuid: [] for uuid in gpu_by_uuid
         }
-        # (GPU UUID, process, pod UID, container cgroup) of each process whose claim did not stand.
+        # (GPU UUID, process, pod UID, container cgroup) of each process whose tag did not stand.
         self.pending: list[tuple[str, ProcessSample, str, str | None]] = []
         self._cgroup_allocations: dict[str, set[str]] = {}
 
@@ -364,16 +366,16 @@ class _Ledger:
         self,
         uuid: str,
         process: ProcessSample,
-        claim: str | None,
+        tag: str | None,
         evidence: AttributionEvidence,
         held_on: frozenset[tuple[str, str]],
     ) -> None:
-        """Rules 1 to 3 and 5 for a process whose environment claims `claim` on `uuid`: charge
-        it, or (a pod's process whose claim did not stand) keep it for rule 4."""
+        """Rules 1 to 3 and 5 for a process whose environment names `tag` on `uuid`: charge
+        it, or (a pod's process whose tag did not stand) keep it for rule 4."""
         pid = process.pid
         pod_uid = evidence.pod_uid_of(pid)
         container = evidence.container_of(pid) if evidence.containers_known else None
-        found, refused = attribute(claim, pod_uid, uuid, evidence, container)
+        found, refused = attribute(tag, pod_uid, uuid, evidence, container)
         if refused:
             self._misattributed[uuid].append(process)
         elif found is not None and pod_uid is not None and (found, uuid) not in held_on:
@@ -390,8 +392,8 @@ class _Ledger:
     def charge_pending(
         self, checkpoint: DeviceCheckpoint, held_on: frozenset[tuple[str, str]]
     ) -> None:
-        """Rule 4: each pod's process whose claim did not stand goes to the allocation whose
-        claim stood in its container cgroup, where there is one; else it is its pod's
+        """Rule 4: each pod's process whose tag did not stand goes to the allocation whose
+        tag stood in its container cgroup, where there is one; else it is its pod's
         unattributed use."""
         for uuid, process, pod_uid, cgroup in self.pending:
             sharing = self._cgroup_allocations.get(cgroup, set()) if cgroup is not None else set()

@@ -624,14 +624,14 @@ def evidence(
 a_id, b_id, c_id = A.allocation_id, B.allocation_id, C.allocation_id
 m1_id, m2_id = M1.allocation_id, M2.allocation_id
 
-# (what, claim, pod, GPU) -> (attributed to by its own claim, misattributed). A process whose
-# claim does not stand may still be charged by its container cgroup (see the build tests).
+# (what, tag, pod, GPU) -> (attributed to by its own tag, misattributed). A process whose
+# tag does not stand may still be charged by its container cgroup (see the build tests).
 RULES: list[tuple[str, str | None, str | None, str, str | None, bool]] = [
     ("honest", a_id, POD_A, UUID0, a_id, False),
     ("honest, the other GPU of its allocation", b_id, POD_B, UUID1, b_id, False),
     ("honest, one of several containers", m1_id, POD_M, UUID1, m1_id, False),
     ("honest, the other container", m2_id, POD_M, UUID1, m2_id, False),
-    ("honest claim on a GPU its pod holds nothing of", a_id, POD_A, UUID1, a_id, False),
+    ("honest tag on a GPU its pod holds nothing of", a_id, POD_A, UUID1, a_id, False),
     ("spoofed ID, pod with one allocation here", b_id, POD_A, UUID0, None, True),
     ("spoofed ID, pod without allocations", a_id, POD_X, UUID0, None, True),
     ("spoofed ID, pod with several allocations here", b_id, POD_M, UUID1, None, True),
@@ -648,24 +648,24 @@ RULES: list[tuple[str, str | None, str | None, str, str | None, bool]] = [
 
 
 @pytest.mark.parametrize(
-    ("claim", "pod", "gpu", "expected", "refused"),
+    ("tag", "pod", "gpu", "expected", "refused"),
     [row[1:] for row in RULES],
     ids=[row[0] for row in RULES],
 )
 def test_attribution_rules(
-    claim: str | None, pod: str | None, gpu: str, expected: str | None, refused: bool
+    tag: str | None, pod: str | None, gpu: str, expected: str | None, refused: bool
 ) -> None:
-    assert attribute(claim, pod, gpu, evidence()) == (expected, refused)
+    assert attribute(tag, pod, gpu, evidence()) == (expected, refused)
 
 
 @pytest.mark.parametrize(
-    ("claim", "pod", "gpu"), [row[1:4] for row in RULES], ids=[row[0] for row in RULES]
+    ("tag", "pod", "gpu"), [row[1:4] for row in RULES], ids=[row[0] for row in RULES]
 )
 def test_without_a_readable_checkpoint_every_claim_stands(
-    claim: str | None, pod: str | None, gpu: str
+    tag: str | None, pod: str | None, gpu: str
 ) -> None:
     for checkpoint in (DeviceCheckpoint(), DeviceCheckpoint.unreadable("no checkpoint at x")):
-        assert attribute(claim, pod, gpu, evidence(checkpoint=checkpoint)) == (claim, False)
+        assert attribute(tag, pod, gpu, evidence(checkpoint=checkpoint)) == (tag, False)
 
 
 def test_trusted_host_processes_keep_their_claims_but_pods_are_still_checked() -> None:
@@ -688,14 +688,14 @@ def test_build_with_evidence_refuses_spoofed_claims_and_counts_them() -> None:
         gpu0=[
             ProcessSample(101, 2 * GI, 10.0),  # A's own process
             ProcessSample(102, 1 * GI, 10.0),  # A's process that cleared its environment
-            ProcessSample(201, 30 * GI, 90.0),  # another pod, claiming A
-            ProcessSample(202, 1 * GI, 0.0),  # another pod, claiming an unrecorded ID
-            ProcessSample(401, 1 * GI, 0.0),  # a host process claiming C (not recorded)
-            ProcessSample(402, 1 * GI, 0.0),  # a host process claiming A
+            ProcessSample(201, 30 * GI, 90.0),  # another pod, naming A
+            ProcessSample(202, 1 * GI, 0.0),  # another pod, naming an unrecorded ID
+            ProcessSample(401, 1 * GI, 0.0),  # a host process naming C (not recorded)
+            ProcessSample(402, 1 * GI, 0.0),  # a host process naming A
         ],
         gpu1=[ProcessSample(501, 1 * GI, 0.0)],  # pod M, no ID: ambiguous between M1 and M2
     )
-    claims = {101: a_id, 102: None, 201: a_id, 202: UNRECORDED, 401: c_id, 402: a_id, 501: None}
+    tags = {101: a_id, 102: None, 201: a_id, 202: UNRECORDED, 401: c_id, 402: a_id, 501: None}
     pods = {101: POD_A, 102: POD_A, 201: POD_X, 202: POD_X, 501: POD_M}
     cgroups = {101: "/kubepods/podA/ctr1", 102: "/kubepods/podA/ctr1", 501: "/kubepods/podM/c"}
     records = [A, B, C, M1, M2]
@@ -704,7 +704,7 @@ def test_build_with_evidence_refuses_spoofed_claims_and_counts_them() -> None:
         node,
         INVENTORY,
         records,
-        claims,
+        tags,
         now_s=10.0,
         wall_s=1_700_000_000.0,
         health=HEALTH,
@@ -715,29 +715,29 @@ def test_build_with_evidence_refuses_spoofed_claims_and_counts_them() -> None:
     assert [p.pid for p in a0.processes] == [101, 102]
     assert a0.memory_used_bytes == 3 * GI  # the spoofers' 31 GiB are not charged to A
     assert a0.sm_utilization_ratio == pytest.approx(0.2)
-    assert usage_of(snapshot, C, UUID0).processes == ()  # a host process's claim is refused
+    assert usage_of(snapshot, C, UUID0).processes == ()  # a host process's tag is refused
     assert [p.pid for p in snapshot.gpus[0].unattributed] == [201, 202, 401, 402]
     assert [p.pid for p in snapshot.gpus[1].unattributed] == [501]
     assert [p.pid for p in snapshot.gpus[0].misattributed] == [201, 202, 401, 402]
-    assert snapshot.gpus[1].misattributed == ()  # no claim: nothing refused
+    assert snapshot.gpus[1].misattributed == ()  # no tag: nothing refused
     assert snapshot.gpus[0].unattributed_pods == ((201, POD_X), (202, POD_X))
     assert snapshot.gpus[1].unattributed_pods == ((501, POD_M),)
-    assert unknown == frozenset()  # refused claims ask pod-resources nothing
+    assert unknown == frozenset()  # refused tags ask pod-resources nothing
     for pid in (201, 202, 401, 402, 501):
         assert all(pid not in {p.pid for p in c.processes} for c in snapshot.containers)
 
 
 def test_build_with_an_unreadable_checkpoint_is_todays_build() -> None:
     node = reading(gpu0=[ProcessSample(101, GI, 10.0), ProcessSample(201, GI, 10.0)])
-    claims = {101: a_id, 201: UNRECORDED}
+    tags = {101: a_id, 201: UNRECORDED}
     pods = {101: POD_A, 201: POD_X}
     unreadable = evidence(pods, DeviceCheckpoint.unreadable("no checkpoint at /x"))
-    plain = build(SnapshotBuilder("n", 5.0), node, [A], claims)
+    plain = build(SnapshotBuilder("n", 5.0), node, [A], tags)
     checked = SnapshotBuilder("n", 5.0).build(
         node,
         INVENTORY,
         [A],
-        claims,
+        tags,
         now_s=10.0,
         wall_s=1_700_000_000.0,
         health=HEALTH,
@@ -756,7 +756,7 @@ _PROCESS_SETS = (
     ((101, 201), (501,)),
     ((), ()),
 )
-_CLAIMS = (
+_TAGS = (
     {101: a_id, 102: None, 201: a_id, 401: c_id, 501: m1_id, 502: None},
     {101: a_id, 102: a_id, 201: None, 401: None, 501: m2_id, 502: m1_id},
 )
@@ -800,7 +800,7 @@ def _without_utilisation(snapshot: NodeSnapshot) -> NodeSnapshot:
 # Each step changes one input (or none) and builds: what a stale attribution would get wrong.
 _CHOICES = (
     len(_PROCESS_SETS),
-    len(_CLAIMS),
+    len(_TAGS),
     len(_PODS),
     len(_CHECKPOINTS),
     len(_RECORDS),
@@ -827,7 +827,7 @@ def test_a_builder_attributes_as_a_new_one_whatever_it_built_before(
     for tick, (which, value) in enumerate(steps):
         if which < len(_CHOICES):  # else: the same inputs again
             inputs[which] = value % _CHOICES[which]
-        procs, claims, pods, ckpt, recs, inv, kind, later = inputs
+        procs, tags, pods, ckpt, recs, inv, kind, later = inputs
         wall_s = _WALL_S + 20.0 * later
         evidence_ = (
             None
@@ -845,7 +845,7 @@ def test_a_builder_attributes_as_a_new_one_whatever_it_built_before(
                 _node(procs, tick),
                 _INVENTORIES[inv],
                 _RECORDS[recs],
-                _CLAIMS[claims],
+                _TAGS[tags],
                 now_s=float(tick),
                 wall_s=wall_s,
                 health=HEALTH,
@@ -878,7 +878,7 @@ def test_steady_builds_give_the_figures_of_full_builds(
     extends the windows: its snapshot must be the one a full build gives."""
     steady, full = SnapshotBuilder("n", 2.0), SnapshotBuilder("n", 2.0)
     utils = [10.0, 10.0, 30.0]
-    claims = {101: a_id, 102: a_id, 201: b_id}
+    tags = {101: a_id, 102: a_id, 201: b_id}
     now_s, previous_s = 100.0, None
     node = None
     for which, util, step_s in steps:
@@ -897,7 +897,7 @@ def test_steady_builds_give_the_figures_of_full_builds(
                 node,
                 INVENTORY,
                 [A, B, C],
-                claims,
+                tags,
                 now_s=now_s,
                 wall_s=_WALL_S,
                 health=HEALTH,
