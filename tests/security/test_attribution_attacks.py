@@ -40,7 +40,7 @@ from tests.blackbox.daemon_harness import (
     running_daemon,
     with_processes,
 )
-from tests.unit.test_usage import INVENTORY, UUID0, reading, record, sid
+from tests.unit.test_attribution import INVENTORY, UUID0, reading, record, sid
 
 RESOURCE = "nvidia.com/vgpu"
 POD_UID = "5b0c3f7e-1d2a-4c3b-9e8f-0123456789ab"

@@ -30,7 +30,7 @@ from tests.security.test_attribution_attacks import (
     kills,
     v2,
 )
-from tests.unit.test_usage import INVENTORY, UUID0, UUID1, reading, record, sid
+from tests.unit.test_attribution import INVENTORY, UUID0, UUID1, reading, record, sid
 
 GiB = 1024**3
 # One container holding a slice of GPU 0 (resource "a") and a slice of GPU 1 (resource "b"),

@@ -34,7 +34,7 @@ from tests.security.test_attribution_attacks import (
     kills,
     v2,
 )
-from tests.unit.test_usage import INVENTORY, reading
+from tests.unit.test_attribution import INVENTORY, reading
 
 
 def link(logs: Path, container: str, container_id: str) -> None:

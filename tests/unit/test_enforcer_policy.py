@@ -773,7 +773,7 @@ def test_an_allocation_stating_its_shares_is_enforced_like_a_slice_allocation() 
     limit per device (a DRA claim) is held to it like a device-plugin allocation of slices."""
     from deviceplugin.model import SOURCE_DRA, AllocationRecord, DaemonHealth, DeviceGrant
     from deviceplugin.usage.attribution import SnapshotBuilder
-    from tests.unit.test_usage import INVENTORY, UUID0, reading
+    from tests.unit.test_attribution import INVENTORY, UUID0, reading
 
     gib = 1 << 30
     claim = AllocationRecord(
