@@ -136,8 +136,52 @@ def decide_compute(
     container's processes on the GPU, the excluded PIDs left out; `kept` and `unattributed_util`
     hold each container's and GPU's state between snapshots."""
     enforcing = config.compute.action is ComputeAction.THROTTLE
-
     # 1. Smoothed utilisation and gain.
+    states = _smoothed(containers, processes, kept, t)
+    u_other = _util_ratio(unattributed)
+    previous = unattributed_util.get(gpu_uuid)
+    other = u_other
+    if previous is not None:
+        other = _settle(previous + t.utilisation_alpha * (u_other - previous), u_other)
+    unattributed_util[gpu_uuid] = other
+    # 2. Demand.
+    load_now = u_other + sum(s.last_ratio for s in states.values())
+    load_smoothed = other + sum(s.util_ratio for s in states.values())
+    full = max(load_now, load_smoothed) >= t.saturated_ratio
+    _learn_demands(states, processes, full=full, enforcing=enforcing, t=t)
+    # 3. Entitlements.
+    entitlements = _entitlements(containers, states, work_conserving=config.compute.work_conserving)
+    # 4. Control. Time that throttled containers are entitled to but do not use yet (their
+    # duty is still rising) is no reason to throttle whoever uses it meanwhile.
+    slack = sum(
+        max(entitlements[key] - state.util_ratio, 0.0)
+        for key, state in states.items()
+        if state.throttled and entitlements[key] < float("inf")
+    )
+    decisions: list[Decision] = []
+    for c in containers:
+        key = (c.allocation_id, c.gpu_uuid)
+        state = states[key]
+        entitled = entitlements[key]
+        state.entitlement_ratio = min(entitled, 1.0) if entitled < float("inf") else None
+        own = processes[key]
+        if not enforcing:
+            decisions.extend(_monitor(t, c, state, entitled, busy=bool(own)))
+        elif not state.throttled:
+            decisions.extend(_start(t, c, state, entitled, own, slack=slack))
+        else:
+            decisions.append(_steer(t, c, state, entitled, own))
+    return decisions
+
+
+def _smoothed(
+    containers: Iterable[ContainerUsage],
+    processes: Mapping[ContainerKey, tuple[ProcessSample, ...]],
+    kept: dict[ContainerKey, ComputeState],
+    t: ControllerTuning,
+) -> dict[ContainerKey, ComputeState]:
+    """Step 1: each container's state, its utilisation this poll and its smoothed utilisation
+    and gain updated (a container seen for the first time starts from this poll's)."""
     states: dict[ContainerKey, ComputeState] = {}
     for c in containers:
         key = (c.allocation_id, c.gpu_uuid)
@@ -155,23 +199,23 @@ def decide_compute(
             )
         state.last_ratio = u
         states[key] = state
+    return states
 
-    u_other = _util_ratio(unattributed)
-    previous = unattributed_util.get(gpu_uuid)
-    other = u_other
-    if previous is not None:
-        other = _settle(previous + t.utilisation_alpha * (u_other - previous), u_other)
-    unattributed_util[gpu_uuid] = other
 
-    # 2. Demand. The GPU is full when this poll's or the smoothed load reaches
-    # `saturated_ratio` (both must be under it to learn a demand, so that noise and smoothing
-    # lag do not pass a full GPU off as one with room). On a full GPU a known demand is
-    # dropped when the container uses clearly more than it, or when its busiest process runs
-    # near the level of the busiest unthrottled process: time-slicing is then holding it
-    # back, and how much it wants cannot be seen.
-    load_now = u_other + sum(s.last_ratio for s in states.values())
-    load_smoothed = other + sum(s.util_ratio for s in states.values())
-    full = max(load_now, load_smoothed) >= t.saturated_ratio
+def _learn_demands(
+    states: Mapping[ContainerKey, ComputeState],
+    processes: Mapping[ContainerKey, tuple[ProcessSample, ...]],
+    *,
+    full: bool,
+    enforcing: bool,
+    t: ControllerTuning,
+) -> None:
+    """Step 2: each container's demand. `full`: this poll's or the smoothed load reaches
+    `saturated_ratio` (both must be under it to learn a demand, so that noise and smoothing
+    lag do not pass a full GPU off as one with room). On a full GPU a known demand is
+    dropped when the container uses clearly more than it, or when its busiest process runs
+    near the level of the busiest unthrottled process: time-slicing is then holding it
+    back, and how much it wants cannot be seen."""
     # The processes' peaks matter only on a full GPU (most polls, most GPUs are not).
     peaks: dict[ContainerKey, float] = {}
     level_now = 0.0
@@ -196,85 +240,87 @@ def decide_compute(
             # which is then all it can get while others run).
             state.demand_ratio = min(state.demand_ratio, busy)
 
-    # 3. Entitlements.
+
+def _entitlements(
+    containers: Iterable[ContainerUsage],
+    states: Mapping[ContainerKey, ComputeState],
+    *,
+    work_conserving: bool,
+) -> dict[ContainerKey, float]:
+    """Step 3: each container's entitlement, level x share (infinite without a share)."""
     shares = {(c.allocation_id, c.gpu_uuid): c.compute_share_ratio for c in containers}
-    if config.compute.work_conserving:
+    if work_conserving:
         level = water_fill_level(shares, {k: s.demand_ratio for k, s in states.items()})
     else:
         level = 1.0
+    return {key: level * share if share > 0 else float("inf") for key, share in shares.items()}
 
-    # 4. Control. Time that throttled containers are entitled to but do not use yet (their
-    # duty is still rising) is no reason to throttle whoever uses it meanwhile.
-    entitlements = {
-        key: level * share if share > 0 else float("inf") for key, share in shares.items()
-    }
-    slack = sum(
-        max(entitlements[key] - state.util_ratio, 0.0)
-        for key, state in states.items()
-        if state.throttled and entitlements[key] < float("inf")
-    )
-    decisions: list[Decision] = []
-    for c in containers:
-        key = (c.allocation_id, c.gpu_uuid)
-        state = states[key]
-        share = c.compute_share_ratio
-        entitled = entitlements[key]
-        state.entitlement_ratio = min(entitled, 1.0) if entitled < float("inf") else None
-        own = processes[key]
-        if not enforcing:
-            decisions.extend(_monitor(t, c, state, entitled, busy=bool(own)))
-            continue
-        if not state.throttled:
-            if own and state.util_ratio > entitled + slack + t.start_tolerance_ratio:
-                # Unthrottled, this poll's utilisation is the gain itself: start from it.
-                state.gain_ratio = max(state.last_ratio, t.idle_ratio)
-                target = entitled / state.gain_ratio
-                state.duty = min(max(1.0 + t.gain * (target - 1.0), t.duty_min), 1.0)
-                if state.throttled:
-                    state.demand_ratio = None
-                    decisions.append(
-                        SetDuty(
-                            c.allocation_id,
-                            c.gpu_uuid,
-                            frozenset(p.pid for p in own),
-                            state.duty,
-                            True,
-                            state.util_ratio,
-                            entitled,
-                            share,
-                        )
-                    )
-            continue
-        if not own:
-            state.duty = 1.0
-            decisions.append(Release(c.allocation_id, c.gpu_uuid, "no GPU processes left"))
-            continue
-        target = entitled / max(state.gain_ratio, 1e-6)
-        if target >= 1.0 - t.release_band_ratio:
-            state.duty = 1.0
-            decisions.append(
-                Release(
-                    c.allocation_id,
-                    c.gpu_uuid,
-                    f"within its entitlement (used={state.util_ratio:.3f} "
-                    f"limit={min(entitled, 1.0):.3f})",
-                )
-            )
-            continue
-        state.duty = min(max(state.duty + t.gain * (target - state.duty), t.duty_min), 1.0)
-        decisions.append(
-            SetDuty(
-                c.allocation_id,
-                c.gpu_uuid,
-                frozenset(p.pid for p in own),
-                state.duty,
-                False,
-                state.util_ratio,
-                entitled,
-                share,
-            )
+
+def _start(
+    t: ControllerTuning,
+    c: ContainerUsage,
+    state: ComputeState,
+    entitled: float,
+    own: tuple[ProcessSample, ...],
+    *,
+    slack: float,
+) -> list[Decision]:
+    """Step 4 for a container running freely: a throttle episode starts when its smoothed
+    utilisation exceeds its entitlement, plus the slack, by the start tolerance."""
+    if not own or state.util_ratio <= entitled + slack + t.start_tolerance_ratio:
+        return []
+    # Unthrottled, this poll's utilisation is the gain itself: start from it.
+    state.gain_ratio = max(state.last_ratio, t.idle_ratio)
+    target = entitled / state.gain_ratio
+    state.duty = min(max(1.0 + t.gain * (target - 1.0), t.duty_min), 1.0)
+    if not state.throttled:
+        return []
+    state.demand_ratio = None
+    return [_set_duty(c, state, entitled, own, started=True)]
+
+
+def _steer(
+    t: ControllerTuning,
+    c: ContainerUsage,
+    state: ComputeState,
+    entitled: float,
+    own: tuple[ProcessSample, ...],
+) -> Decision:
+    """Step 4 for a throttled container: its duty moved toward entitlement / gain, or the
+    episode ended (no process left, or the target within the release band)."""
+    if not own:
+        state.duty = 1.0
+        return Release(c.allocation_id, c.gpu_uuid, "no GPU processes left")
+    target = entitled / max(state.gain_ratio, 1e-6)
+    if target >= 1.0 - t.release_band_ratio:
+        state.duty = 1.0
+        return Release(
+            c.allocation_id,
+            c.gpu_uuid,
+            f"within its entitlement (used={state.util_ratio:.3f} limit={min(entitled, 1.0):.3f})",
         )
-    return decisions
+    state.duty = min(max(state.duty + t.gain * (target - state.duty), t.duty_min), 1.0)
+    return _set_duty(c, state, entitled, own, started=False)
+
+
+def _set_duty(
+    c: ContainerUsage,
+    state: ComputeState,
+    entitled: float,
+    own: tuple[ProcessSample, ...],
+    *,
+    started: bool,
+) -> SetDuty:
+    return SetDuty(
+        c.allocation_id,
+        c.gpu_uuid,
+        frozenset(p.pid for p in own),
+        state.duty,
+        started,
+        state.util_ratio,
+        entitled,
+        c.compute_share_ratio,
+    )
 
 
 def _monitor(

@@ -30,7 +30,7 @@ per GPU.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from deviceplugin.config import EnforcementConfig
 from deviceplugin.enforcer.compute import ComputeState, decide_compute, water_fill_level
@@ -147,15 +147,7 @@ class EnforcementPolicy:
         healthy_gpus = {g.info.uuid for g in snapshot.gpus if g.reading.healthy}
         mig_devices = {g.info.uuid for g in snapshot.gpus if g.info.is_mig_device}
         unattributed = {g.info.uuid: g.unattributed for g in snapshot.gpus}
-        by_gpu: dict[str, list[ContainerUsage]] = {}
-        seen: set[ContainerKey] = set()
-        for c in snapshot.containers:
-            key = (c.allocation_id, c.gpu_uuid)
-            if key in seen:
-                continue  # one usage per container and GPU; a duplicate is ignored
-            seen.add(key)
-            by_gpu.setdefault(c.gpu_uuid, []).append(c)
-
+        by_gpu, seen = _by_gpu(snapshot.containers)
         for gpu_uuid, containers in by_gpu.items():
             if gpu_uuid not in healthy_gpus:
                 self._settled.discard(gpu_uuid)
@@ -170,39 +162,15 @@ class EnforcementPolicy:
             before = self._fixed_point(gpu_uuid, containers) if repeated else None
             self._last_inputs[gpu_uuid] = inputs
             self._settled.discard(gpu_uuid)
-            gpu_decisions: list[Decision] = []
-            own: dict[ContainerKey, tuple[ProcessSample, ...]] = {}
-            for c in containers:
-                processes = (
-                    tuple(p for p in c.processes if p.pid not in excluded)
-                    if excluded
-                    else c.processes
-                )
-                own[(c.allocation_id, c.gpu_uuid)] = processes
-                gpu_decisions.extend(
-                    decide_memory(
-                        c,
-                        processes,
-                        now_s,
-                        states=self._memory,
-                        config=self.config,
-                        kill_timeout_s=self.kill_timeout_s,
-                    )
-                )
-            if gpu_uuid not in mig_devices:
+            gpu_decisions = self._tick(
+                gpu_uuid,
+                containers,
+                excluded,
+                unattributed.get(gpu_uuid, ()),
+                now_s,
                 # (NVML measures no utilisation per MIG device: no compute share to enforce.)
-                gpu_decisions.extend(
-                    decide_compute(
-                        unattributed.get(gpu_uuid, ()),
-                        gpu_uuid,
-                        containers,
-                        own,
-                        kept=self._compute,
-                        unattributed_util=self._unattributed_util,
-                        config=self.config,
-                        t=self.tuning,
-                    )
-                )
+                compute=gpu_uuid not in mig_devices,
+            )
             decisions.extend(gpu_decisions)
             if (
                 before is not None
@@ -210,7 +178,64 @@ class EnforcementPolicy:
                 and before == self._fixed_point(gpu_uuid, containers)
             ):
                 self._settled.add(gpu_uuid)
+        decisions.extend(self._forget_gone(snapshot, seen, by_gpu))
+        if len(self._settled) == len(by_gpu):  # (each one skipped, or settled by this tick)
+            self._all_settled = node_inputs
+        return decisions
 
+    def _tick(
+        self,
+        gpu_uuid: str,
+        containers: list[ContainerUsage],
+        excluded: set[int],
+        unattributed: tuple[ProcessSample, ...],
+        now_s: float,
+        *,
+        compute: bool,
+    ) -> list[Decision]:
+        """One GPU's tick: the memory rule per container, then the compute controller, on each
+        container's processes less the `excluded` PIDs."""
+        decisions: list[Decision] = []
+        own: dict[ContainerKey, tuple[ProcessSample, ...]] = {}
+        for c in containers:
+            processes = (
+                tuple(p for p in c.processes if p.pid not in excluded) if excluded else c.processes
+            )
+            own[(c.allocation_id, c.gpu_uuid)] = processes
+            decisions.extend(
+                decide_memory(
+                    c,
+                    processes,
+                    now_s,
+                    states=self._memory,
+                    config=self.config,
+                    kill_timeout_s=self.kill_timeout_s,
+                )
+            )
+        if compute:
+            decisions.extend(
+                decide_compute(
+                    unattributed,
+                    gpu_uuid,
+                    containers,
+                    own,
+                    kept=self._compute,
+                    unattributed_util=self._unattributed_util,
+                    config=self.config,
+                    t=self.tuning,
+                )
+            )
+        return decisions
+
+    def _forget_gone(
+        self,
+        snapshot: NodeSnapshot,
+        seen: set[ContainerKey],
+        by_gpu: Mapping[str, list[ContainerUsage]],
+    ) -> list[Decision]:
+        """Forget the containers and GPUs this snapshot no longer has: a throttled container
+        that is gone is released."""
+        decisions: list[Decision] = []
         for key in [k for k in self._compute if k not in seen]:
             self.revision += 1
             if self._compute[key].throttled:
@@ -224,8 +249,6 @@ class EnforcementPolicy:
         for uuid in [u for u in self._last_inputs if u not in by_gpu]:
             del self._last_inputs[uuid]
         self._settled.intersection_update(by_gpu)
-        if len(self._settled) == len(by_gpu):  # (each one skipped, or settled by this tick)
-            self._all_settled = node_inputs
         return decisions
 
     def _fixed_point(
@@ -302,3 +325,19 @@ class EnforcementPolicy:
                 state.duty = 1.0
                 state.demand_ratio = None
         return decisions
+
+
+def _by_gpu(
+    containers: Iterable[ContainerUsage],
+) -> tuple[dict[str, list[ContainerUsage]], set[ContainerKey]]:
+    """The containers' usage per GPU, one per container and GPU (a duplicate is ignored), and
+    the (allocation, GPU) keys seen."""
+    by_gpu: dict[str, list[ContainerUsage]] = {}
+    seen: set[ContainerKey] = set()
+    for c in containers:
+        key = (c.allocation_id, c.gpu_uuid)
+        if key in seen:
+            continue
+        seen.add(key)
+        by_gpu.setdefault(c.gpu_uuid, []).append(c)
+    return by_gpu, seen

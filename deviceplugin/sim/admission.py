@@ -19,6 +19,7 @@ from deviceplugin.sim.records import (
     AdmissionError,
     ContainerGrant,
     PodGrant,
+    _Endpoint,
     _grant_from_response,
     _PodRecord,
     _rpc_error_text,
@@ -162,6 +163,39 @@ class Admission(CheckpointedState):
         reuse: Sequence[str] = (),
     ) -> ContainerGrant:
         """devicesToAllocate, the preference and Allocate for one container."""
+        available = self._available(resource, count, taken, reuse)
+        endpoint = self._endpoint(resource)
+        preferred: tuple[str, ...] = ()
+        if endpoint.options.get_preferred_allocation_available:
+            preferred, chosen = await _preferred_choice(
+                endpoint, resource, available, reuse, count, who=(namespace, pod, container)
+            )
+        else:
+            chosen = [*reuse, *available[: count - len(reuse)]]
+        taken.extend(d for d in chosen if d not in taken)
+        request_ids = list(chosen)
+        try:
+            response: dp.AllocateResponse = await endpoint.stub.Allocate(
+                dp.AllocateRequest(
+                    container_requests=[dp.ContainerAllocateRequest(devices_ids=request_ids)]
+                )
+            )
+        except grpc.aio.AioRpcError as e:
+            raise AdmissionError(_unexpected(_rpc_error_text(e)), resource_name=resource) from e
+        if not response.container_responses:
+            raise AdmissionError(
+                _unexpected(f"no containers return in allocation response {response}"),
+                resource_name=resource,
+            )
+        return _grant_from_response(
+            container, resource, request_ids, response.container_responses[0], preferred
+        )
+
+    def _available(
+        self, resource: str, count: int, taken: Sequence[str], reuse: Sequence[str]
+    ) -> list[str]:
+        """The healthy devices of `resource` no container holds and none of this pod took, as
+        the kubelet's devicesToAllocate finds them; its error when too few are left."""
         healthy = self._healthy.get(resource)
         if healthy is None:
             raise AdmissionError(
@@ -185,6 +219,10 @@ class Admission(CheckpointedState):
                 ),
                 resource_name=resource,
             )
+        return available
+
+    def _endpoint(self, resource: str) -> _Endpoint:
+        """The running endpoint of `resource`'s plugin; the kubelet's error when there is none."""
         endpoint = self._endpoints.get(resource)
         if endpoint is None:
             raise AdmissionError(
@@ -195,67 +233,7 @@ class Admission(CheckpointedState):
                 _unexpected(f"endpoint {endpoint.socket_path} has been stopped"),
                 resource_name=resource,
             )
-        preferred: tuple[str, ...] = ()
-        if endpoint.options.get_preferred_allocation_available:
-            request = dp.PreferredAllocationRequest(
-                container_requests=[
-                    dp.ContainerPreferredAllocationRequest(
-                        available_deviceIDs=sorted({*available, *reuse}),
-                        must_include_deviceIDs=list(reuse),
-                        allocation_size=count,
-                    )
-                ]
-            )
-            try:
-                answer: dp.PreferredAllocationResponse = await endpoint.stub.GetPreferredAllocation(
-                    request
-                )
-            except grpc.aio.AioRpcError as e:
-                raise AdmissionError(
-                    _unexpected(
-                        f"device plugin GetPreferredAllocation rpc failed with err: "
-                        f"{_rpc_error_text(e)}"
-                    ),
-                    resource_name=resource,
-                ) from e
-            if answer.container_responses:
-                preferred = tuple(answer.container_responses[0].deviceIDs)
-            chosen, valid = choose_devices(sorted({*available, *reuse}), preferred, count)
-            if not set(reuse) <= set(chosen):
-                rest = [d for d in chosen if d not in reuse]
-                chosen, valid = [*reuse, *rest[: count - len(reuse)]], False
-            if not valid:
-                logger.warning(
-                    "preferred allocation not usable as is, filling from available "
-                    "resource=%s pod=%s/%s container=%s size=%d preferred=%s chosen=%s",
-                    resource,
-                    namespace,
-                    pod,
-                    container,
-                    count,
-                    list(preferred),
-                    chosen,
-                )
-        else:
-            chosen = [*reuse, *available[: count - len(reuse)]]
-        taken.extend(d for d in chosen if d not in taken)
-        request_ids = list(chosen)
-        try:
-            response: dp.AllocateResponse = await endpoint.stub.Allocate(
-                dp.AllocateRequest(
-                    container_requests=[dp.ContainerAllocateRequest(devices_ids=request_ids)]
-                )
-            )
-        except grpc.aio.AioRpcError as e:
-            raise AdmissionError(_unexpected(_rpc_error_text(e)), resource_name=resource) from e
-        if not response.container_responses:
-            raise AdmissionError(
-                _unexpected(f"no containers return in allocation response {response}"),
-                resource_name=resource,
-            )
-        return _grant_from_response(
-            container, resource, request_ids, response.container_responses[0], preferred
-        )
+        return endpoint
 
     async def _pre_start(self, namespace: str, pod: str, grant: ContainerGrant) -> None:
         endpoint = self._endpoints.get(grant.resource_name)
@@ -289,3 +267,55 @@ class Admission(CheckpointedState):
             self._write_checkpoint()
         logger.info("pod deleted namespace=%s pod=%s uid=%s", namespace, name, record.grant.uid)
         self._notify()
+
+
+async def _preferred_choice(
+    endpoint: _Endpoint,
+    resource: str,
+    available: Sequence[str],
+    reuse: Sequence[str],
+    count: int,
+    *,
+    who: tuple[str, str, str],
+) -> tuple[tuple[str, ...], list[str]]:
+    """GetPreferredAllocation asked, and the plugin's preference used as the kubelet does
+    (`choose_devices`; the devices to reuse always in): (the preference, the devices chosen)."""
+    request = dp.PreferredAllocationRequest(
+        container_requests=[
+            dp.ContainerPreferredAllocationRequest(
+                available_deviceIDs=sorted({*available, *reuse}),
+                must_include_deviceIDs=list(reuse),
+                allocation_size=count,
+            )
+        ]
+    )
+    try:
+        answer: dp.PreferredAllocationResponse = await endpoint.stub.GetPreferredAllocation(request)
+    except grpc.aio.AioRpcError as e:
+        raise AdmissionError(
+            _unexpected(
+                f"device plugin GetPreferredAllocation rpc failed with err: {_rpc_error_text(e)}"
+            ),
+            resource_name=resource,
+        ) from e
+    preferred: tuple[str, ...] = ()
+    if answer.container_responses:
+        preferred = tuple(answer.container_responses[0].deviceIDs)
+    chosen, valid = choose_devices(sorted({*available, *reuse}), preferred, count)
+    if not set(reuse) <= set(chosen):
+        rest = [d for d in chosen if d not in reuse]
+        chosen, valid = [*reuse, *rest[: count - len(reuse)]], False
+    if not valid:
+        namespace, pod, container = who
+        logger.warning(
+            "preferred allocation not usable as is, filling from available "
+            "resource=%s pod=%s/%s container=%s size=%d preferred=%s chosen=%s",
+            resource,
+            namespace,
+            pod,
+            container,
+            count,
+            list(preferred),
+            chosen,
+        )
+    return preferred, chosen

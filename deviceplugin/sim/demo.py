@@ -21,6 +21,7 @@ only the events are written as they happen, and the view once more at the end.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import signal
@@ -59,69 +60,107 @@ from deviceplugin.sim.kubelet import KubeletSimulator
 
 
 async def _demo(duration_s: float | None, out: TextIO, workdir: Path) -> int:
-    def say(*lines: str) -> None:
-        for line in lines:
-            print(line, file=out)
-        out.flush()
-
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # Closing the terminal (SIGHUP) stops the demo as cleanly as Ctrl-C does.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         loop.add_signal_handler(sig, stop.set)
-
-    plugin_dir = workdir / "device-plugins"
-    podres_socket = workdir / "pod-resources" / "kubelet.sock"
-    state_file = workdir / "gpus.json"
-    podres_socket.parent.mkdir(parents=True)
-    write_state_file(state_file, FakeState(gpus=DEMO_GPUS))
-    resource = DEMO_CONFIG.resource_name
-
-    sim = KubeletSimulator(plugin_dir, podres_socket)
-    await sim.start()
-    settings = DaemonSettings(
-        config=DEMO_CONFIG,
-        backend=f"fake:{state_file}",
-        device_plugin_dir=plugin_dir,
-        pod_resources_socket=podres_socket,
-        state_dir=workdir / "state",
-        metrics_address="127.0.0.1:0",
-        node_name="demo-node",
-        # The demo's workloads are plain processes, in no pod cgroup.
-        trust_host_processes=True,
-    )
-    backend = FakeBackend(state_file)
-    daemon = Daemon(settings, backend, pod_resources_interval_s=1.0)
-    workloads = DemoWorkloads(state_file)
+    node = await _Node.start(workdir, out)
     started = time.monotonic()
-    run = asyncio.create_task(daemon.run(stop), name="daemon")
+    run = asyncio.create_task(node.daemon.run(stop), name="daemon")
+    try:
+        await node.sim.wait_for(node.all_registered, timeout_s=10)
+        node.introduce(started)
+        await node.admit_pods()
+        await node.restart_kubelet()
+        await node.run_work()
+        await node.run_live(stop, duration_s)
+        return 0
+    finally:
+        stop.set()
+        await run
+        node.workloads.stop()
+        node.backend.close()
+        await node.sim.stop()
 
-    def all_registered() -> bool:
-        inventory = daemon.inventory.value
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Node:
+    """The demo's node: the kubelet simulator, the daemon on its fake GPUs, the workloads, and
+    where the story is told. Each method is one act of the story (this module's docstring)."""
+
+    workdir: Path
+    state_file: Path
+    sim: KubeletSimulator
+    backend: FakeBackend
+    daemon: Daemon
+    workloads: DemoWorkloads
+    out: TextIO
+
+    @classmethod
+    async def start(cls, workdir: Path, out: TextIO) -> _Node:
+        """The fake GPUs written and the simulator started; the daemon built, not yet run."""
+        plugin_dir = workdir / "device-plugins"
+        podres_socket = workdir / "pod-resources" / "kubelet.sock"
+        state_file = workdir / "gpus.json"
+        podres_socket.parent.mkdir(parents=True)
+        write_state_file(state_file, FakeState(gpus=DEMO_GPUS))
+        sim = KubeletSimulator(plugin_dir, podres_socket)
+        await sim.start()
+        settings = DaemonSettings(
+            config=DEMO_CONFIG,
+            backend=f"fake:{state_file}",
+            device_plugin_dir=plugin_dir,
+            pod_resources_socket=podres_socket,
+            state_dir=workdir / "state",
+            metrics_address="127.0.0.1:0",
+            node_name="demo-node",
+            # The demo's workloads are plain processes, in no pod cgroup.
+            trust_host_processes=True,
+        )
+        backend = FakeBackend(state_file)
+        daemon = Daemon(settings, backend, pod_resources_interval_s=1.0)
+        workloads = DemoWorkloads(state_file)
+        return cls(workdir, state_file, sim, backend, daemon, workloads, out)
+
+    def say(self, *lines: str) -> None:
+        for line in lines:
+            print(line, file=self.out)
+        self.out.flush()
+
+    def all_registered(self) -> bool:
+        """Every resource registered with the simulator, every slice of it advertised healthy."""
+        inventory = self.daemon.inventory.value
         names = inventory.resource_names
         return bool(names) and all(
-            sim.is_registered(r)
-            and len(sim.healthy_ids(r)) == len(inventory.for_resource(r).slices) > 0
+            self.sim.is_registered(r)
+            and len(self.sim.healthy_ids(r)) == len(inventory.for_resource(r).slices) > 0
             for r in names
         )
 
-    try:
-        await sim.wait_for(all_registered, timeout_s=10)
-        inventory = daemon.inventory.value
+    def introduce(self, started: float) -> None:
+        """The GPUs, and how soon after `started` each resource was advertised."""
+        inventory = self.daemon.inventory.value
         gpus = sum(1 for p in inventory.plans if not p.gpu.is_mig_device)
-        say(
-            f"vgpu demo: {gpus} fake GPUs and a built-in kubelet in {workdir}",
-            f"state file (edit it to change the GPUs while the demo runs): {state_file}",
+        self.say(
+            f"vgpu demo: {gpus} fake GPUs and a built-in kubelet in {self.workdir}",
+            f"state file (edit it to change the GPUs while the demo runs): {self.state_file}",
             "",
             *(
-                f"kubelet: plugin registered and {plural(len(sim.healthy_ids(r)), r + ' slice')} "
+                f"kubelet: plugin registered and "
+                f"{plural(len(self.sim.healthy_ids(r)), r + ' slice')} "
                 f"advertised {(time.monotonic() - started) * 1000:.0f} ms after start"
                 for r in inventory.resource_names
             ),
             "",
         )
+
+    async def admit_pods(self) -> None:
+        """The example pods admitted; which slice each got, and one container's Allocate env."""
+        sim = self.sim
+        inventory = self.daemon.inventory.value
         for name, containers in DEMO_PODS:
-            await sim.admit_pod(name, containers, resource_name=resource)
+            await sim.admit_pod(name, containers, resource_name=DEMO_CONFIG.resource_name)
         for name, containers in DEMO_MIG_PODS:
             await sim.admit_pod(name, containers, resource_name=MIG_SMALL)
         pods = sim.pods()
@@ -131,31 +170,40 @@ async def _demo(duration_s: float | None, out: TextIO, workdir: Path) -> int:
             for c in p.containers
             for d in c.device_ids
         }
-        say(*render_slices(inventory, held_by), "")
-        say(*render_pods(pods, inventory), "")
+        self.say(*render_slices(inventory, held_by), "")
+        self.say(*render_pods(pods, inventory), "")
         first = pods[0].containers[0]
-        say(f"what {pods[0].namespace}/{pods[0].name}/{first.name} got from Allocate:")
-        say(*(f"  {k}={v}" for k, v in sorted(first.envs.items())), "")
+        self.say(f"what {pods[0].namespace}/{pods[0].name}/{first.name} got from Allocate:")
+        self.say(*(f"  {k}={v}" for k, v in sorted(first.envs.items())), "")
 
-        say("restarting the kubelet (it deletes every plugin socket and re-creates kubelet.sock)…")
+    async def restart_kubelet(self) -> None:
+        """The kubelet restarted, as a node upgrade does; the plugin registers again."""
+        sim = self.sim
+        self.say(
+            "restarting the kubelet (it deletes every plugin socket and re-creates kubelet.sock)…"
+        )
         before = len(sim.registrations)
         restarted = time.monotonic()
         await sim.restart()
-        await sim.wait_for(lambda: len(sim.registrations) > before and all_registered())
+        await sim.wait_for(lambda: len(sim.registrations) > before and self.all_registered())
         rereg_ms = (time.monotonic() - restarted) * 1000
         intact = sum(len(c.device_ids) for p in sim.pods() for c in p.containers)
-        names = daemon.inventory.value.resource_names
+        names = self.daemon.inventory.value.resource_names
         healthy = sum(len(sim.healthy_ids(r)) for r in names)
-        say(
+        self.say(
             f"kubelet: all {len(names)} resources re-registered {rereg_ms:.0f} ms after the "
             f"restart; {intact} allocated slices intact, {healthy} healthy",
             "",
         )
+
+    async def run_work(self) -> None:
+        """The containers' GPU work started; what the enforcer did, and the usage."""
+        daemon = self.daemon
         before_work = daemon.poller.snapshot
-        sized = workloads.start(sim.pods())
+        sized = self.workloads.start(self.sim.pods())
         assert daemon.http is not None
         address = f"127.0.0.1:{daemon.http.port}"
-        say(
+        self.say(
             "the containers now run GPU work: real processes that carry their Allocate env,",
             "listed in the state file; a host process with no slices uses the L4",
             *sized,
@@ -164,34 +212,31 @@ async def _demo(duration_s: float | None, out: TextIO, workdir: Path) -> int:
             "",
         )
         await _wait_for_usage(daemon, timeout_s=3.0)
-        say(*describe_actions(before_work, daemon.poller.snapshot), "")
-        say(*_status_lines(daemon), "")
-        say(
+        self.say(*describe_actions(before_work, daemon.poller.snapshot), "")
+        self.say(*_status_lines(daemon), "")
+        self.say(
             "DRA mode (serve --kubelet-api dra): pods claim an amount of memory and compute, the",
             "stock scheduler places them, vgpu enforces the same way; the built-in kubelet does",
             'not speak DRA: try it on a node, docs/dra.md "Try DRA on a node by hand".',
             "",
         )
-        say(
+
+    async def run_live(self, stop: asyncio.Event, duration_s: float | None) -> None:
+        """The live view until `stop` or `duration_s`."""
+        self.say(
             "running; press Ctrl-C to stop"
             if duration_s is None
             else f"running for {duration_s:g} s; Ctrl-C stops earlier"
         )
-        terminal = out.isatty()
-        view = LiveView(out, terminal=terminal)
-        await _live(daemon, workloads, stop, duration_s, view, seen=daemon.poller.snapshot)
+        terminal = self.out.isatty()
+        view = LiveView(self.out, terminal=terminal)
+        daemon = self.daemon
+        await _live(daemon, self.workloads, stop, duration_s, view, seen=daemon.poller.snapshot)
         if not terminal:
             view.event("the status view at the end:")
             view.update(_status_lines(daemon))
         view.final()
-        say("stopping")
-        return 0
-    finally:
-        stop.set()
-        await run
-        workloads.stop()
-        backend.close()
-        await sim.stop()
+        self.say("stopping")
 
 
 # Waits for the demo to die (its end of the pipe closes, however it ends), then removes the

@@ -6,14 +6,15 @@ by the caller in the process environment) names an allocation this daemon knows.
 process is unattributed: it is counted on its GPU and never appears in a ContainerUsage, so the
 enforcer, which acts only on containers' processes, cannot touch it.
 
-Who each process is charged to, and which claims are refused, is decided in `usage.charges` by
-the attribution rules (docs/design.md §12); this module turns that into the snapshot.
+Who each process is charged to, and which allocation tags are refused, is decided in
+`usage.charges` by the attribution rules (docs/design.md §12); this module turns that into the
+snapshot.
 
 Utilisation ratios are time-weighted averages over a sliding window (docs/design.md §5,
 `usage.window`), so that a scrape does not beat against a duty cycle.
 
 A build whose inputs are those of the build before (the GPUs' process samples, the allocations
-and whether each counts as confirmed, the claims, the inventory and checkpoint objects, and the
+and whether each counts as confirmed, the tags, the inventory and checkpoint objects, and the
 evidence's version) hands out that build's attribution again rather than deciding it anew: on a
 node whose processes hold still, most polls. Evidence without a version is never reused.
 """
@@ -48,16 +49,16 @@ from deviceplugin.usage.charges import (
     confirmed,
     ratio_of,
 )
-from deviceplugin.usage.claims import Claim, DeviceClaims
 from deviceplugin.usage.devices import dra_devices
+from deviceplugin.usage.tags import DeviceTags, Tag
 from deviceplugin.usage.window import UtilizationWindow
 
 __all__ = [
     "UNCONFIRMED_AFTER_S",
     "AttributionEvidence",
-    "Claim",
-    "DeviceClaims",
+    "DeviceTags",
     "SnapshotBuilder",
+    "Tag",
     "attribute",
     "mark_stale",
 ]
@@ -101,7 +102,7 @@ class SnapshotBuilder:
         reading: NodeReading,
         inventory: Inventory,
         allocations: Sequence[AllocationRecord],
-        pid_allocation: Mapping[int, Claim],
+        pid_allocation: Mapping[int, Tag],
         *,
         now_s: float,
         wall_s: float,
@@ -112,14 +113,14 @@ class SnapshotBuilder:
     ) -> tuple[NodeSnapshot, frozenset[str]]:
         """The snapshot of `reading`, and the allocation IDs accepted for GPU processes that are
         not in `allocations` (the caller asks pod-resources again when there are any). Processes
-        whose claim was refused are in each GpuUsage's `misattributed`.
+        whose tag was refused are in each GpuUsage's `misattributed`.
 
         `now_s` is the monotonic time of the reading, `previous_reading_s` that of the one before
         (None on the first build: this reading then covers no time and averages to 0.0); `wall_s`
         becomes `taken_at_s`. `pid_allocation` maps a process's PID to the allocation IDs found
-        in its environment (its claim; `DeviceClaims` where it names some per device); a PID it
+        in its environment (its tag; `DeviceTags` where it names some per device); a PID it
         does not list counts as None. Without `evidence`
-        every claim stands; with it, `attribute` decides. With `dra` (DRA mode: its request
+        every tag stands; with it, `attribute` decides. With `dra` (DRA mode: its request
         policies), each published device's claimed and free capacity is in its GpuUsage."""
         duration_s = 0.0 if previous_reading_s is None else max(now_s - previous_reading_s, 0.0)
         gpus = sorted(reading.gpus, key=lambda g: g.info.index)
@@ -215,7 +216,7 @@ class SnapshotBuilder:
         gpus: Sequence[GpuReading],
         inventory: Inventory,
         allocations: Sequence[AllocationRecord],
-        pid_allocation: Mapping[int, Claim],
+        pid_allocation: Mapping[int, Tag],
         *,
         wall_s: float,
         evidence: AttributionEvidence | None,

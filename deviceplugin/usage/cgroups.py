@@ -407,6 +407,6 @@ def _warn_unresolvable(tree: KubeletTree) -> KubeletTree:
         log.warning(
             "this daemon runs in a cgroup namespace of its own whose root cannot be found (mount "
             "the host's cgroup2 hierarchy into its container): processes whose cgroup it reads "
-            "relative to that namespace count as in no pod, and their claims are refused"
+            "relative to that namespace count as in no pod, and their allocation tags are refused"
         )
     return tree

@@ -125,267 +125,286 @@ class SnapshotCollector(Collector):
 
     def _families(self, snapshot: NodeSnapshot | None, now_s: float) -> Iterator[Metric]:
         node = self._node
-        gpu_info = _gauge(
-            "vgpu_gpu_info",
-            "Static facts about a physical GPU as labels; always 1.",
-            GPU_INFO_LABELS,
-        )
-        gpu_healthy = _gauge(
-            "vgpu_gpu_healthy",
-            "1 if the GPU is healthy, 0 if not (its slices are withdrawn).",
-            GPU_LABELS,
-        )
-        gpu_mem_total = _gauge(
-            "vgpu_gpu_memory_total_bytes", "Total memory of the GPU, in bytes.", GPU_LABELS
-        )
-        gpu_mem_used = _gauge(
-            "vgpu_gpu_memory_used_bytes",
-            "Memory in use on the GPU, in bytes, as the driver reports it.",
-            GPU_LABELS,
-        )
-        gpu_util = _gauge(
-            "vgpu_gpu_utilization_ratio",
-            "Utilisation of the GPU, 0..1: the share of time a kernel was running on it (NVML's "
-            "GPU utilisation), averaged over the compute window.",
-            GPU_LABELS,
-        )
-        transitions = _counter(
-            "vgpu_gpu_unhealthy_transitions",
-            "Times the GPU went from healthy to unhealthy since the daemon started, a count.",
-            GPU_LABELS,
-        )
-        xid_errors = _counter(
-            "vgpu_gpu_xid_errors",
-            "Xid errors the driver reported for the GPU since the daemon started, by Xid "
-            "(critical and application-caused alike), a count.",
-            XID_LABELS,
-        )
-        slices = _gauge(
-            "vgpu_slices",
-            "Slices of the GPU by state (allocated, free, unhealthy), a count.",
-            SLICE_LABELS,
-        )
-        unattributed = _gauge(
-            "vgpu_gpu_unattributed_processes",
-            "GPU processes that belong to no allocation of this daemon, a count; never acted on.",
-            GPU_LABELS,
-        )
-        misattributed = _gauge(
-            "vgpu_gpu_misattributed_processes",
-            "GPU processes whose claimed allocation their pod does not hold (per the kubelet's "
-            "checkpoint), a count; never charged to the allocation they claimed.",
-            GPU_LABELS,
-        )
-        unattributed_mem = _gauge(
-            "vgpu_gpu_unattributed_memory_bytes",
-            "GPU memory used by processes that belong to no allocation of this daemon, in bytes.",
-            GPU_LABELS,
-        )
-        c_mem_used = _gauge(
-            "vgpu_container_gpu_memory_used_bytes",
-            "GPU memory used by the container's processes on the GPU, in bytes.",
-            CONTAINER_LABELS,
-        )
-        c_mem_limit = _gauge(
-            "vgpu_container_gpu_memory_limit_bytes",
-            "The container's GPU memory limit on the GPU (its slices' share), in bytes.",
-            CONTAINER_LABELS,
-        )
-        c_sm = _gauge(
-            "vgpu_container_sm_utilization_ratio",
-            "SM utilisation of the GPU by the container, 0..1, averaged over the compute window.",
-            CONTAINER_LABELS,
-        )
-        c_share = _gauge(
-            "vgpu_container_compute_share_ratio",
-            "The container's compute share of the GPU (its slices' share), 0..1.",
-            CONTAINER_LABELS,
-        )
-        c_throttled = _counter(
-            "vgpu_container_throttled_seconds",
-            "Time the container's processes on the GPU have spent stopped by the throttle, "
-            "in seconds.",
-            CONTAINER_LABELS,
-        )
-        enforcement = _counter(
-            "vgpu_enforcement_actions",
-            "Enforcement actions taken on the container, by kind (memory, compute) and action "
-            "(kill, throttle, monitor; in a dry run or monitor mode would_kill, would_throttle), "
-            "a count.",
-            ENFORCEMENT_LABELS,
-        )
-        not_sent = _counter(
-            "vgpu_enforcement_signals_not_sent",
-            "Kills, stops and resumes the enforcer decided on but did not send, by reason: "
-            "permission_denied (the daemon may not signal the process), moved (it left the "
-            "cgroup it was attributed from), a count.",
-            (*NODE_LABELS, "reason"),
-        )
-        allocation_info = _gauge(
-            "vgpu_allocation_info",
-            "An allocation this daemon holds, with where it came from (device-plugin, dra) and "
-            "its DRA claim (namespace/name, else empty) as labels; always 1.",
-            ALLOCATION_LABELS,
-        )
-        registrations = _counter(
-            "vgpu_kubelet_registrations",
-            "Successful registrations of the plugin with the kubelet, a count.",
-            NODE_LABELS,
-        )
-        registration_failures = _counter(
-            "vgpu_kubelet_registration_failures",
-            "Failed attempts to register the plugin with the kubelet, a count.",
-            NODE_LABELS,
-        )
-        registered = _gauge(
-            "vgpu_kubelet_registered",
-            "1 while the plugin is registered with the kubelet, else 0.",
-            NODE_LABELS,
-        )
-        pod_resources_up = _gauge(
-            "vgpu_pod_resources_up",
-            "1 if the kubelet's pod-resources API answered the last query, else 0.",
-            NODE_LABELS,
-        )
-        stale = _gauge(
-            "vgpu_snapshot_stale",
-            "1 if the latest poll failed and the figures are from an earlier one, else 0.",
-            NODE_LABELS,
-        )
-        last_poll = _gauge(
-            "vgpu_last_successful_poll_timestamp_seconds",
-            "Unix time of the last successful GPU poll, in seconds; 0 if none yet.",
-            NODE_LABELS,
-        )
-        age = _gauge(
-            "vgpu_snapshot_age_seconds",
-            "Age of the figures this scrape exposes at scrape time, in seconds.",
-            NODE_LABELS,
-        )
-        mps_up = _gauge(
-            "vgpu_mps_daemon_up",
-            "1 while the node's MPS control daemon runs, else 0; only with mps.enabled.",
-            NODE_LABELS,
-        )
-        mps_restarts = _counter(
-            "vgpu_mps_daemon_restarts",
-            "Times the MPS control daemon was found dead and started again, a count.",
-            NODE_LABELS,
-        )
-        mps_drift = _counter(
-            "vgpu_mps_drift",
-            "Changes made through the MPS control socket by others (a default raised, a quit), "
-            "each undone by the daemon, a count; by change.",
-            (*NODE_LABELS, "change"),
-        )
+        yield from _gpu_families(node, snapshot)
+        yield from _gpu_use_families(node, snapshot)
+        yield from _container_families(node, snapshot)
+        yield from _enforcement_families(node, snapshot)
+        yield _allocation_family(node, snapshot)
+        yield from _daemon_families(node, snapshot, now_s)
+        yield from _mps_families(node, snapshot)
 
-        if snapshot is not None:
-            for gpu in snapshot.gpus:
-                info = gpu.info
-                g = gpu_label_values(node, info)
-                gpu_info.add_metric(
-                    [
-                        *g,
-                        info.name,
-                        str(info.minor),
-                        "" if info.numa_node is None else str(info.numa_node),
-                        info.pci_bus_id or "",
-                    ],
-                    1.0,
-                )
-                gpu_healthy.add_metric(g, _flag(gpu.reading.healthy))
-                transitions.add_metric(g, gpu.reading.unhealthy_transitions)
-                for xid, count in gpu.reading.xid_errors:
-                    xid_errors.add_metric([*g, str(xid)], count)
-                gpu_mem_total.add_metric(g, float(info.memory_total_bytes))
-                if gpu.reading.memory_used_bytes is not None:
-                    gpu_mem_used.add_metric(g, float(gpu.reading.memory_used_bytes))
-                if gpu.sm_utilization_ratio is not None:
-                    gpu_util.add_metric(g, _ratio(gpu.sm_utilization_ratio))
-                if snapshot.kubelet_api != SOURCE_DRA:  # DRA mode has devices, not slices
-                    slices.add_metric([*g, "allocated"], float(gpu.slices_allocated))
-                    slices.add_metric([*g, "free"], float(max(gpu.slices_free, 0)))
-                    slices.add_metric([*g, "unhealthy"], float(gpu.slices_unhealthy))
-                    slices.add_metric([*g, "unconfirmed"], float(gpu.slices_unconfirmed))
-                unattributed.add_metric(g, float(len(gpu.unattributed)))
-                misattributed.add_metric(g, float(len(gpu.misattributed)))
-                unattributed_mem.add_metric(g, float(_memory_of(gpu.unattributed)))
 
-            # NVML has no utilisation per MIG device: no series rather than a made-up 0.
-            mig_devices = {g.info.uuid for g in snapshot.gpus if g.info.is_mig_device}
-            for c in snapshot.containers:
-                labels = _container_labels(node, c)
-                c_mem_used.add_metric(labels, float(c.memory_used_bytes))
-                c_mem_limit.add_metric(labels, float(c.memory_limit_bytes))
-                if c.gpu_uuid not in mig_devices:
-                    c_sm.add_metric(labels, _ratio(c.sm_utilization_ratio))
-                c_share.add_metric(labels, _ratio(c.compute_share_ratio))
-                c_throttled.add_metric(labels, c.throttled_seconds_total)
+def _gpu_families(node: str, snapshot: NodeSnapshot | None) -> list[Metric]:
+    """Per GPU (or MIG device): what it is, its health, and its memory and utilisation."""
+    gpu_info = _gauge(
+        "vgpu_gpu_info",
+        "Static facts about a physical GPU as labels; always 1.",
+        GPU_INFO_LABELS,
+    )
+    gpu_healthy = _gauge(
+        "vgpu_gpu_healthy",
+        "1 if the GPU is healthy, 0 if not (its slices are withdrawn).",
+        GPU_LABELS,
+    )
+    gpu_mem_total = _gauge(
+        "vgpu_gpu_memory_total_bytes", "Total memory of the GPU, in bytes.", GPU_LABELS
+    )
+    gpu_mem_used = _gauge(
+        "vgpu_gpu_memory_used_bytes",
+        "Memory in use on the GPU, in bytes, as the driver reports it.",
+        GPU_LABELS,
+    )
+    gpu_util = _gauge(
+        "vgpu_gpu_utilization_ratio",
+        "Utilisation of the GPU, 0..1: the share of time a kernel was running on it (NVML's "
+        "GPU utilisation), averaged over the compute window.",
+        GPU_LABELS,
+    )
+    transitions = _counter(
+        "vgpu_gpu_unhealthy_transitions",
+        "Times the GPU went from healthy to unhealthy since the daemon started, a count.",
+        GPU_LABELS,
+    )
+    xid_errors = _counter(
+        "vgpu_gpu_xid_errors",
+        "Xid errors the driver reported for the GPU since the daemon started, by Xid "
+        "(critical and application-caused alike), a count.",
+        XID_LABELS,
+    )
+    for gpu in snapshot.gpus if snapshot is not None else ():
+        info = gpu.info
+        g = gpu_label_values(node, info)
+        numa = "" if info.numa_node is None else str(info.numa_node)
+        gpu_info.add_metric([*g, info.name, str(info.minor), numa, info.pci_bus_id or ""], 1.0)
+        gpu_healthy.add_metric(g, _flag(gpu.reading.healthy))
+        transitions.add_metric(g, gpu.reading.unhealthy_transitions)
+        for xid, count in gpu.reading.xid_errors:
+            xid_errors.add_metric([*g, str(xid)], count)
+        gpu_mem_total.add_metric(g, float(info.memory_total_bytes))
+        if gpu.reading.memory_used_bytes is not None:
+            gpu_mem_used.add_metric(g, float(gpu.reading.memory_used_bytes))
+        if gpu.sm_utilization_ratio is not None:
+            gpu_util.add_metric(g, _ratio(gpu.sm_utilization_ratio))
+    return [
+        gpu_info,
+        gpu_healthy,
+        transitions,
+        xid_errors,
+        gpu_mem_total,
+        gpu_mem_used,
+        gpu_util,
+    ]
 
-            counted = {
-                (e.allocation_id, e.gpu_uuid, e.kind, e.action) for e in snapshot.enforcement
-            }
-            for c in snapshot.containers:
-                for kind, action in ENFORCEMENT_ACTIONS:
-                    if (c.allocation_id, c.gpu_uuid, kind, action) not in counted:
-                        enforcement.add_metric([*_container_labels(node, c), kind, action], 0.0)
-            for e in snapshot.enforcement:
-                enforcement.add_metric([*_container_labels(node, e), e.kind, e.action], e.count)
-            for reason, count in snapshot.signals_not_sent:
-                not_sent.add_metric([node, reason], count)
 
-            for a in snapshot.allocations:
-                allocation_info.add_metric(
-                    [node, a.namespace, a.pod, a.container, a.allocation_id, a.source, a.claim],
-                    1.0,
-                )
+def _gpu_use_families(node: str, snapshot: NodeSnapshot | None) -> list[Metric]:
+    """Per GPU: its slices by state (device-plugin mode: DRA mode has devices, not slices), and
+    the processes that belong to no allocation or claimed one their pod does not hold."""
+    slices = _gauge(
+        "vgpu_slices",
+        "Slices of the GPU by state (allocated, free, unhealthy), a count.",
+        SLICE_LABELS,
+    )
+    unattributed = _gauge(
+        "vgpu_gpu_unattributed_processes",
+        "GPU processes that belong to no allocation of this daemon, a count; never acted on.",
+        GPU_LABELS,
+    )
+    misattributed = _gauge(
+        "vgpu_gpu_misattributed_processes",
+        "GPU processes whose claimed allocation their pod does not hold (per the kubelet's "
+        "checkpoint), a count; never charged to the allocation they claimed.",
+        GPU_LABELS,
+    )
+    unattributed_mem = _gauge(
+        "vgpu_gpu_unattributed_memory_bytes",
+        "GPU memory used by processes that belong to no allocation of this daemon, in bytes.",
+        GPU_LABELS,
+    )
+    if snapshot is not None:
+        by_slices = snapshot.kubelet_api != SOURCE_DRA
+        for gpu in snapshot.gpus:
+            g = gpu_label_values(node, gpu.info)
+            if by_slices:
+                slices.add_metric([*g, "allocated"], float(gpu.slices_allocated))
+                slices.add_metric([*g, "free"], float(max(gpu.slices_free, 0)))
+                slices.add_metric([*g, "unhealthy"], float(gpu.slices_unhealthy))
+                slices.add_metric([*g, "unconfirmed"], float(gpu.slices_unconfirmed))
+            unattributed.add_metric(g, float(len(gpu.unattributed)))
+            misattributed.add_metric(g, float(len(gpu.misattributed)))
+            unattributed_mem.add_metric(g, float(_memory_of(gpu.unattributed)))
+    return [slices, unattributed, misattributed, unattributed_mem]
 
-            health = snapshot.health
-            n = [node]
-            registrations.add_metric(n, health.registrations_total)
-            registration_failures.add_metric(n, health.registration_failures_total)
-            registered.add_metric(n, _flag(health.registered))
-            pod_resources_up.add_metric(n, _flag(health.pod_resources_ok))
-            stale.add_metric(n, _flag(snapshot.stale))
-            last_poll.add_metric(n, health.last_poll_success_s)
-            age.add_metric(n, max(now_s - snapshot.taken_at_s, 0.0))
-            if health.mps is not None:
-                mps_up.add_metric(n, _flag(health.mps.up))
-                mps_restarts.add_metric(n, health.mps.restarts_total)
-                for change, count in health.mps.drift_total:
-                    mps_drift.add_metric([node, change], count)
 
-        yield from (
-            gpu_info,
-            gpu_healthy,
-            transitions,
-            xid_errors,
-            gpu_mem_total,
-            gpu_mem_used,
-            gpu_util,
-            slices,
-            unattributed,
-            misattributed,
-            unattributed_mem,
-            c_mem_used,
-            c_mem_limit,
-            c_sm,
-            c_share,
-            c_throttled,
-            enforcement,
-            not_sent,
-            allocation_info,
-            registrations,
-            registration_failures,
-            registered,
-            pod_resources_up,
-            stale,
-            last_poll,
-            age,
-            mps_up,
-            mps_restarts,
-            mps_drift,
+def _container_families(node: str, snapshot: NodeSnapshot | None) -> list[Metric]:
+    """Per container and GPU: its memory used and limit, utilisation, share and throttled time."""
+    c_mem_used = _gauge(
+        "vgpu_container_gpu_memory_used_bytes",
+        "GPU memory used by the container's processes on the GPU, in bytes.",
+        CONTAINER_LABELS,
+    )
+    c_mem_limit = _gauge(
+        "vgpu_container_gpu_memory_limit_bytes",
+        "The container's GPU memory limit on the GPU (its slices' share), in bytes.",
+        CONTAINER_LABELS,
+    )
+    c_sm = _gauge(
+        "vgpu_container_sm_utilization_ratio",
+        "SM utilisation of the GPU by the container, 0..1, averaged over the compute window.",
+        CONTAINER_LABELS,
+    )
+    c_share = _gauge(
+        "vgpu_container_compute_share_ratio",
+        "The container's compute share of the GPU (its slices' share), 0..1.",
+        CONTAINER_LABELS,
+    )
+    c_throttled = _counter(
+        "vgpu_container_throttled_seconds",
+        "Time the container's processes on the GPU have spent stopped by the throttle, in seconds.",
+        CONTAINER_LABELS,
+    )
+    if snapshot is not None:
+        # NVML has no utilisation per MIG device: no series rather than a made-up 0.
+        mig_devices = {g.info.uuid for g in snapshot.gpus if g.info.is_mig_device}
+        for c in snapshot.containers:
+            labels = _container_labels(node, c)
+            c_mem_used.add_metric(labels, float(c.memory_used_bytes))
+            c_mem_limit.add_metric(labels, float(c.memory_limit_bytes))
+            if c.gpu_uuid not in mig_devices:
+                c_sm.add_metric(labels, _ratio(c.sm_utilization_ratio))
+            c_share.add_metric(labels, _ratio(c.compute_share_ratio))
+            c_throttled.add_metric(labels, c.throttled_seconds_total)
+    return [c_mem_used, c_mem_limit, c_sm, c_share, c_throttled]
+
+
+def _enforcement_families(node: str, snapshot: NodeSnapshot | None) -> list[Metric]:
+    """The enforcer's actions per container (each of ENFORCEMENT_ACTIONS from 0), and the
+    signals it decided on but did not send."""
+    enforcement = _counter(
+        "vgpu_enforcement_actions",
+        "Enforcement actions taken on the container, by kind (memory, compute) and action "
+        "(kill, throttle, monitor; in a dry run or monitor mode would_kill, would_throttle), "
+        "a count.",
+        ENFORCEMENT_LABELS,
+    )
+    not_sent = _counter(
+        "vgpu_enforcement_signals_not_sent",
+        "Kills, stops and resumes the enforcer decided on but did not send, by reason: "
+        "permission_denied (the daemon may not signal the process), moved (it left the "
+        "cgroup it was attributed from), a count.",
+        (*NODE_LABELS, "reason"),
+    )
+    if snapshot is not None:
+        counted = {(e.allocation_id, e.gpu_uuid, e.kind, e.action) for e in snapshot.enforcement}
+        for c in snapshot.containers:
+            for kind, action in ENFORCEMENT_ACTIONS:
+                if (c.allocation_id, c.gpu_uuid, kind, action) not in counted:
+                    enforcement.add_metric([*_container_labels(node, c), kind, action], 0.0)
+        for e in snapshot.enforcement:
+            enforcement.add_metric([*_container_labels(node, e), e.kind, e.action], e.count)
+        for reason, count in snapshot.signals_not_sent:
+            not_sent.add_metric([node, reason], count)
+    return [enforcement, not_sent]
+
+
+def _allocation_family(node: str, snapshot: NodeSnapshot | None) -> Metric:
+    """One series per allocation held, naming its source and DRA claim."""
+    allocation_info = _gauge(
+        "vgpu_allocation_info",
+        "An allocation this daemon holds, with where it came from (device-plugin, dra) and "
+        "its DRA claim (namespace/name, else empty) as labels; always 1.",
+        ALLOCATION_LABELS,
+    )
+    for a in snapshot.allocations if snapshot is not None else ():
+        allocation_info.add_metric(
+            [node, a.namespace, a.pod, a.container, a.allocation_id, a.source, a.claim], 1.0
         )
+    return allocation_info
+
+
+def _daemon_families(node: str, snapshot: NodeSnapshot | None, now_s: float) -> list[Metric]:
+    """The daemon's own health: its registration with the kubelet, pod-resources, and how
+    fresh the figures are (`now_s`: the scrape's wall-clock time)."""
+    registrations = _counter(
+        "vgpu_kubelet_registrations",
+        "Successful registrations of the plugin with the kubelet, a count.",
+        NODE_LABELS,
+    )
+    registration_failures = _counter(
+        "vgpu_kubelet_registration_failures",
+        "Failed attempts to register the plugin with the kubelet, a count.",
+        NODE_LABELS,
+    )
+    registered = _gauge(
+        "vgpu_kubelet_registered",
+        "1 while the plugin is registered with the kubelet, else 0.",
+        NODE_LABELS,
+    )
+    pod_resources_up = _gauge(
+        "vgpu_pod_resources_up",
+        "1 if the kubelet's pod-resources API answered the last query, else 0.",
+        NODE_LABELS,
+    )
+    stale = _gauge(
+        "vgpu_snapshot_stale",
+        "1 if the latest poll failed and the figures are from an earlier one, else 0.",
+        NODE_LABELS,
+    )
+    last_poll = _gauge(
+        "vgpu_last_successful_poll_timestamp_seconds",
+        "Unix time of the last successful GPU poll, in seconds; 0 if none yet.",
+        NODE_LABELS,
+    )
+    age = _gauge(
+        "vgpu_snapshot_age_seconds",
+        "Age of the figures this scrape exposes at scrape time, in seconds.",
+        NODE_LABELS,
+    )
+    if snapshot is not None:
+        health = snapshot.health
+        n = [node]
+        registrations.add_metric(n, health.registrations_total)
+        registration_failures.add_metric(n, health.registration_failures_total)
+        registered.add_metric(n, _flag(health.registered))
+        pod_resources_up.add_metric(n, _flag(health.pod_resources_ok))
+        stale.add_metric(n, _flag(snapshot.stale))
+        last_poll.add_metric(n, health.last_poll_success_s)
+        age.add_metric(n, max(now_s - snapshot.taken_at_s, 0.0))
+    return [
+        registrations,
+        registration_failures,
+        registered,
+        pod_resources_up,
+        stale,
+        last_poll,
+        age,
+    ]
+
+
+def _mps_families(node: str, snapshot: NodeSnapshot | None) -> list[Metric]:
+    """The node's MPS control daemon (series only with mps.enabled)."""
+    mps_up = _gauge(
+        "vgpu_mps_daemon_up",
+        "1 while the node's MPS control daemon runs, else 0; only with mps.enabled.",
+        NODE_LABELS,
+    )
+    mps_restarts = _counter(
+        "vgpu_mps_daemon_restarts",
+        "Times the MPS control daemon was found dead and started again, a count.",
+        NODE_LABELS,
+    )
+    mps_drift = _counter(
+        "vgpu_mps_drift",
+        "Changes made through the MPS control socket by others (a default raised, a quit), "
+        "each undone by the daemon, a count; by change.",
+        (*NODE_LABELS, "change"),
+    )
+    mps = snapshot.health.mps if snapshot is not None else None
+    if mps is not None:
+        mps_up.add_metric([node], _flag(mps.up))
+        mps_restarts.add_metric([node], mps.restarts_total)
+        for change, count in mps.drift_total:
+            mps_drift.add_metric([node, change], count)
+    return [mps_up, mps_restarts, mps_drift]
 
 
 def dra_families(node: str, snapshot: NodeSnapshot | None) -> list[Metric]:

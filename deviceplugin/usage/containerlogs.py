@@ -6,14 +6,14 @@ ID>.log` in `/var/log/containers` to `/var/log/pods/<namespace>_<pod>_<pod UID>/
 process caught in between is refused for a poll or two, never charged). Both directories are
 root's. The link's name and target (read with readlink, never followed) give, per container ID,
 the pod UID and the container's name: what the kubelet's device checkpoint records per
-allocation. So a process's claim can be checked against the one container that holds the
+allocation. So a process's allocation tag can be checked against the one container that holds the
 allocation, not only its pod (a sidecar that copies the GPU container's ID is not that
 container). A link whose name the kubelet cut at 255 characters (pod names of more than about
-170) names no container ID: such a container's claims are refused.
+170) names no container ID: such a container's tags are refused.
 
 `ContainerLogIndex.read()` lists the directory again only when it changed (one stat a call
 otherwise) and never raises: an unreadable or missing directory gives None, and the caller then
-checks claims per pod only.
+checks tags per pod only.
 """
 
 from __future__ import annotations

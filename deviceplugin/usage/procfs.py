@@ -1,7 +1,7 @@
 """Reading /proc for the resolver (`usage.procs`): whole files, the allocation IDs in an
 environment block, pidfds held over resolved processes, and whether this daemon sees host PIDs.
 Nothing of a process environment but `VGPU_ALLOCATION_ID` and the per-device
-`VGPU_ALLOCATION_ID_<suffix>` (their valid values, at most `MAX_DEVICE_CLAIMS` of the latter) is
+`VGPU_ALLOCATION_ID_<suffix>` (their valid values, at most `MAX_DEVICE_TAGS` of the latter) is
 kept or returned."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import resource
 import select
 from pathlib import Path
 
-from deviceplugin.usage.claims import Claim, DeviceClaims
+from deviceplugin.usage.tags import DeviceTags, Tag
 
 ENV_NAME = "VGPU_ALLOCATION_ID"
 _ENV_PREFIX = ENV_NAME.encode() + b"="
@@ -24,7 +24,7 @@ _MAX_SUFFIX_LENGTH = 96
 _SUFFIX_CHARACTERS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 # At most this many per-device keys are kept from one environment (8 GPUs of 7 MIG devices each
 # and their parents fit); the rest are skipped.
-MAX_DEVICE_CLAIMS = 128
+MAX_DEVICE_TAGS = 128
 _ALLOCATION_ID_LENGTH = 16
 _HEX_DIGITS = frozenset(b"0123456789abcdef")
 _READ_CHUNK = 65536
@@ -69,12 +69,12 @@ def _valid(value: bytes) -> str | None:
     return value.decode("ascii")
 
 
-def claims_in(environ: bytes) -> tuple[bool, Claim]:
-    """What a NUL-separated environment block claims: whether it sets `VGPU_ALLOCATION_ID` or
-    any `VGPU_ALLOCATION_ID_<suffix>`, and the claim: the valid value of the former (as
-    `allocation_id_in`) where it sets no per-device key, else `DeviceClaims` with both (a
-    per-device value that is not 16 lowercase hex digits claims None for its device). The first
-    of a key set twice counts, as for getenv(3)."""
+def tags_in(environ: bytes) -> tuple[bool, Tag]:
+    """The allocation tag of a NUL-separated environment block: whether it sets
+    `VGPU_ALLOCATION_ID` or any `VGPU_ALLOCATION_ID_<suffix>`, and the tag: the valid value of
+    the former (as `allocation_id_in`) where it sets no per-device key, else `DeviceTags` with
+    both (a per-device value that is not 16 lowercase hex digits names None for its device). The
+    first of a key set twice counts, as for getenv(3)."""
     present, default = allocation_id_in(environ)
     if not environ.startswith(_DEVICE_PREFIX) and b"\0" + _DEVICE_PREFIX not in environ:
         return present, default
@@ -94,12 +94,12 @@ def claims_in(environ: bytes) -> tuple[bool, Claim]:
         name = suffix.decode("ascii")
         if name in devices:
             continue
-        if len(devices) >= MAX_DEVICE_CLAIMS:
+        if len(devices) >= MAX_DEVICE_TAGS:
             break
         devices[name] = _valid(value)
     if not devices:
         return present, default
-    return True, DeviceClaims(default, tuple(sorted(devices.items())))
+    return True, DeviceTags(default, tuple(sorted(devices.items())))
 
 
 # Use at most this share of the process's file descriptor limit for pidfds.

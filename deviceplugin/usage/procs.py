@@ -1,24 +1,25 @@
-"""Which allocation a GPU process claims and which pod it runs in, read from /proc; whether the
+"""Which allocation a GPU process names (its allocation tag) and which pod it runs in, read from
+/proc; whether the
 daemon sees host PIDs.
 
 Allocate gives every container `VGPU_ALLOCATION_ID`, and `VGPU_ALLOCATION_ID_<suffix>` per device
 (docs/design.md §3): a container holding slices of several resources keeps one `VGPU_ALLOCATION_ID`
-of them, so for a process on device U its claim is `VGPU_ALLOCATION_ID_<U>` where set (the
-resolver returns `DeviceClaims` for `usage.charges` to pick from per device). The GPU driver lists
+of them, so for a process on device U its tag is `VGPU_ALLOCATION_ID_<U>` where set (the
+resolver returns `DeviceTags` for `usage.charges` to pick from per device). The GPU driver lists
 processes by host PID, so the daemon reads `/proc/<pid>/environ` of each GPU process for those
 variables, and falls back to the nearest ancestor that sets one (a process started with a cleared
 environment still belongs to the container that started it). Nothing else from a process
 environment is kept, returned or logged: it may hold secrets.
 
-That variable is only a claim: any process can set it, and the ID is predictable. So the daemon
+That variable is only a tag: any process can set it, and the ID is predictable. So the daemon
 also reads where the process runs, which it cannot choose: `/proc/<pid>/cgroup` gives the pod
 container it is in, only when that cgroup is where the kubelet puts a pod's containers
 (`usage.cgroups`: its pod UID, container runtime ID and container cgroup), and the kubelet's
 container log links (`usage.containerlogs`) name that container. `usage.attribution` checks the
-claim against the kubelet's device checkpoint with them (docs/design.md §12): a claim stands
+tag against the kubelet's device checkpoint with them (docs/design.md §12): a tag stands
 only from the container the checkpoint gives that allocation (from its pod, where the kubelet's
-container names cannot be read); a claim from a host process or from another pod or container
-is refused; without a readable checkpoint every claim stands.
+container names cannot be read); a tag from a host process or from another pod or container
+is refused; without a readable checkpoint every tag stands.
 
 The /proc readers, pidfds and the host-PID check are `usage.procfs`. Everything is read under an
 injected `proc_root`, so tests use a fake tree in a temporary directory.
@@ -39,7 +40,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deviceplugin.usage.cgroups import CgroupLayout, KubeletTree, PodContainer, kubelet_tree_of
-from deviceplugin.usage.claims import Claim
 from deviceplugin.usage.containerlogs import (
     DEFAULT_CONTAINER_LOG_DIR,
     ContainerLogIndex,
@@ -48,10 +48,11 @@ from deviceplugin.usage.containerlogs import (
 from deviceplugin.usage.procfs import (
     ENV_NAME,
     PidfdWatch,
-    claims_in,
     pid_namespace_warning,
     read_all,
+    tags_in,
 )
+from deviceplugin.usage.tags import Tag
 
 __all__ = [
     "ENV_NAME",
@@ -84,7 +85,7 @@ class _Entry:
     the next call looks again before the answer is served from the cache."""
 
     start_time: int
-    allocation_id: Claim
+    allocation_id: Tag
     identity: tuple[int, int] | None
     settled: bool = True
     pod_uid: str | None = None
@@ -123,7 +124,7 @@ class AllocationResolver:
 
     Results are cached per (pid, start time), so a recycled PID is resolved afresh; the cache holds
     only the PIDs of the latest call. `hits` and `misses` count the PIDs served from the cache and
-    those resolved afresh. An allocation ID found here is a claim, not a proof: `pod_uid_of` gives
+    those resolved afresh. An allocation ID found here is a tag, not a proof: `pod_uid_of` gives
     what `usage.attribute` checks it against."""
 
     def __init__(
@@ -155,11 +156,11 @@ class AllocationResolver:
         self.hits = 0
         self.misses = 0
         # Bumped by every `resolve` that changed an answer of `pod_uid_of` or `cgroup_of` (or of
-        # the claims it returns): a PID resolved afresh, or one no longer held.
+        # the tags it returns): a PID resolved afresh, or one no longer held.
         self.generation = 0
         # The last call's answers, and whether every PID in it was served from the cache, held
         # by a pidfd: then the same PIDs again, none exited, get the same answers at once.
-        self._found: dict[int, Claim] = {}
+        self._found: dict[int, Tag] = {}
         self._held_all = False
 
     @property
@@ -179,9 +180,9 @@ class AllocationResolver:
         """How many PIDs the cache holds."""
         return len(self._cache)
 
-    def resolve(self, pids: Iterable[int]) -> dict[int, Claim]:
-        """The claim of each PID: its allocation ID, `DeviceClaims` where its environment sets
-        per-device keys, or None: not found, or not readable now (a vanished or unreadable
+    def resolve(self, pids: Iterable[int]) -> dict[int, Tag]:
+        """The allocation tag of each PID: its allocation ID, `DeviceTags` where its environment
+        sets per-device keys, or None: not found, or not readable now (a vanished or unreadable
         process is not cached, so that the next call tries again)."""
         if self._container_logs is not None:
             containers = self._container_logs.read()
@@ -190,9 +191,9 @@ class AllocationResolver:
                 self.generation += 1
         previous = self._cache
         fresh: dict[int, _Entry] = {}
-        found: dict[int, Claim] = {}
+        found: dict[int, Tag] = {}
         # Ancestors resolved during this call, shared by siblings.
-        memo: dict[int, Claim] = {}
+        memo: dict[int, Tag] = {}
         watch = self._pidfds
         exited = watch.exited() if watch is not None else set()
         wanted = pids if isinstance(pids, (set, frozenset)) else None
@@ -302,9 +303,7 @@ class AllocationResolver:
         found = self.tree.container_of(content)
         return None if found is None else found.cgroup
 
-    def _lookup(
-        self, pid: int, cached: _Entry | None, memo: dict[int, Claim]
-    ) -> tuple[_Entry, bool]:
+    def _lookup(self, pid: int, cached: _Entry | None, memo: dict[int, Tag]) -> tuple[_Entry, bool]:
         """The entry for `pid`, and whether it came from the cache. Raises _GoneError."""
         stat_path = f"{self._root}/{pid}/stat"
         if cached is not None and cached.settled and cached.identity is not None:
@@ -363,22 +362,22 @@ class AllocationResolver:
         identity = (st.st_ino, st.st_ctime_ns) if st.st_size == 0 else None
         return ppid, start_time, identity
 
-    def _environ(self, pid: int) -> tuple[bool, Claim, bool]:
-        """Whether the process's environment sets the variable (or a per-device one), its claim,
+    def _environ(self, pid: int) -> tuple[bool, Tag, bool]:
+        """Whether the process's environment sets the variable (or a per-device one), its tag,
         and whether the environment is empty."""
         try:
             environ, _ = read_all(f"{self._root}/{pid}/environ")
         except OSError as e:
             raise _GoneError from e
-        present, value = claims_in(environ)
+        present, value = tags_in(environ)
         return present, value, not environ
 
-    def _search(self, pid: int, ppid: int, memo: dict[int, Claim]) -> tuple[Claim, bool]:
+    def _search(self, pid: int, ppid: int, memo: dict[int, Tag]) -> tuple[Tag, bool]:
         """The variable of `pid`, else of its nearest ancestor below PID 1 that sets it, at most
         `max_ancestors` generations up; and whether the environment of `pid` itself is empty."""
         chain: list[int] = []
         current, parent = pid, ppid
-        value: Claim = None
+        value: Tag = None
         own_environ_empty = False
         for generation in range(self._max_ancestors + 1):
             if current in memo:

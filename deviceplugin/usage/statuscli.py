@@ -163,49 +163,10 @@ def run_status(
     terminal = out.isatty()
 
     def frame() -> str:
-        doc = _fetch_status(url, context)
-        if as_json:
-            return json.dumps(doc, indent=2)
-        size = shutil.get_terminal_size()
-        width = max(size.columns, 80)
-        # On a terminal the view fits its height (less the line the cursor ends on), in the
-        # compact layout where the full one does not; into a pipe or a file, all of it.
-        height = max(size.lines - 1, 10) if terminal else None
-        try:
-            return "\n".join(render_status(doc, width=width, height=height))
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as e:
-            # A daemon of another version, or something else answering on that port.
-            raise _NoStatusError(
-                f"its /status document has a shape this command does not know "
-                f"({type(e).__name__}: {str(e)[:80]}); is the daemon the same version? "
-                "--json prints the document as it is"
-            ) from e
+        return _frame(url, context, as_json=as_json, terminal=terminal)
 
     def problem(e: Exception) -> str:
-        if isinstance(e, _NoStatusError):
-            hint = ""
-            if "HTTP 403" in str(e) and "loopback" in str(e):
-                hint = (
-                    " (run it where the daemon runs: kubectl exec into its pod, or "
-                    "kubectl port-forward to it)"
-                )
-            elif "HTTP 403" in str(e):
-                hint = " (it requires a client certificate: --client-cert and --client-key)"
-            return f"the vgpu daemon at {url} has no status to show: {e}{hint}"
-        reason = getattr(e, "reason", None) or e  # urllib's URLError wraps the socket error
-        if isinstance(reason, ssl.SSLError):
-            return (
-                f"cannot reach the vgpu daemon at {url} over TLS: {reason} (--ca-file names the "
-                "CA that signed its certificate; inside its pod the daemon's own certificate is "
-                "trusted)"
-            )
-        hint = "point --address at its --metrics-address"
-        if context is None:
-            hint += ", with https:// if it serves TLS"
-        return (
-            f"cannot reach the vgpu daemon at {url}: {reason} (is `vgpu-device-plugin serve` "
-            f"running there? {hint})"
-        )
+        return _problem(e, url, tls=context is not None)
 
     try:
         try:
@@ -235,3 +196,53 @@ def run_status(
     except BrokenPipeError:  # the reader is gone (`| head`): nothing more to show
         _silence(out)
         return EXIT_OK
+
+
+def _frame(url: str, context: ssl.SSLContext | None, *, as_json: bool, terminal: bool) -> str:
+    """One frame: the document fetched now, as JSON or rendered to fit the terminal (into a
+    pipe or a file, all of it)."""
+    doc = _fetch_status(url, context)
+    if as_json:
+        return json.dumps(doc, indent=2)
+    size = shutil.get_terminal_size()
+    width = max(size.columns, 80)
+    # On a terminal the view fits its height (less the line the cursor ends on), in the
+    # compact layout where the full one does not; into a pipe or a file, all of it.
+    height = max(size.lines - 1, 10) if terminal else None
+    try:
+        return "\n".join(render_status(doc, width=width, height=height))
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as e:
+        # A daemon of another version, or something else answering on that port.
+        raise _NoStatusError(
+            f"its /status document has a shape this command does not know "
+            f"({type(e).__name__}: {str(e)[:80]}); is the daemon the same version? "
+            "--json prints the document as it is"
+        ) from e
+
+
+def _problem(e: Exception, url: str, *, tls: bool) -> str:
+    """What went wrong fetching a frame, and what to do about it."""
+    if isinstance(e, _NoStatusError):
+        hint = ""
+        if "HTTP 403" in str(e) and "loopback" in str(e):
+            hint = (
+                " (run it where the daemon runs: kubectl exec into its pod, or "
+                "kubectl port-forward to it)"
+            )
+        elif "HTTP 403" in str(e):
+            hint = " (it requires a client certificate: --client-cert and --client-key)"
+        return f"the vgpu daemon at {url} has no status to show: {e}{hint}"
+    reason = getattr(e, "reason", None) or e  # urllib's URLError wraps the socket error
+    if isinstance(reason, ssl.SSLError):
+        return (
+            f"cannot reach the vgpu daemon at {url} over TLS: {reason} (--ca-file names the "
+            "CA that signed its certificate; inside its pod the daemon's own certificate is "
+            "trusted)"
+        )
+    hint = "point --address at its --metrics-address"
+    if not tls:
+        hint += ", with https:// if it serves TLS"
+    return (
+        f"cannot reach the vgpu daemon at {url}: {reason} (is `vgpu-device-plugin serve` "
+        f"running there? {hint})"
+    )

@@ -42,6 +42,25 @@ JARGON = (
     "allocation ID",
     "Duty cycle",
     "Entitlement",
+    # The words of DRA mode, and the one a process's environment gives (not a DRA claim).
+    "Allocation tag",
+    "DRA",
+    "ResourceClaim",
+    "ResourceClaimTemplate",
+    "ResourceSlice",
+    "DeviceClass",
+    "Pool",
+    "Consumable capacity",
+    "Request policy",
+    "consumedCapacity",
+    "shareID",
+    "CDI",
+    "NodePrepareResources",
+    "NodeUnprepareResources",
+    "Kubelet plugin registration",
+    "Extended resource",
+    "Device taint",
+    "Grant",
 )
 
 

@@ -20,7 +20,7 @@ from deviceplugin.state import AllocationBook
 from deviceplugin.usage.attribution import UNCONFIRMED_AFTER_S, SnapshotBuilder
 from deviceplugin.usage.statusdoc import snapshot_to_json
 from tests.blackbox.daemon_harness import Node, eventually, registered, running_daemon
-from tests.unit.test_usage import INVENTORY, UUID0, reading, record, sid
+from tests.unit.test_attribution import INVENTORY, UUID0, reading, record, sid
 
 WALL_S = 1_700_000_000.0
 

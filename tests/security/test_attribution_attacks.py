@@ -40,7 +40,7 @@ from tests.blackbox.daemon_harness import (
     running_daemon,
     with_processes,
 )
-from tests.unit.test_usage import INVENTORY, UUID0, reading, record, sid
+from tests.unit.test_attribution import INVENTORY, UUID0, reading, record, sid
 
 RESOURCE = "nvidia.com/vgpu"
 POD_UID = "5b0c3f7e-1d2a-4c3b-9e8f-0123456789ab"
@@ -91,12 +91,12 @@ class FakeProc:
     def __init__(self, root: Path) -> None:
         self.root = root
 
-    def add(self, pid: int, cgroup: str, claim: str | None = None, ppid: int = 1) -> None:
+    def add(self, pid: int, cgroup: str, tag: str | None = None, ppid: int = 1) -> None:
         d = self.root / str(pid)
         d.mkdir(parents=True)
         rest = " ".join(["0"] * 17)
         (d / "stat").write_text(f"{pid} (python3) S {ppid} {rest} {1000 + pid} 0 0\n")
-        environ = b"PATH=/usr/bin\0" + (f"VGPU_ALLOCATION_ID={claim}\0".encode() if claim else b"")
+        environ = b"PATH=/usr/bin\0" + (f"VGPU_ALLOCATION_ID={tag}\0".encode() if tag else b"")
         (d / "environ").write_bytes(environ)
         (d / "cgroup").write_text(cgroup)
 
@@ -117,14 +117,14 @@ def checkpoint_blob(*holders: tuple[str, str, tuple[str, ...]]) -> bytes:
 
 def attributed(proc: FakeProc, processes: list[ProcessSample]) -> NodeSnapshot:
     resolver = AllocationResolver(proc.root)
-    claims = resolver.resolve(p.pid for p in processes)
+    tags = resolver.resolve(p.pid for p in processes)
     checkpoint = parse_checkpoint(checkpoint_blob((POD_UID, "main", VICTIM.slice_ids)), RESOURCE)
     evidence = AttributionEvidence(checkpoint, resolver.pod_uid_of, cgroup_of=resolver.cgroup_of)
     snapshot, _ = SnapshotBuilder("n", 5.0).build(
         reading(gpu0=processes),
         INVENTORY,
         [VICTIM],
-        claims,
+        tags,
         now_s=10.0,
         wall_s=1_700_000_000.0,
         health=DaemonHealth(),
@@ -173,8 +173,8 @@ def test_a_sidecar_without_slices_never_gets_the_gpu_container_killed(
     proc = FakeProc(tmp_path)
     victim_id = VICTIM.allocation_id
     proc.add(101, lines(path_of(POD_UID, "main")), victim_id)  # 19 of its 20 GiB
-    proc.add(102, lines(path_of(POD_UID, "sidecar")))  # no claim, 2 GiB
-    proc.add(103, lines(path_of(POD_UID, "main")))  # no claim, but in the GPU container: 0.5
+    proc.add(102, lines(path_of(POD_UID, "sidecar")))  # no tag, 2 GiB
+    proc.add(103, lines(path_of(POD_UID, "main")))  # no tag, but in the GPU container: 0.5
     snapshot = attributed(
         proc,
         [
@@ -362,7 +362,7 @@ async def test_real_cgroups_host_copycat_and_sidecar_kill_nothing(
                 p.pid == copycat for g in snap.gpus for p in g.misattributed
             )
 
-        await eventually(seen, 10, "the copycat's claim refused")
+        await eventually(seen, 10, "the copycat's tag refused")
         # Five grace periods: a wrong charge would have had the victim killed by now.
         await asyncio.sleep(1.0)
         assert alive(victim), "the pod's own process was killed"

@@ -228,7 +228,7 @@ async def test_real_cgroups_a_forged_pod_cgroup_gets_the_daemon_to_kill_nothing(
     node: Node, workloads: Workloads, pod_cgroups: RealPodCgroups
 ) -> None:
     """The whole daemon: a process in a cgroup named like the victim's pod container but made
-    below a test-owned subtree (as a user can under a delegated v2 subtree) claims the victim's
+    below a test-owned subtree (as a user can under a delegated v2 subtree) names the victim's
     allocation; with its memory the victim's container would be over its limit."""
     config = Config(
         enforcement=EnforcementConfig(
@@ -263,7 +263,7 @@ async def test_real_cgroups_a_forged_pod_cgroup_gets_the_daemon_to_kill_nothing(
                 p.pid == forger for g in snap.gpus for p in g.misattributed
             )
 
-        await eventually(refused, 10, "the forged cgroup's claim refused")
+        await eventually(refused, 10, "the forged cgroup's tag refused")
         await asyncio.sleep(1.0)  # five grace periods
         assert alive(victim), "the pod's own process was killed"
         assert alive(forger)

@@ -25,8 +25,8 @@ from deviceplugin.usage.procs import AllocationResolver
 from tests.blackbox.daemon_harness import GiB
 from tests.security.cgroup_support import cid
 from tests.security.test_attribution_attacks import POD_UID, FakeProc, cgroupfs, kills, v2
-from tests.security.test_claims_per_container import link, snapshot_with
-from tests.unit.test_usage import INVENTORY, UUID0
+from tests.security.test_tags_per_container import link, snapshot_with
+from tests.unit.test_attribution import INVENTORY, UUID0
 
 CLAIM = PreparedClaim(
     uid="11111111-2222-4333-8444-555555555555",

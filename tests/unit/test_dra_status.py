@@ -21,6 +21,7 @@ from deviceplugin.usage.attribution import SnapshotBuilder
 from deviceplugin.usage.devices import dra_devices
 from deviceplugin.usage.statusdoc import snapshot_to_json
 from deviceplugin.usage.statusview import render_compact, render_status
+from tests.unit.test_attribution import HEALTH
 from tests.unit.test_metrics import (
     DRA_CLAIMS,
     DRA_GPU,
@@ -30,7 +31,6 @@ from tests.unit.test_metrics import (
     dra_sample_snapshot,
     sample_snapshot,
 )
-from tests.unit.test_usage import HEALTH
 
 MiB = 1 << 20
 PLANS = (

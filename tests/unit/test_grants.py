@@ -18,7 +18,7 @@ from deviceplugin.grants import GRANTS_FILE, GrantStore, held_changes
 from deviceplugin.model import SOURCE_DRA, AllocationRecord, DeviceGrant, Inventory, allocation_id
 from deviceplugin.safefs import RefusedFileError, read_bounded
 from deviceplugin.state import AllocationBook
-from tests.unit.test_usage import GI, INVENTORY, UUID0, UUID1, gpu_info, sid
+from tests.unit.test_attribution import GI, INVENTORY, UUID0, UUID1, gpu_info, sid
 
 TWO = (sid(UUID0, 0), sid(UUID0, 1))
 
@@ -54,7 +54,7 @@ def store(root: Path, inventory: Inventory = INVENTORY) -> GrantStore:
 
 def resliced(replicas: int) -> Inventory:
     from deviceplugin.slicing import build_inventory
-    from tests.unit.test_usage import reading
+    from tests.unit.test_attribution import reading
 
     return build_inventory(reading(), SlicingConfig(default=SliceRule(replicas=replicas)))
 

@@ -51,7 +51,7 @@ from deviceplugin.model import (
     SliceId,
     allocation_id,
 )
-from deviceplugin.usage.attribution import Claim, SnapshotBuilder
+from deviceplugin.usage.attribution import SnapshotBuilder, Tag
 from deviceplugin.usage.procs import ENV_NAME, AllocationResolver
 
 GPUS = 8
@@ -225,7 +225,7 @@ def measure_ticks(
 def measure_steady_builds(
     inventory: Inventory,
     records: Sequence[AllocationRecord],
-    pid_allocation: Mapping[int, Claim],
+    pid_allocation: Mapping[int, Tag],
     iterations: int,
 ) -> list[float]:
     """CPU ms per build of polls whose samples are those of the poll before (the backend hands

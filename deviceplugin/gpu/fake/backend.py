@@ -29,7 +29,8 @@ from deviceplugin.gpu.fake.sampler import (
 )
 from deviceplugin.gpu.fake.state import FakeGpu
 from deviceplugin.gpu.fake.statefile import _decode_state, read_bounded, read_state_file
-from deviceplugin.model import GpuReading, NodeReading, ProcessSample, SampleReuse
+from deviceplugin.gpu.samples import SampleReuse
+from deviceplugin.model import GpuReading, NodeReading, ProcessSample
 from deviceplugin.partitions import MemoryLimits, PartitionSupport
 
 logger = logging.getLogger(__name__)

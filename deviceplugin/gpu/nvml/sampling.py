@@ -30,7 +30,8 @@ from typing import Any
 from deviceplugin.gpu.nvml.inventory import GpuInventory
 from deviceplugin.gpu.nvml.library import NvmlLibrary, text
 from deviceplugin.gpu.nvml.workers import TransientError
-from deviceplugin.model import GpuInfo, ProcessSample, SampleReuse
+from deviceplugin.gpu.samples import SampleReuse
+from deviceplugin.model import GpuInfo, ProcessSample
 
 logger = logging.getLogger(__name__)
 

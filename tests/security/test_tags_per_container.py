@@ -1,6 +1,7 @@
-"""Claims are checked per container: a sidecar that copies the GPU container's allocation ID
-never gets the GPU container's process killed, and a container the kubelet does not know cannot
-claim at all. The kubelet's container names come from its container log links."""
+"""Allocation tags are checked per container: a sidecar that copies the GPU container's
+allocation ID never gets the GPU container's process killed, and a container the kubelet does
+not know cannot name an allocation at all. The kubelet's container names come from its
+container log links."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from tests.security.test_attribution_attacks import (
     kills,
     v2,
 )
-from tests.unit.test_usage import INVENTORY, reading
+from tests.unit.test_attribution import INVENTORY, reading
 
 
 def link(logs: Path, container: str, container_id: str) -> None:
@@ -56,7 +57,7 @@ def snapshot_with(
     allocations: list[AllocationRecord],
 ) -> NodeSnapshot:
     """One poll of GPU 0 running `processes`, attributed with `checkpoint` as the evidence."""
-    claims = resolver.resolve({p.pid for p in processes})
+    tags = resolver.resolve({p.pid for p in processes})
     evidence = AttributionEvidence(
         checkpoint,
         resolver.pod_uid_of,
@@ -69,7 +70,7 @@ def snapshot_with(
         reading(gpu0=processes),
         inventory,
         allocations,
-        claims,
+        tags,
         now_s=10.0,
         wall_s=1_700_000_000.0,
         health=DaemonHealth(),
@@ -108,7 +109,7 @@ def test_the_gpu_container_itself_is_still_held_to_its_limit(tmp_path: Path) -> 
     logs = tmp_path / "logs"
     link(logs, "main", cid("main"))
     proc.add(101, v2(cgroupfs(POD_UID, "main")), VICTIM.allocation_id)
-    proc.add(104, v2(cgroupfs(POD_UID, "main")))  # no claim, its container's: charged
+    proc.add(104, v2(cgroupfs(POD_UID, "main")))  # no tag, its container's: charged
     resolver = AllocationResolver(proc.root, container_logs=ContainerLogIndex(logs))
     snapshot = snapshot_of(
         resolver, [ProcessSample(101, 19 * GiB, 10.0), ProcessSample(104, 5 * GiB, 10.0)]

@@ -1,4 +1,4 @@
-"""Per-device claims: a container holding slices of two resources has one `VGPU_ALLOCATION_ID`
+"""Per-device tags: a container holding slices of two resources has one `VGPU_ALLOCATION_ID`
 (the kubelet keeps one value per env key across its Allocate answers) and one
 `VGPU_ALLOCATION_ID_<UUID>` per device. A process on a device is charged by that device's key, so
 the container's use there is held to the allocation that covers it; and a forged per-device key
@@ -17,9 +17,9 @@ from deviceplugin.allocation import device_env_suffix
 from deviceplugin.kubelet.checkpoint import parse_checkpoint
 from deviceplugin.model import DaemonHealth, NodeSnapshot, ProcessSample
 from deviceplugin.usage.attribution import AttributionEvidence, SnapshotBuilder
-from deviceplugin.usage.claims import DeviceClaims
-from deviceplugin.usage.procfs import MAX_DEVICE_CLAIMS, claims_in
+from deviceplugin.usage.procfs import MAX_DEVICE_TAGS, tags_in
 from deviceplugin.usage.procs import AllocationResolver
+from deviceplugin.usage.tags import DeviceTags
 from tests.security.test_attribution_attacks import (
     LAYOUTS,
     OTHER_POD_UID,
@@ -30,7 +30,7 @@ from tests.security.test_attribution_attacks import (
     kills,
     v2,
 )
-from tests.unit.test_usage import INVENTORY, UUID0, UUID1, reading, record, sid
+from tests.unit.test_attribution import INVENTORY, UUID0, UUID1, reading, record, sid
 
 GiB = 1024**3
 # One container holding a slice of GPU 0 (resource "a") and a slice of GPU 1 (resource "b"),
@@ -106,7 +106,7 @@ def attributed(
     """The snapshot of the whole attribution path; `containers` (container runtime ID -> (pod
     UID, name)) stands for the kubelet's container log links, where given."""
     resolver = AllocationResolver(proc.root, container_logs=None)
-    claims = resolver.resolve(p.pid for p in [*gpu0, *gpu1])
+    tags = resolver.resolve(p.pid for p in [*gpu0, *gpu1])
     checkpoint = parse_checkpoint(checkpoint_blob(side=side), None)
     assert checkpoint.readable
     container_of: Callable[[int], tuple[str, str] | None]
@@ -130,7 +130,7 @@ def attributed(
         reading(gpu0=gpu0, gpu1=gpu1),
         INVENTORY,
         [ON0, SIDE, THEIRS] if side else [ON0, ON1, THEIRS],
-        claims,
+        tags,
         now_s=10.0,
         wall_s=1_700_000_000.0,
         health=DaemonHealth(),
@@ -192,7 +192,7 @@ def test_a_forged_per_device_key_from_a_host_process_or_another_pod_is_refused(
     proc.add(900, v2("/user.slice/user-1000.slice/session-1.scope"), forged)  # a host process
     proc.add(901, lines(path_of(OTHER_POD_UID, "main")), forged)  # another pod's container
     # Another pod whose `VGPU_ALLOCATION_ID` is its own, with a forged per-device key: the key
-    # is its claim on GPU 1, and it is refused (never falls back to the pod's own ID).
+    # is its tag on GPU 1, and it is refused (never falls back to the pod's own ID).
     proc.add(
         902,
         lines(path_of(OTHER_POD_UID, "other")),
@@ -244,7 +244,7 @@ def test_a_claim_of_the_containers_other_allocation_is_charged_to_the_one_on_tha
     tmp_path: Path, env: bytes
 ) -> None:
     """A container cannot move its use on one device to its other allocation, which has no limit
-    there: the claim stands, and is charged to the container's allocation on that device."""
+    there: the tag stands, and is charged to the container's allocation on that device."""
     proc = FakeProc(tmp_path)
     proc.add(102, v2(cgroupfs(POD_UID, "main")), env)  # GPU 1: 25 of its 20 GiB
     snapshot = attributed(proc, [], [ProcessSample(102, 25 * GiB, 10.0)])
@@ -252,14 +252,12 @@ def test_a_claim_of_the_containers_other_allocation_is_charged_to_the_one_on_tha
     assert [(k.pid, k.allocation_id) for k in kills(snapshot)] == [(102, ON1.allocation_id)]
 
 
-@pytest.mark.parametrize(
-    "gpu0_only", [True, False], ids=["claim-on-gpu0-only", "claims-on-both-gpus"]
-)
+@pytest.mark.parametrize("gpu0_only", [True, False], ids=["tag-on-gpu0-only", "tags-on-both-gpus"])
 def test_an_unclaimed_process_of_a_two_resource_container_is_charged_on_its_gpu(
     tmp_path: Path, gpu0_only: bool
 ) -> None:
-    """The container-cgroup rule for a process that carries no claim (its environment cleared,
-    no claiming ancestor): in a container holding two allocations it is charged to the one on
+    """The container-cgroup rule for a process that carries no tag (its environment cleared,
+    no tagged ancestor): in a container holding two allocations it is charged to the one on
     its GPU."""
     proc = FakeProc(tmp_path)
     proc.add(101, v2(cgroupfs(POD_UID, "main")), both_keys())  # GPU 0
@@ -301,28 +299,28 @@ def test_only_allocation_ids_are_kept_from_an_environment_and_at_most_a_bounded_
         + b"VGPU_ALLOCATION_ID_=" + valid.encode() + b"\0"
         + b"VGPU_ALLOCATION_ID_" + b"A" * 200 + b"=" + valid.encode() + b"\0"
     )  # fmt: skip
-    present, claim = claims_in(env)
+    present, tag = tags_in(env)
     assert present
-    assert isinstance(claim, DeviceClaims)
-    assert claim.default == ON0.allocation_id
-    assert dict(claim.devices) == {
+    assert isinstance(tag, DeviceTags)
+    assert tag.default == ON0.allocation_id
+    assert dict(tag.devices) == {
         device_env_suffix(UUID0): ON0.allocation_id,
         device_env_suffix(UUID1): valid,
         "GPU_X": None,
     }
-    assert "s3cret" not in repr(claim)
-    assert claim.on(device_env_suffix(UUID1)) == valid
-    assert claim.on("GPU_X") is None  # an invalid per-device value claims nothing
-    assert claim.on("MIG_OTHER") == ON0.allocation_id
+    assert "s3cret" not in repr(tag)
+    assert tag.on(device_env_suffix(UUID1)) == valid
+    assert tag.on("GPU_X") is None  # an invalid per-device value tags nothing
+    assert tag.on("MIG_OTHER") == ON0.allocation_id
 
     many = b"".join(
-        f"VGPU_ALLOCATION_ID_D{n}={valid}\0".encode() for n in range(MAX_DEVICE_CLAIMS + 50)
+        f"VGPU_ALLOCATION_ID_D{n}={valid}\0".encode() for n in range(MAX_DEVICE_TAGS + 50)
     )
-    _, bounded = claims_in(many)
-    assert isinstance(bounded, DeviceClaims)
-    assert len(bounded.devices) == MAX_DEVICE_CLAIMS
+    _, bounded = tags_in(many)
+    assert isinstance(bounded, DeviceTags)
+    assert len(bounded.devices) == MAX_DEVICE_TAGS
     assert bounded.default is None
 
-    # Without per-device keys the claim is the plain ID, as before.
-    assert claims_in(environ(valid)) == (True, valid)
-    assert claims_in(b"PATH=/bin\0") == (False, None)
+    # Without per-device keys the tag is the plain ID, as before.
+    assert tags_in(environ(valid)) == (True, valid)
+    assert tags_in(b"PATH=/bin\0") == (False, None)

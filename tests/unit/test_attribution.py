@@ -1,4 +1,5 @@
-"""Unit tests for deviceplugin.usage.attribution: the utilisation window, the snapshot builder."""
+"""Unit tests for deviceplugin.usage.attribution: the snapshot builder, and the evidence the
+attribution rules are checked against (shared with tests/unit/test_charges.py)."""
 
 from __future__ import annotations
 
@@ -30,10 +31,8 @@ from deviceplugin.model import (
 from deviceplugin.usage.attribution import (
     AttributionEvidence,
     SnapshotBuilder,
-    attribute,
     mark_stale,
 )
-from deviceplugin.usage.window import UtilizationWindow
 
 GI = 1 << 30
 REPLICAS = 4
@@ -42,190 +41,6 @@ SLICE_MEMORY = GPU_MEMORY // REPLICAS
 UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
 UUID1 = "GPU-11111111-1111-1111-1111-111111111111"
 HEALTH = DaemonHealth(registered=True, pod_resources_ok=True)
-
-# ---------------------------------------------------------------------------------------------
-# UtilizationWindow
-
-
-def test_window_weights_samples_by_duration() -> None:
-    window = UtilizationWindow(10.0)
-    window.add("k", end_s=1.0, duration_s=1.0, value=0.2)
-    window.add("k", end_s=3.0, duration_s=2.0, value=0.8)
-    assert window.average("k", 3.0) == pytest.approx((1 * 0.2 + 2 * 0.8) / 3)
-
-
-def test_window_counts_only_the_part_of_a_sample_inside_it() -> None:
-    window = UtilizationWindow(3.0)
-    window.add("k", end_s=2.0, duration_s=2.0, value=1.0)  # [0, 2]: only [1, 2] is in the window
-    window.add("k", end_s=4.0, duration_s=2.0, value=0.0)
-    assert window.average("k", 4.0) == pytest.approx(1 / 3)
-
-
-def test_window_expires_old_samples() -> None:
-    window = UtilizationWindow(5.0)
-    window.add("k", end_s=1.0, duration_s=1.0, value=1.0)
-    for end in (2.0, 3.0, 4.0, 5.0, 6.0, 7.0):
-        window.add("k", end_s=end, duration_s=1.0, value=0.0)
-    assert window.average("k", 7.0) == 0.0  # the 1.0 sample ended before the window began
-    assert window.average("k", 100.0) is None  # nothing left inside the window
-
-
-def test_window_zero_duration_samples_average_to_zero() -> None:
-    window = UtilizationWindow(5.0)
-    window.add("k", end_s=1.0, duration_s=0.0, value=0.9)
-    assert window.average("k", 1.0) == 0.0
-    window.add("k", end_s=2.0, duration_s=1.0, value=0.4)
-    assert window.average("k", 2.0) == pytest.approx(0.4)
-
-
-def test_window_unknown_key_is_none() -> None:
-    assert UtilizationWindow(5.0).average("nobody", 1.0) is None
-
-
-def test_window_keys_are_independent() -> None:
-    window = UtilizationWindow(5.0)
-    window.add(("a", UUID0), 1.0, 1.0, 0.3)
-    window.add(("b", UUID0), 1.0, 1.0, 0.7)
-    assert window.average(("a", UUID0), 1.0) == pytest.approx(0.3)
-    assert window.average(("b", UUID0), 1.0) == pytest.approx(0.7)
-
-
-def test_window_forget_except_drops_the_rest() -> None:
-    window = UtilizationWindow(5.0)
-    for key in ("a", "b", "c"):
-        window.add(key, 1.0, 1.0, 0.5)
-    window.forget_except({"b", "zzz"})
-    assert len(window) == 1
-    assert window.average("a", 1.0) is None
-    assert window.average("b", 1.0) == pytest.approx(0.5)
-    assert window.average("c", 1.0) is None
-
-
-def test_window_stays_bounded_over_many_samples() -> None:
-    window = UtilizationWindow(5.0)
-    for tick in range(1, 2001):
-        window.add("k", end_s=tick * 0.5, duration_s=0.5, value=(tick % 2) * 1.0)
-    assert window.average("k", 1000.0) == pytest.approx(0.5)
-    # Samples older than the window are dropped as new ones arrive (a private detail, checked
-    # here because memory must stay bounded).
-    assert len(window._series["k"].samples) <= 11
-
-
-def test_window_keeps_one_sample_for_a_steady_value() -> None:
-    window = UtilizationWindow(5.0)
-    window.add("k", end_s=0.5, duration_s=0.5, value=0.9)
-    for tick in range(2, 7):
-        window.add("k", end_s=tick * 0.5, duration_s=0.5, value=0.25)
-    assert window.average("k", 3.0) == pytest.approx((0.5 * 0.9 + 2.5 * 0.25) / 3.0)
-    for tick in range(7, 2001):
-        window.add("k", end_s=tick * 0.5, duration_s=0.5, value=0.25)
-    assert window.average("k", 1000.0) == pytest.approx(0.25)
-    # Polls of a steady container (most of them, most polls) cost one sample, not the window's
-    # worth (a private detail: the average stays one step).
-    assert len(window._series["k"].samples) == 1
-
-
-def test_window_extend_adds_only_to_keys_that_hold_still() -> None:
-    def window_of(*samples: tuple[str, float, float, float]) -> UtilizationWindow:
-        window = UtilizationWindow(5.0)
-        for key, end_s, duration_s, value in samples:
-            window.add(key, end_s, duration_s, value)
-        return window
-
-    steady = window_of(("a", 1.0, 1.0, 0.5), ("a", 2.0, 1.0, 0.5), ("b", 2.0, 2.0, 0.25))
-    assert steady.extend([("a", 0.5), ("b", 0.25)], 3.0, 1.0)
-    added = window_of(("a", 1.0, 1.0, 0.5), ("a", 2.0, 1.0, 0.5), ("b", 2.0, 2.0, 0.25))
-    added.add("a", 3.0, 1.0, 0.5)
-    added.add("b", 3.0, 1.0, 0.25)
-    for key in ("a", "b"):
-        assert steady._series[key].samples == added._series[key].samples  # (private detail)
-        assert steady.average(key, 3.0) == added.average(key, 3.0)
-
-    for refused in (
-        window_of(("a", 2.0, 1.0, 0.5), ("a", 2.0, 0.0, 0.9)),  # two samples
-        window_of(("a", 2.0, 1.0, 0.9)),  # another value
-        window_of(("a", 1.0, 1.0, 0.5)),  # a gap before this one
-    ):
-        before = list(refused._series["a"].samples)
-        assert not refused.extend([("a", 0.5)], 3.0, 1.0)
-        assert list(refused._series["a"].samples) == before
-    assert not UtilizationWindow(5.0).extend([("nobody", 0.5)], 3.0, 1.0)
-
-
-def test_window_samples_out_of_order_give_the_same_average() -> None:
-    ordered = UtilizationWindow(4.0)
-    shuffled = UtilizationWindow(4.0)
-    samples = [(1.0, 1.0, 0.9), (2.0, 1.0, 0.1), (4.0, 2.0, 0.5), (5.0, 1.0, 0.3)]
-    for sample in samples:
-        ordered.add("k", *sample)
-    for sample in (samples[2], samples[0], samples[3], samples[1]):
-        shuffled.add("k", *sample)
-    expected = (1 * 0.1 + 2 * 0.5 + 1 * 0.3) / 4  # [1, 5]: the first sample is outside
-    assert ordered.average("k", 5.0) == pytest.approx(expected)
-    assert shuffled.average("k", 5.0) == pytest.approx(expected)
-
-
-def test_window_average_at_an_earlier_time_clips_at_that_time() -> None:
-    window = UtilizationWindow(10.0)
-    window.add("k", end_s=2.0, duration_s=2.0, value=1.0)
-    window.add("k", end_s=4.0, duration_s=2.0, value=0.0)
-    assert window.average("k", 3.0) == pytest.approx(2 / 3)  # [0, 2] at 1.0, [2, 3] at 0.0
-
-
-sample_lists = st.lists(
-    st.tuples(
-        st.one_of(st.just(0.0), st.floats(1e-3, 3.0)),  # from the previous sample's end
-        st.one_of(st.just(0.0), st.floats(1e-3, 4.0)),  # duration
-        # value: repeated ones too, which the window merges with the sample before
-        st.one_of(st.sampled_from([0.0, 0.5]), st.floats(0.0, 1.0)),
-    ),
-    min_size=1,
-    max_size=40,
-)
-
-
-@given(
-    samples=sample_lists,
-    window_s=st.floats(0.1, 10.0),
-    contiguous=st.booleans(),
-    later_s=st.floats(0.0, 5.0),
-)
-def test_window_matches_a_direct_computation(
-    samples: list[tuple[float, float, float]], window_s: float, contiguous: bool, later_s: float
-) -> None:
-    """Against the definition, with every sample kept: contiguous polls (the daemon's case), and
-    samples with gaps or reaching back over earlier ones; queried at the newest sample's end and
-    later."""
-    window = UtilizationWindow(window_s)
-    added: list[tuple[float, float, float]] = []
-    end = 0.0
-    for step, duration, value in samples:
-        end += step
-        span = step if contiguous else duration
-        returned = window.add("k", end, span, value)
-        assert returned == window.average("k", end)  # add answers the average at its end
-        added.append((end - span, end, value))
-        for now in (end, end + later_s):
-            lo = now - window_s
-            inside = [(s, e, v) for s, e, v in added if e > lo and s <= now]
-            weights = [(min(e, now) - max(s, lo), v) for s, e, v in inside]
-            total = sum(w for w, _ in weights)
-            got = window.average("k", now)
-            if not inside:
-                assert got is None
-            elif total < 1e-6:
-                assert got == 0.0
-            else:
-                assert got is not None
-                expected = sum(w * v for w, v in weights) / total
-                assert got == pytest.approx(expected, abs=1e-6)
-
-
-@pytest.mark.parametrize("window_s", [0.0, -1.0])
-def test_window_needs_a_positive_length(window_s: float) -> None:
-    with pytest.raises(ValueError, match="window_s"):
-        UtilizationWindow(window_s)
-
 
 # ---------------------------------------------------------------------------------------------
 # SnapshotBuilder
@@ -624,130 +439,6 @@ def evidence(
 a_id, b_id, c_id = A.allocation_id, B.allocation_id, C.allocation_id
 m1_id, m2_id = M1.allocation_id, M2.allocation_id
 
-# (what, claim, pod, GPU) -> (attributed to by its own claim, misattributed). A process whose
-# claim does not stand may still be charged by its container cgroup (see the build tests).
-RULES: list[tuple[str, str | None, str | None, str, str | None, bool]] = [
-    ("honest", a_id, POD_A, UUID0, a_id, False),
-    ("honest, the other GPU of its allocation", b_id, POD_B, UUID1, b_id, False),
-    ("honest, one of several containers", m1_id, POD_M, UUID1, m1_id, False),
-    ("honest, the other container", m2_id, POD_M, UUID1, m2_id, False),
-    ("honest claim on a GPU its pod holds nothing of", a_id, POD_A, UUID1, a_id, False),
-    ("spoofed ID, pod with one allocation here", b_id, POD_A, UUID0, None, True),
-    ("spoofed ID, pod without allocations", a_id, POD_X, UUID0, None, True),
-    ("spoofed ID, pod with several allocations here", b_id, POD_M, UUID1, None, True),
-    ("host process, recorded ID", a_id, None, UUID0, None, True),
-    ("host process, unrecorded ID", c_id, None, UUID0, None, True),
-    ("host process, no ID", None, None, UUID0, None, False),
-    ("no or invalid ID, pod with one allocation here", None, POD_A, UUID0, None, False),
-    ("unrecorded ID, pod with one allocation here", UNRECORDED, POD_A, UUID0, None, True),
-    ("no or invalid ID, pod with several allocations here", None, POD_M, UUID1, None, False),
-    ("no ID, pod holding nothing on this GPU", None, POD_A, UUID1, None, False),
-    ("unrecorded ID, pod holding nothing on this GPU", UNRECORDED, POD_A, UUID1, None, True),
-    ("no ID, pod without allocations", None, POD_X, UUID0, None, False),
-]
-
-
-@pytest.mark.parametrize(
-    ("claim", "pod", "gpu", "expected", "refused"),
-    [row[1:] for row in RULES],
-    ids=[row[0] for row in RULES],
-)
-def test_attribution_rules(
-    claim: str | None, pod: str | None, gpu: str, expected: str | None, refused: bool
-) -> None:
-    assert attribute(claim, pod, gpu, evidence()) == (expected, refused)
-
-
-@pytest.mark.parametrize(
-    ("claim", "pod", "gpu"), [row[1:4] for row in RULES], ids=[row[0] for row in RULES]
-)
-def test_without_a_readable_checkpoint_every_claim_stands(
-    claim: str | None, pod: str | None, gpu: str
-) -> None:
-    for checkpoint in (DeviceCheckpoint(), DeviceCheckpoint.unreadable("no checkpoint at x")):
-        assert attribute(claim, pod, gpu, evidence(checkpoint=checkpoint)) == (claim, False)
-
-
-def test_trusted_host_processes_keep_their_claims_but_pods_are_still_checked() -> None:
-    trusting = evidence(trust_host=True)
-    assert attribute(a_id, None, UUID0, trusting) == (a_id, False)
-    assert attribute(c_id, None, UUID0, trusting) == (c_id, False)
-    assert attribute(b_id, POD_A, UUID0, trusting) == (None, True)
-    assert attribute(a_id, POD_X, UUID0, trusting) == (None, True)
-
-
-def test_a_readable_empty_checkpoint_refuses_every_claim() -> None:
-    empty = evidence(checkpoint=checkpoint_of())
-    assert attribute(a_id, None, UUID0, empty) == (None, True)
-    assert attribute(a_id, POD_A, UUID0, empty) == (None, True)
-    assert attribute(None, POD_A, UUID0, empty) == (None, False)
-
-
-def test_build_with_evidence_refuses_spoofed_claims_and_counts_them() -> None:
-    node = reading(
-        gpu0=[
-            ProcessSample(101, 2 * GI, 10.0),  # A's own process
-            ProcessSample(102, 1 * GI, 10.0),  # A's process that cleared its environment
-            ProcessSample(201, 30 * GI, 90.0),  # another pod, claiming A
-            ProcessSample(202, 1 * GI, 0.0),  # another pod, claiming an unrecorded ID
-            ProcessSample(401, 1 * GI, 0.0),  # a host process claiming C (not recorded)
-            ProcessSample(402, 1 * GI, 0.0),  # a host process claiming A
-        ],
-        gpu1=[ProcessSample(501, 1 * GI, 0.0)],  # pod M, no ID: ambiguous between M1 and M2
-    )
-    claims = {101: a_id, 102: None, 201: a_id, 202: UNRECORDED, 401: c_id, 402: a_id, 501: None}
-    pods = {101: POD_A, 102: POD_A, 201: POD_X, 202: POD_X, 501: POD_M}
-    cgroups = {101: "/kubepods/podA/ctr1", 102: "/kubepods/podA/ctr1", 501: "/kubepods/podM/c"}
-    records = [A, B, C, M1, M2]
-    builder = SnapshotBuilder("n", 5.0)
-    snapshot, unknown = builder.build(
-        node,
-        INVENTORY,
-        records,
-        claims,
-        now_s=10.0,
-        wall_s=1_700_000_000.0,
-        health=HEALTH,
-        previous_reading_s=9.0,
-        evidence=dataclasses.replace(evidence(pods), cgroup_of=cgroups.get),
-    )
-    a0 = usage_of(snapshot, A, UUID0)
-    assert [p.pid for p in a0.processes] == [101, 102]
-    assert a0.memory_used_bytes == 3 * GI  # the spoofers' 31 GiB are not charged to A
-    assert a0.sm_utilization_ratio == pytest.approx(0.2)
-    assert usage_of(snapshot, C, UUID0).processes == ()  # a host process's claim is refused
-    assert [p.pid for p in snapshot.gpus[0].unattributed] == [201, 202, 401, 402]
-    assert [p.pid for p in snapshot.gpus[1].unattributed] == [501]
-    assert [p.pid for p in snapshot.gpus[0].misattributed] == [201, 202, 401, 402]
-    assert snapshot.gpus[1].misattributed == ()  # no claim: nothing refused
-    assert snapshot.gpus[0].unattributed_pods == ((201, POD_X), (202, POD_X))
-    assert snapshot.gpus[1].unattributed_pods == ((501, POD_M),)
-    assert unknown == frozenset()  # refused claims ask pod-resources nothing
-    for pid in (201, 202, 401, 402, 501):
-        assert all(pid not in {p.pid for p in c.processes} for c in snapshot.containers)
-
-
-def test_build_with_an_unreadable_checkpoint_is_todays_build() -> None:
-    node = reading(gpu0=[ProcessSample(101, GI, 10.0), ProcessSample(201, GI, 10.0)])
-    claims = {101: a_id, 201: UNRECORDED}
-    pods = {101: POD_A, 201: POD_X}
-    unreadable = evidence(pods, DeviceCheckpoint.unreadable("no checkpoint at /x"))
-    plain = build(SnapshotBuilder("n", 5.0), node, [A], claims)
-    checked = SnapshotBuilder("n", 5.0).build(
-        node,
-        INVENTORY,
-        [A],
-        claims,
-        now_s=10.0,
-        wall_s=1_700_000_000.0,
-        health=HEALTH,
-        previous_reading_s=9.0,
-        evidence=unreadable,
-    )
-    assert checked == plain
-    assert plain[1] == frozenset({UNRECORDED})
-
-
 # The build hands out the previous build's attribution while its inputs stay the same: whatever
 # came before, a builder must attribute exactly as a new one would.
 _PROCESS_SETS = (
@@ -756,7 +447,7 @@ _PROCESS_SETS = (
     ((101, 201), (501,)),
     ((), ()),
 )
-_CLAIMS = (
+_TAGS = (
     {101: a_id, 102: None, 201: a_id, 401: c_id, 501: m1_id, 502: None},
     {101: a_id, 102: a_id, 201: None, 401: None, 501: m2_id, 502: m1_id},
 )
@@ -800,7 +491,7 @@ def _without_utilisation(snapshot: NodeSnapshot) -> NodeSnapshot:
 # Each step changes one input (or none) and builds: what a stale attribution would get wrong.
 _CHOICES = (
     len(_PROCESS_SETS),
-    len(_CLAIMS),
+    len(_TAGS),
     len(_PODS),
     len(_CHECKPOINTS),
     len(_RECORDS),
@@ -827,7 +518,7 @@ def test_a_builder_attributes_as_a_new_one_whatever_it_built_before(
     for tick, (which, value) in enumerate(steps):
         if which < len(_CHOICES):  # else: the same inputs again
             inputs[which] = value % _CHOICES[which]
-        procs, claims, pods, ckpt, recs, inv, kind, later = inputs
+        procs, tags, pods, ckpt, recs, inv, kind, later = inputs
         wall_s = _WALL_S + 20.0 * later
         evidence_ = (
             None
@@ -845,7 +536,7 @@ def test_a_builder_attributes_as_a_new_one_whatever_it_built_before(
                 _node(procs, tick),
                 _INVENTORIES[inv],
                 _RECORDS[recs],
-                _CLAIMS[claims],
+                _TAGS[tags],
                 now_s=float(tick),
                 wall_s=wall_s,
                 health=HEALTH,
@@ -878,7 +569,7 @@ def test_steady_builds_give_the_figures_of_full_builds(
     extends the windows: its snapshot must be the one a full build gives."""
     steady, full = SnapshotBuilder("n", 2.0), SnapshotBuilder("n", 2.0)
     utils = [10.0, 10.0, 30.0]
-    claims = {101: a_id, 102: a_id, 201: b_id}
+    tags = {101: a_id, 102: a_id, 201: b_id}
     now_s, previous_s = 100.0, None
     node = None
     for which, util, step_s in steps:
@@ -897,7 +588,7 @@ def test_steady_builds_give_the_figures_of_full_builds(
                 node,
                 INVENTORY,
                 [A, B, C],
-                claims,
+                tags,
                 now_s=now_s,
                 wall_s=_WALL_S,
                 health=HEALTH,
