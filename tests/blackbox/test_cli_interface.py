@@ -126,6 +126,14 @@ def test_a_bad_device_id_strategy_in_the_environment_is_named() -> None:
     assert "'serial' is not one of uuid, index" in result.stderr
 
 
+def test_a_bad_cgroup_driver_in_the_environment_is_named() -> None:
+    result = run_cli("serve", env={"VGPU_KUBELET_CGROUP_DRIVER": "bogus"})
+    assert result.returncode == 2
+    assert "--kubelet-cgroup-driver" in result.stderr
+    assert "bad --kubelet-cgroup-root" not in result.stderr
+    assert "'bogus' is not one of auto, cgroupfs, systemd" in result.stderr
+
+
 @pytest.mark.parametrize("spelling", ["warning", "WARNING", "Warning"])
 def test_log_levels_are_spelled_alike_in_any_case(spelling: str) -> None:
     daemon = run_cli("serve", "--log-level", spelling, "--help")
