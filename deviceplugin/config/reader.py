@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import TypeVar
 
-from deviceplugin.config.model import (
+from deviceplugin.config.values import (
     MAX_DURATION_S,
     DeviceIdStrategy,
     DeviceListStrategy,

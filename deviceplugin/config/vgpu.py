@@ -8,31 +8,24 @@ import os
 import re
 from collections.abc import Mapping
 
+from deviceplugin.config.dra import (
+    DraConfig,
+)
+from deviceplugin.config.health import (
+    HealthConfig,
+)
 from deviceplugin.config.model import (
     DEFAULT_MPS_ROOT,
-    MAX_POLL_INTERVAL_S,
-    MAX_REPLICAS,
-    MIN_COMPUTE_PERIOD_S,
-    MIN_HANG_TIMEOUT_S,
-    MIN_MEMORY_PER_SLICE_BYTES,
-    MIN_POLL_INTERVAL_S,
     NFD_FEATURE_NAME,
     AllocationConfig,
-    AllocationPolicy,
-    ComputeAction,
     ComputeEnforcement,
     Config,
-    DraConfig,
     EnforcementConfig,
     GpuMatch,
-    HealthConfig,
-    MemoryAction,
     MemoryEnforcement,
     MigConfig,
-    MigStrategy,
     MpsConfig,
     NodeLabelsConfig,
-    RecoveryPolicy,
     SliceOverride,
     SliceRule,
     SlicingConfig,
@@ -42,6 +35,19 @@ from deviceplugin.config.reader import (
     _Reader,
     _show,
     format_duration,
+)
+from deviceplugin.config.values import (
+    MAX_POLL_INTERVAL_S,
+    MAX_REPLICAS,
+    MIN_COMPUTE_PERIOD_S,
+    MIN_HANG_TIMEOUT_S,
+    MIN_MEMORY_PER_SLICE_BYTES,
+    MIN_POLL_INTERVAL_S,
+    AllocationPolicy,
+    ComputeAction,
+    MemoryAction,
+    MigStrategy,
+    RecoveryPolicy,
 )
 
 _POLICIES: dict[str, AllocationPolicy] = {
