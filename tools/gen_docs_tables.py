@@ -20,6 +20,26 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from deviceplugin.config import Config
+from deviceplugin.config.defaults import yaml_value
+from deviceplugin.config.keys import (
+    Boolean,
+    Choice,
+    Const,
+    Duration,
+    Group,
+    Integer,
+    Items,
+    Kind,
+    Node,
+    OneOrMore,
+    Section,
+    Size,
+    Text,
+    XidList,
+    keys_of,
+)
+from deviceplugin.config.reader import format_duration, format_size
 from deviceplugin.flags import SERVE_FLAGS, Flag
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,9 +58,70 @@ def flag_table(flags: Iterable[Flag]) -> str:
     return markdown(rows)
 
 
+def config_table(nodes: Iterable[Node] = keys_of(Config)) -> str:
+    """A Markdown table of every key of vgpu's format: path, default, what it takes, what it
+    does. A list's items are `key[]`; a section is a row of its own, before its keys."""
+    rows = [("key", "default", "takes", "what it does"), ("---",) * 4]
+    rows += [_key_row(path, node) for path, node in _walk(nodes, "")]
+    return markdown(rows)
+
+
+def _walk(nodes: Iterable[Node], prefix: str) -> Iterable[tuple[str, Node]]:
+    for node in nodes:
+        path = f"{prefix}.{node.name}" if prefix else node.name
+        yield path, node
+        inside = f"{path}[]" if isinstance(node.declared.kind, Items) else path
+        yield from _walk(node.children, inside)
+
+
+def _key_row(path: str, node: Node) -> tuple[str, str, str, str]:
+    declared = node.declared
+    if isinstance(declared.kind, Section | Group):
+        return (f"`{path}`", "", "a mapping", prose(declared.description))
+    default = "none" if node.default is None else f"`{yaml_value(node)}`"
+    if declared.example:
+        default += f"; e.g. `{declared.example}`"
+    if declared.deprecated:
+        default = "deprecated"
+    return (f"`{path}`", default, takes(declared.kind), prose(declared.description))
+
+
+def takes(kind: Kind) -> str:
+    """What a key of this kind takes, in words."""
+    if isinstance(kind, Boolean):
+        return "`true` or `false`"
+    if isinstance(kind, Integer):
+        if kind.maximum is None:
+            return f"a whole number, at least {kind.minimum}"
+        return f"a whole number, {kind.minimum} to {kind.maximum}"
+    if isinstance(kind, Duration):
+        return f"a duration, {format_duration(kind.minimum_s)} to {format_duration(kind.maximum_s)}"
+    if isinstance(kind, Size):
+        text = (
+            "a size"
+            if kind.minimum_bytes <= 1
+            else f"a size, at least {format_size(kind.minimum_bytes)}"
+        )
+        return f"{text}, or 0" if kind.zero else text
+    if isinstance(kind, Choice):
+        values = ", ".join(f"`{m.value}`" for m in kind.values)
+        return f"{values} ({kind.note})" if kind.note else values
+    if isinstance(kind, OneOrMore):
+        return "one or a list of " + ", ".join(f"`{m.value}`" for m in kind.values)
+    if isinstance(kind, XidList):
+        return "a list of Xid numbers"
+    if isinstance(kind, Const):
+        return f"`{kind.value}`"
+    if isinstance(kind, Items):
+        return "a list of mappings"
+    assert isinstance(kind, Text), kind
+    return prose(kind.what or "a string")
+
+
 def prose(text: str) -> str:
-    """Plain text for a table cell: <uuid> stays text, not an HTML tag."""
-    return text.replace("<", "&lt;").replace(">", "&gt;")
+    """Plain text for a table cell: <uuid> stays text, not an HTML tag, and *A100* is not
+    emphasis."""
+    return text.replace("<", "&lt;").replace(">", "&gt;").replace("*", "\\*")
 
 
 def markdown(rows: Iterable[tuple[str, ...]]) -> str:
@@ -62,6 +143,7 @@ DRA_FLAGS = (
 TABLES: tuple[tuple[str, str, Callable[[], str]], ...] = (
     ("docs/design.md", "serve flags", lambda: flag_table(SERVE_FLAGS)),
     ("docs/dra.md", "dra flags", lambda: flag_table(named(SERVE_FLAGS, DRA_FLAGS))),
+    ("docs/configuration.md", "config keys", config_table),
 )
 
 

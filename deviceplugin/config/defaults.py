@@ -43,7 +43,7 @@ def default_config_yaml(*, node_labels_file: str = "") -> str:
 def config_yaml(config: Config) -> str:
     """`config` as commented YAML: every key, with its description, at the value `config` has."""
     lines = _HEADER.splitlines()
-    for node in keys_of(Config, config):
+    for node in keys_of(type(config), config):
         lines += ["", *_lines(node, "")]  # a blank line before each top-level key
     return "\n".join(lines) + "\n"
 
@@ -63,14 +63,14 @@ def _lines(node: Node, indent: str) -> list[str]:
         return [*comment, f"{indent}{node.name}:", *inside]
     lines: list[str] = []
     if node.default is not None:
-        lines.append(f"{indent}{node.name}: {_value(node)}")
+        lines.append(f"{indent}{node.name}: {yaml_value(node)}")
     if declared.example:
         lines.append(f"{indent}# {node.name}: {declared.example}")
     return [*comment, *lines] if lines else []
 
 
-def _value(node: Node) -> str:
-    """A key's value as YAML."""
+def yaml_value(node: Node) -> str:
+    """A key's value (its default, or the value of the config walked) as YAML."""
     kind, value = node.declared.kind, node.default
     if isinstance(kind, Duration) and isinstance(value, float | int):
         return format_duration(value)

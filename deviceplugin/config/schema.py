@@ -175,14 +175,15 @@ def _size(description: str, kind: Size) -> Schema:
     return schema
 
 
-def _vgpu_schema() -> Schema:
-    properties = {node.name: _key(node) for node in keys_of(Config)}
+def vgpu_schema(root: type = Config) -> Schema:
+    """The schema of vgpu's format: the keys `root` (Config) declares."""
+    properties = {node.name: _key(node) for node in keys_of(root)}
     return _section("vgpu's own config format.", properties)
 
 
 def config_schema() -> Schema:
     """The JSON Schema (draft 2020-12) of a config file, as JSON data."""
-    vgpu_only = [k for k in _vgpu_schema()["properties"] if k not in _NVIDIA_TOP_KEYS]
+    vgpu_only = [k for k in vgpu_schema()["properties"] if k not in _NVIDIA_TOP_KEYS]
     nvidia = {
         "type": "object",
         "description": "NVIDIA k8s-device-plugin's format, read as NVIDIA's plugin reads it"
@@ -197,7 +198,7 @@ def config_schema() -> Schema:
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": "vgpu device plugin config",
         "description": "Every key is optional; unknown keys are errors. See docs/design.md §7.",
-        "$defs": {"vgpu": _vgpu_schema(), "nvidia": nvidia},
+        "$defs": {"vgpu": vgpu_schema(), "nvidia": nvidia},
         "if": {
             "type": "object",
             "anyOf": [{"required": [key]} for key in _NVIDIA_ONLY_TOP_KEYS],
