@@ -191,8 +191,9 @@ def inline(cls: type[T], factory: Callable[[], T] | None = None) -> T:
     has no default (in a list item)."""
     declared = Declared("", Section(cls), "", inline=True)
     if factory is None:
-        return field(metadata={_DECLARED: declared})  # type: ignore[no-any-return]
-    result: T = field(default_factory=factory, metadata={_DECLARED: declared})
+        result: T = field(metadata={_DECLARED: declared})
+    else:
+        result = field(default_factory=factory, metadata={_DECLARED: declared})
     return result
 
 
@@ -207,10 +208,6 @@ class Node:
     default: object
     attribute: str
     children: tuple[Node, ...] = ()
-
-    @property
-    def is_group(self) -> bool:
-        return not self.attribute
 
 
 def keys_of(cls: type, instance: object = None) -> tuple[Node, ...]:
