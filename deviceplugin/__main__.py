@@ -26,13 +26,19 @@ from typing import TYPE_CHECKING
 from deviceplugin import __version__, logs
 from deviceplugin.config import Config, DeviceIdStrategy
 from deviceplugin.dra.settings import DraSettings, GpuCdi
-from deviceplugin.enforcement_mode import ENV as ENFORCE_ENV
-from deviceplugin.enforcement_mode import FLAG as ENFORCE_FLAG
 from deviceplugin.errors import BackendError, ConfigError, StartupError
-from deviceplugin.kubelet.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
+from deviceplugin.flags import (
+    CHECK_CONFIG_FLAGS,
+    DEMO_FLAGS,
+    SERVE_FLAGS,
+    STATUS_FLAGS,
+    add_flags,
+)
 
 if TYPE_CHECKING:
+    from deviceplugin.app import DaemonSettings
     from deviceplugin.nodeconfig import NodeConfig
+    from deviceplugin.usage.httpserver import TlsFiles
 
 log = logging.getLogger("deviceplugin")
 
@@ -42,343 +48,41 @@ EXIT_USAGE = 2
 # 128 + SIGPIPE, what a shell reports for a command that SIGPIPE ended.
 EXIT_BROKEN_PIPE = 141
 
-LOG_FORMATS = ("text", "json")
-LOG_LEVELS = ("debug", "info", "warning", "error")
-DEFAULT_METRICS_ADDRESS = ":9410"
-DEFAULT_STATE_DIR = "/var/lib/vgpu"
-
-
-def _env(name: str, default: str) -> str:
-    return os.environ.get(name) or default
-
-
-def _one_of(options: Sequence[str]) -> Callable[[str], str]:
-    """An argparse type: one of `options`, in any case. argparse applies it to a default read
-    from the environment too, so a bad VGPU_LOG_LEVEL is reported like a bad flag."""
-
-    def parse(value: str) -> str:
-        if value.lower() not in options:
-            raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(options)}")
-        return value.lower()
-
-    parse.__name__ = "value"
-    return parse
-
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line, from the flag tables of deviceplugin.flags."""
     parser = argparse.ArgumentParser(
         prog="vgpu-device-plugin",
         description="Slice GPUs into memory and compute shares for Kubernetes, and enforce them.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
     serve = sub.add_parser(
         "serve",
         help="run the daemon (one per GPU node)",
         description="Run the daemon. Each flag can also be set by the environment variable "
         "named in its help; a flag wins over the environment.",
     )
-    serve.add_argument(
-        "--config",
-        metavar="PATH",
-        default=_env("VGPU_CONFIG", ""),
-        help="config file, YAML or JSON (default: the built-in defaults; env VGPU_CONFIG); "
-        "reloaded without a restart on SIGHUP and when its content changes",
-    )
-    serve.add_argument(
-        "--backend",
-        metavar="nvml|fake:PATH",
-        default=_env("VGPU_BACKEND", "nvml"),
-        help="nvml for the node's GPUs, or fake:PATH for fake GPUs from a JSON state file "
-        "(default: nvml; env VGPU_BACKEND)",
-    )
-    serve.add_argument(
-        "--device-plugin-dir",
-        metavar="DIR",
-        default=_env("VGPU_DEVICE_PLUGIN_DIR", DEFAULT_DEVICE_PLUGIN_DIR),
-        help="the kubelet's device-plugin directory "
-        f"(default: {DEFAULT_DEVICE_PLUGIN_DIR}; env VGPU_DEVICE_PLUGIN_DIR)",
-    )
-    serve.add_argument(
-        "--pod-resources-socket",
-        metavar="PATH",
-        default=_env("VGPU_POD_RESOURCES_SOCKET", DEFAULT_POD_RESOURCES_SOCKET),
-        help="the kubelet's pod-resources socket "
-        f"(default: {DEFAULT_POD_RESOURCES_SOCKET}; env VGPU_POD_RESOURCES_SOCKET)",
-    )
-    serve.add_argument(
-        "--metrics-address",
-        metavar="HOST:PORT",
-        default=_env("VGPU_METRICS_ADDRESS", DEFAULT_METRICS_ADDRESS),
-        help="where /metrics, /status and /healthz are served; an empty host means every "
-        f"address (default: {DEFAULT_METRICS_ADDRESS}; env VGPU_METRICS_ADDRESS)",
-    )
-    serve.add_argument(
-        "--probe-address",
-        metavar="HOST:PORT",
-        default=_env("VGPU_PROBE_ADDRESS", ""),
-        help="also serve /healthz alone, plain HTTP, for the kubelet's probes, on a listener "
-        "that no client of the metrics address can crowd out (the DaemonSet: :9411) "
-        "(default: none; env VGPU_PROBE_ADDRESS)",
-    )
-    serve.add_argument(
-        "--metrics-tls-cert",
-        metavar="PATH",
-        default=_env("VGPU_METRICS_TLS_CERT", ""),
-        help="serve the metrics endpoint over HTTPS with this PEM certificate (chain); needs "
-        "--metrics-tls-key (default: plain HTTP; env VGPU_METRICS_TLS_CERT)",
-    )
-    serve.add_argument(
-        "--metrics-tls-key",
-        metavar="PATH",
-        default=_env("VGPU_METRICS_TLS_KEY", ""),
-        help="the PEM private key of --metrics-tls-cert (default: none; env VGPU_METRICS_TLS_KEY)",
-    )
-    serve.add_argument(
-        "--metrics-client-ca",
-        metavar="PATH",
-        default=_env("VGPU_METRICS_CLIENT_CA", ""),
-        help="answer /metrics and /status only to clients whose certificate this PEM CA signed "
-        "(/healthz answers every client); needs --metrics-tls-cert (default: any client; "
-        "env VGPU_METRICS_CLIENT_CA)",
-    )
-    serve.add_argument(
-        "--metrics-client-names",
-        metavar="NAME,...",
-        default=_env("VGPU_METRICS_CLIENT_NAMES", ""),
-        help="with --metrics-client-ca, answer only client certificates that name one of these "
-        "(a DNS or URI subject alternative name, or the common name), e.g. prometheus "
-        "(default: any certificate the CA signed; env VGPU_METRICS_CLIENT_NAMES)",
-    )
-    serve.add_argument(
-        "--state-dir",
-        metavar="DIR",
-        default=_env("VGPU_STATE_DIR", DEFAULT_STATE_DIR),
-        help="directory for what must survive a daemon restart, such as the processes held "
-        f"stopped (default: {DEFAULT_STATE_DIR}; env VGPU_STATE_DIR)",
-    )
-    serve.add_argument(
-        "--node-features-dir",
-        metavar="DIR",
-        default=_env("VGPU_NODE_FEATURES_DIR", ""),
-        help="node feature discovery's features.d directory: the only place node labels "
-        "(nodeLabels.file) are written (default: none, no node labels; env "
-        "VGPU_NODE_FEATURES_DIR)",
-    )
-    serve.add_argument(
-        "--node-name",
-        metavar="NAME",
-        default=_env("NODE_NAME", ""),
-        help="this node's name, the node label of every metric (default: empty; env NODE_NAME)",
-    )
-    serve.add_argument(
-        "--config-dir",
-        metavar="DIR",
-        default=_env("VGPU_CONFIG_DIR", ""),
-        help="per-node configs: a directory of named config files (a ConfigMap volume), one "
-        "chosen by the node's label --config-label, read through the Kubernetes API (RBAC: get "
-        "on nodes); a change of the label switches configs live; instead of --config "
-        "(default: none; env VGPU_CONFIG_DIR)",
-    )
-    serve.add_argument(
-        "--config-label",
-        metavar="LABEL",
-        default=_env("VGPU_CONFIG_LABEL", "nvidia.com/device-plugin.config"),
-        help="the node label that names the node's config in --config-dir "
-        "(default: nvidia.com/device-plugin.config; env VGPU_CONFIG_LABEL)",
-    )
-    serve.add_argument(
-        "--default-config",
-        metavar="NAME",
-        default=_env("VGPU_DEFAULT_CONFIG", ""),
-        help="the config of --config-dir for a node without the label "
-        "(default: the fallback strategies choose; env VGPU_DEFAULT_CONFIG)",
-    )
-    serve.add_argument(
-        "--fallback-strategies",
-        metavar="LIST",
-        default=_env("VGPU_FALLBACK_STRATEGIES", "named,single"),
-        help="without the label or a default config: named (the config named default), single "
-        "(the only config), empty (the built-in defaults), tried in order "
-        "(default: named,single; env VGPU_FALLBACK_STRATEGIES)",
-    )
-    serve.add_argument(
-        "--kubeconfig",
-        metavar="PATH",
-        default=_env("VGPU_KUBECONFIG", ""),
-        help="for --config-dir and --kubelet-api dra outside a pod: a kubeconfig file for the "
-        "API server (default: the pod's service account; env VGPU_KUBECONFIG)",
-    )
-    serve.add_argument(
-        "--node-features-file",
-        metavar="NAME",
-        default=_env("VGPU_NODE_FEATURES_FILE", ""),
-        help="the node feature file's name in --node-features-dir, where the config names none: "
-        "the node labels of any config, NVIDIA's too (default: none; "
-        "env VGPU_NODE_FEATURES_FILE)",
-    )
-    serve.add_argument(
-        "--fail-on-init-error",
-        metavar="true|false",
-        type=_one_of(("true", "false")),
-        default=_env("VGPU_FAIL_ON_INIT_ERROR", "true"),
-        help="false: when the GPU backend cannot start (no GPU or driver on the node), log it "
-        "and wait until stopped instead of exiting (default: true; env VGPU_FAIL_ON_INIT_ERROR)",
-    )
-    serve.add_argument(
-        "--device-id-strategy",
-        metavar="uuid|index",
-        type=_one_of(("uuid", "index")),
-        default=os.environ.get("VGPU_DEVICE_ID_STRATEGY") or None,
-        help="what the container runtime is told a GPU is called: uuid, or index (0, 0:1 for a "
-        "MIG device), as NVIDIA's --device-id-strategy; wins over the config file's "
-        "deviceIDStrategy (default: the config file's, uuid; env VGPU_DEVICE_ID_STRATEGY)",
-    )
-    _add_enforce_nvidia_config_flag(serve)
-    serve.add_argument(
-        "--trust-host-processes",
-        action="store_true",
-        default=_env("VGPU_TRUST_HOST_PROCESSES", "") in ("1", "true"),
-        help="let processes outside every pod cgroup keep the allocation they claim; only with "
-        "--backend fake:PATH, for demos and tests (default: off; env VGPU_TRUST_HOST_PROCESSES)",
-    )
-    serve.add_argument(
-        "--kubelet-cgroup-driver",
-        choices=("auto", "cgroupfs", "systemd"),
-        default=_env("VGPU_KUBELET_CGROUP_DRIVER", "auto"),
-        help="the kubelet's cgroup driver: where a pod's containers are (default: auto, read from "
-        "this daemon's own pod container; env VGPU_KUBELET_CGROUP_DRIVER)",
-    )
-    serve.add_argument(
-        "--kubelet-cgroup-root",
-        metavar="PATH",
-        default=_env("VGPU_KUBELET_CGROUP_ROOT", ""),
-        help="the kubelet's --cgroup-root (default: read with the driver, else /; env "
-        "VGPU_KUBELET_CGROUP_ROOT)",
-    )
-    _add_dra_flags(serve)
-    _add_log_flags(serve)
-
+    add_flags(serve, SERVE_FLAGS)
     check = sub.add_parser(
         "check-config", help="validate a config file and print the slicing plan (exit 2 on error)"
     )
-    check.add_argument("path", help="config file to check")
-    check.add_argument(
-        "--backend",
-        metavar="nvml|fake:PATH",
-        default=os.environ.get("VGPU_BACKEND", ""),
-        help="plan for the GPUs of this backend; exit 3 if it cannot start while the config "
-        "is valid (default: the demo's GPUs; env VGPU_BACKEND)",
-    )
-    _add_enforce_nvidia_config_flag(check)
-
+    add_flags(check, CHECK_CONFIG_FLAGS)
     sub.add_parser(
         "config-schema",
         help="print the JSON Schema of the config file (for editors and check-jsonschema)",
     )
-
     demo = sub.add_parser(
         "demo", help="the whole system on fake GPUs with a built-in kubelet, on any machine"
     )
-    demo.add_argument(
-        "--duration",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="stop after this many seconds (default: run until Ctrl-C)",
-    )
-    demo.add_argument(
-        "--verbose", action="store_true", help="also show the daemon's and kubelet's log lines"
-    )
-
+    add_flags(demo, DEMO_FLAGS)
     status = sub.add_parser(
         "status", help="a terminal view of a running daemon, like nvidia-smi for slices"
     )
-    status.add_argument(
-        "--address",
-        default=_env("VGPU_METRICS_ADDRESS", ":9410"),
-        help="host:port of the daemon's metrics endpoint [VGPU_METRICS_ADDRESS]; "
-        "an empty host means 127.0.0.1",
-    )
-    status.add_argument(
-        "--watch",
-        nargs="?",
-        type=float,
-        const=2.0,
-        default=None,
-        metavar="SECONDS",
-        help="refresh every SECONDS (default 2) until Ctrl-C",
-    )
-    status.add_argument("--json", action="store_true", help="print the raw /status JSON")
-    status.add_argument(
-        "--ca-file",
-        default="",
-        help="HTTPS: the PEM CA that signed the daemon's certificate (default: the daemon's own "
-        "certificate, VGPU_METRICS_TLS_CERT, where set, as in its pod; else the system's CAs); "
-        "an https:// address, VGPU_METRICS_TLS_CERT or any of these flags turns HTTPS on",
-    )
-    status.add_argument(
-        "--client-cert",
-        default="",
-        help="HTTPS: the PEM certificate to present to a daemon that requires one "
-        "(--metrics-client-ca); needs --client-key",
-    )
-    status.add_argument("--client-key", default="", help="the PEM key of --client-cert")
+    add_flags(status, STATUS_FLAGS)
     for command in sub.choices.values():
         command.set_defaults(command_parser=command)
     return parser
-
-
-def _add_enforce_nvidia_config_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        ENFORCE_FLAG,
-        metavar="true|false",
-        type=_one_of(("true", "false")),
-        default=_env(ENFORCE_ENV, "false"),
-        help="true: enforce an NVIDIA-format config (kill, throttle) as a vgpu-format one is; "
-        "false: such a config runs in monitor mode, deciding, logging and counting what it "
-        "would do and signalling nothing; a vgpu-format config is enforced as it says either "
-        f"way (default: false; env {ENFORCE_ENV})",
-    )
-
-
-KUBELET_APIS = ("device-plugin", "dra")
-GPU_CDI = ("nvidia", "device-nodes")
-
-
-def _add_dra_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--kubelet-api",
-        metavar="|".join(KUBELET_APIS),
-        type=_one_of(KUBELET_APIS),
-        default=_env("VGPU_KUBELET_API", "device-plugin"),
-        help="how pods get GPUs: device-plugin (slices of an extended resource) or dra (a DRA "
-        "driver: claims ask for memory and compute; docs/dra.md) "
-        "(default: device-plugin; env VGPU_KUBELET_API)",
-    )
-    parser.add_argument(
-        "--kubelet-root-dir",
-        metavar="DIR",
-        default=_env("VGPU_KUBELET_ROOT_DIR", "/var/lib/kubelet"),
-        help="dra: the kubelet's root directory, holding plugins_registry/ and plugins/ "
-        "(default: /var/lib/kubelet; env VGPU_KUBELET_ROOT_DIR)",
-    )
-    parser.add_argument(
-        "--cdi-dir",
-        metavar="DIR",
-        default=_env("VGPU_CDI_DIR", "/var/run/cdi"),
-        help="dra: where the CDI spec of each prepared claim is written "
-        "(default: /var/run/cdi; env VGPU_CDI_DIR)",
-    )
-    parser.add_argument(
-        "--dra-gpu-cdi",
-        metavar="|".join(GPU_CDI),
-        type=_one_of(GPU_CDI),
-        default=_env("VGPU_DRA_GPU_CDI", "nvidia"),
-        help="dra: the GPU itself through NVIDIA's CDI device nvidia.com/gpu=<uuid>, or through "
-        "device nodes in vgpu's own CDI spec (default: nvidia; env VGPU_DRA_GPU_CDI)",
-    )
 
 
 def _dra_settings(args: argparse.Namespace) -> DraSettings | None:
@@ -399,79 +103,41 @@ def _dra_settings(args: argparse.Namespace) -> DraSettings | None:
     )
 
 
-def _add_log_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--log-format",
-        metavar="|".join(LOG_FORMATS),
-        type=_one_of(LOG_FORMATS),
-        default=_env("VGPU_LOG_FORMAT", "text"),
-        help="text: key=value lines; json: one JSON object a line (default: text; "
-        "env VGPU_LOG_FORMAT)",
-    )
-    parser.add_argument(
-        "--log-level",
-        metavar="|".join(LOG_LEVELS),
-        type=_one_of(LOG_LEVELS),
-        default=_env("VGPU_LOG_LEVEL", "info"),
-        help="the least severe lines written; every enforcement action is a warning "
-        "(default: info; env VGPU_LOG_LEVEL)",
-    )
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
-    from deviceplugin.app import DaemonSettings, serve  # noqa: PLC0415 (keeps check-config light)
-    from deviceplugin.reload import config_hash, read_config  # noqa: PLC0415
+    from deviceplugin.app import serve  # noqa: PLC0415 (keeps check-config light)
 
     logs.configure(args.log_format, getattr(logging, args.log_level.upper()))
     os.umask(0o077)  # every socket and file the daemon creates is owner-only
+    settings = _serve_settings(args)
+    if settings is None:
+        return EXIT_USAGE
+    hangup = asyncio.Event()
+    return run_until_signalled(
+        lambda stop: serve(settings, stop, hangup),
+        on_hangup=hangup.set,
+        wait_on_start_error=args.fail_on_init_error == "false",
+    )
+
+
+def _serve_settings(args: argparse.Namespace) -> DaemonSettings | None:
+    """The daemon's settings from its flags and config; None, the problem logged, when a flag or
+    the config is bad."""
     if args.node_features_file:
         from deviceplugin.config.vgpu import feature_file_name_problem  # noqa: PLC0415
 
         problem = feature_file_name_problem(args.node_features_file)
         if problem:
             log.error("config error source=--node-features-file problem=%s", problem)
-            return EXIT_USAGE
+            return None
     try:
-        # Paths are made absolute here, once: gRPC and the kubelet need absolute ones.
-        backend = args.backend
-        if backend.startswith("fake:") and backend != "fake:":
-            backend = f"fake:{Path(backend.removeprefix('fake:')).absolute()}"
-        config_path = Path(args.config).absolute() if args.config else None
-        node_config = _node_config(args)
-        if node_config is not None:
-            config_path = asyncio.run(node_config.initial())
-        loaded = read_config(config_path) if config_path else None
-        settings = DaemonSettings(
-            config=loaded.config if loaded else Config(),
-            config_path=config_path,
-            config_hash=loaded.hash if loaded else config_hash(b""),
-            backend=backend,
-            device_plugin_dir=Path(args.device_plugin_dir).absolute(),
-            pod_resources_socket=Path(args.pod_resources_socket).absolute(),
-            metrics_address=args.metrics_address,
-            probe_address=args.probe_address,
-            state_dir=Path(args.state_dir).absolute(),
-            node_features_dir=Path(args.node_features_dir).absolute()
-            if args.node_features_dir
-            else None,
-            node_name=args.node_name,
-            trust_host_processes=args.trust_host_processes,
-            node_config=node_config,
-            node_features_file=args.node_features_file,
-            kubelet_cgroup_driver=args.kubelet_cgroup_driver,
-            kubelet_cgroup_root=args.kubelet_cgroup_root,
-            device_id_strategy=(
-                DeviceIdStrategy(args.device_id_strategy) if args.device_id_strategy else None
-            ),
-            enforce_nvidia_config=args.enforce_nvidia_config == "true",
-        )
+        settings = _daemon_settings(args)
     except ConfigError as e:
         for problem in e.problems:
             log.error("config error source=%s problem=%s", e.source, problem)
-        return EXIT_USAGE
+        return None
     except StartupError as e:
         log.error("cannot start: %s", e)
-        return EXIT_USAGE
+        return None
     from deviceplugin.usage.cgroups import KubeletTree, kubelet_layout  # noqa: PLC0415
 
     try:
@@ -482,7 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "path; a slice such as /kubelet.slice with the systemd driver)",
             e,
         )
-        return EXIT_USAGE
+        return None
     from deviceplugin.usage.httpserver import parse_address  # noqa: PLC0415
 
     for flag, address in (
@@ -494,35 +160,56 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 parse_address(address)
         except ValueError as e:
             log.error("config error source=%s problem=%s", flag, e)
-            return EXIT_USAGE
+            return None
     try:
         dra = _dra_settings(args)
     except ValueError as e:
         log.error("config error source=--kubelet-api problem=%s", e)
-        return EXIT_USAGE
-    if dra is not None:
-        settings = replace(settings, dra=dra)
+        return None
     tls_problem = _tls_problem(args)
     if tls_problem:
         log.error("config error source=--metrics-tls-cert problem=%s", tls_problem)
-        return EXIT_USAGE
-    if args.metrics_tls_cert:
-        from deviceplugin.usage.httpserver import TlsFiles  # noqa: PLC0415
+        return None
+    return replace(settings, dra=dra, metrics_tls=_tls_files(args))
 
-        settings = replace(
-            settings,
-            metrics_tls=TlsFiles(
-                Path(args.metrics_tls_cert).absolute(),
-                Path(args.metrics_tls_key).absolute(),
-                Path(args.metrics_client_ca).absolute() if args.metrics_client_ca else None,
-                _client_names(args.metrics_client_names),
-            ),
-        )
-    hangup = asyncio.Event()
-    return run_until_signalled(
-        lambda stop: serve(settings, stop, hangup),
-        on_hangup=hangup.set,
-        wait_on_start_error=args.fail_on_init_error == "false",
+
+def _daemon_settings(args: argparse.Namespace) -> DaemonSettings:
+    """The settings the config and the path flags give, the paths made absolute here, once
+    (gRPC and the kubelet need absolute ones). Raises ConfigError, StartupError."""
+    from deviceplugin.app import DaemonSettings  # noqa: PLC0415
+    from deviceplugin.reload import config_hash, read_config  # noqa: PLC0415
+
+    backend = args.backend
+    if backend.startswith("fake:") and backend != "fake:":
+        backend = f"fake:{Path(backend.removeprefix('fake:')).absolute()}"
+    config_path = Path(args.config).absolute() if args.config else None
+    node_config = _node_config(args)
+    if node_config is not None:
+        config_path = asyncio.run(node_config.initial())
+    loaded = read_config(config_path) if config_path else None
+    return DaemonSettings(
+        config=loaded.config if loaded else Config(),
+        config_path=config_path,
+        config_hash=loaded.hash if loaded else config_hash(b""),
+        backend=backend,
+        device_plugin_dir=Path(args.device_plugin_dir).absolute(),
+        pod_resources_socket=Path(args.pod_resources_socket).absolute(),
+        metrics_address=args.metrics_address,
+        probe_address=args.probe_address,
+        state_dir=Path(args.state_dir).absolute(),
+        node_features_dir=Path(args.node_features_dir).absolute()
+        if args.node_features_dir
+        else None,
+        node_name=args.node_name,
+        trust_host_processes=args.trust_host_processes,
+        node_config=node_config,
+        node_features_file=args.node_features_file,
+        kubelet_cgroup_driver=args.kubelet_cgroup_driver,
+        kubelet_cgroup_root=args.kubelet_cgroup_root,
+        device_id_strategy=(
+            DeviceIdStrategy(args.device_id_strategy) if args.device_id_strategy else None
+        ),
+        enforce_nvidia_config=args.enforce_nvidia_config == "true",
     )
 
 
@@ -566,6 +253,20 @@ def _tls_problem(args: argparse.Namespace) -> str:
 
 def _client_names(text: str) -> frozenset[str]:
     return frozenset(name.strip() for name in text.split(",") if name.strip())
+
+
+def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    """The metrics endpoint's HTTPS files, or None for plain HTTP."""
+    if not args.metrics_tls_cert:
+        return None
+    from deviceplugin.usage.httpserver import TlsFiles  # noqa: PLC0415
+
+    return TlsFiles(
+        Path(args.metrics_tls_cert).absolute(),
+        Path(args.metrics_tls_key).absolute(),
+        Path(args.metrics_client_ca).absolute() if args.metrics_client_ca else None,
+        _client_names(args.metrics_client_names),
+    )
 
 
 def run_until_signalled(

@@ -4,19 +4,25 @@
     python tools/gen_daemonset_config.py --check  # exit 1 if it or the README's copy is stale
 
 daemonset/base/config.yaml becomes the ConfigMap the DaemonSet mounts (configMapGenerator), so
-a fresh install runs with exactly the defaults, each key commented, but for `nodeLabels.path`,
-set to NFD's directory: it is `deviceplugin.config.default_config_yaml()` with that path, byte
-for byte, and daemonset/README.md quotes it between two markers; tests/deploy checks both.
-daemonset/components/mps/config.yaml is the same with mps.enabled: true, for the MPS component.
+a fresh install runs with exactly the defaults, each key commented, but for `nodeLabels.file`,
+set to the node feature file's name: it is `deviceplugin.config.default_config_yaml()` with that
+name, byte for byte, and daemonset/README.md quotes it between two markers; tests/deploy checks
+both. daemonset/components/mps/config.yaml is the same with mps.enabled: true, for the MPS
+component. Both are written from the config keys' declarations (deviceplugin/config/model.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from deviceplugin.config import NFD_FEATURE_NAME, default_config_yaml
+from deviceplugin.config import NFD_FEATURE_NAME, Config, MpsConfig, NodeLabelsConfig
+from deviceplugin.config.defaults import config_yaml
+
+# The DaemonSet's config: the built-in defaults, with the node feature file named.
+DAEMONSET = replace(Config(), node_labels=NodeLabelsConfig(file=NFD_FEATURE_NAME))
 
 DEPLOY = Path(__file__).resolve().parent.parent / "daemonset"
 CONFIG = DEPLOY / "base" / "config.yaml"
@@ -37,20 +43,14 @@ def readme_with(readme: str, config: str) -> str:
 
 def mps_config_yaml() -> str:
     """The MPS component's config: the DaemonSet's (node labels included) with MPS on."""
-    config = default_config_yaml(node_labels_file=NFD_FEATURE_NAME)
-    off = "mps:\n"
-    head, found, tail = config.partition(off)
-    enabled = "  enabled: false\n"
-    if not found or enabled not in tail:
-        raise ValueError("the default config has no mps.enabled: false to turn on")
-    return head + found + tail.replace(enabled, "  enabled: true\n", 1)
+    return config_yaml(replace(DAEMONSET, mps=MpsConfig(enabled=True)))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="write or check daemonset/base/config.yaml")
     parser.add_argument("--check", action="store_true", help="exit 1 if a file is stale")
     args = parser.parse_args(argv)
-    config = default_config_yaml(node_labels_file=NFD_FEATURE_NAME)
+    config = config_yaml(DAEMONSET)
     readme = README.read_text()
     wanted = {
         CONFIG: config,

@@ -3,7 +3,11 @@ one. Every error names the key path and the bad value.
 
 The package, by concern:
 
-- `model`: the frozen dataclasses, enums, defaults and bounds of a parsed config.
+- `model` (with its sections `dra` and `health`): the frozen dataclasses of a parsed config,
+  each key of vgpu's format declared once on the field holding its value: name, default, kind
+  of value, description.
+- `keys`: what such a declaration is, and `keys_of`, which walks them as the file nests.
+- `values`: the enums of the choices, the bounds, and the patterns of checked strings.
 - `reader`: the typed reader that collects problems with their key paths, and the parsing and
   formatting of durations, sizes and resource names.
 - `vgpu`: vgpu's own format (`version: v1`).
@@ -11,13 +15,23 @@ The package, by concern:
   settings that vgpu accepts but does not act on.
 - `load`: parse_config, which tells the two formats apart, and reading a file with the YAML
   safety checks (no duplicate keys, no unbounded nesting).
-- `defaults`: the full default config as commented YAML.
-- `schema`: the JSON Schema of the file, checked against the parser by the tests.
+- `defaults`: a config as commented YAML (the full defaults), written from the declarations.
+- `schema`: the JSON Schema of the file, written from the declarations, checked against the
+  parser by the tests.
 
 The rest of the code imports the public names from here.
 """
 
 from deviceplugin.config.defaults import default_config_yaml
+from deviceplugin.config.dra import (
+    DraConfig,
+)
+from deviceplugin.config.health import (
+    DEFAULT_HANG_TIMEOUT_S,
+    DEFAULT_IGNORED_XIDS,
+    DEFAULT_RECOVERY_DELAY_S,
+    HealthConfig,
+)
 from deviceplugin.config.load import (
     HAS_LIBYAML,
     config_from_bytes,
@@ -28,48 +42,45 @@ from deviceplugin.config.load import (
 )
 from deviceplugin.config.model import (
     DEFAULT_CONTEXT_RESERVE_BYTES,
-    DEFAULT_HANG_TIMEOUT_S,
-    DEFAULT_IGNORED_XIDS,
     DEFAULT_MPS_CONTROL_COMMAND,
     DEFAULT_MPS_ROOT,
-    DEFAULT_RECOVERY_DELAY_S,
     DEFAULT_REPLICAS,
     DEFAULT_RESOURCE_NAME,
-    MAX_DURATION_S,
-    MAX_POLL_INTERVAL_S,
-    MAX_REPLICAS,
     MIG_RESOURCE_PREFIX,
-    MIN_COMPUTE_PERIOD_S,
-    MIN_HANG_TIMEOUT_S,
-    MIN_MEMORY_PER_SLICE_BYTES,
-    MIN_POLL_INTERVAL_S,
     NFD_FEATURE_FILE,
     NFD_FEATURE_NAME,
     NFD_FEATURES_DIR,
     AllocationConfig,
-    AllocationPolicy,
-    ComputeAction,
     ComputeEnforcement,
     Config,
-    ConfigFormat,
-    DeviceIdStrategy,
-    DeviceListStrategy,
-    DraConfig,
     EnforcementConfig,
     GpuMatch,
-    HealthConfig,
-    MemoryAction,
     MemoryEnforcement,
     MigConfig,
-    MigStrategy,
     MpsConfig,
     NodeLabelsConfig,
-    RecoveryPolicy,
     SliceOverride,
     SliceRule,
     SlicingConfig,
 )
 from deviceplugin.config.reader import format_duration, format_size, parse_duration, parse_size
+from deviceplugin.config.values import (
+    MAX_DURATION_S,
+    MAX_POLL_INTERVAL_S,
+    MAX_REPLICAS,
+    MIN_COMPUTE_PERIOD_S,
+    MIN_HANG_TIMEOUT_S,
+    MIN_MEMORY_PER_SLICE_BYTES,
+    MIN_POLL_INTERVAL_S,
+    AllocationPolicy,
+    ComputeAction,
+    ConfigFormat,
+    DeviceIdStrategy,
+    DeviceListStrategy,
+    MemoryAction,
+    MigStrategy,
+    RecoveryPolicy,
+)
 
 __all__ = [
     "DEFAULT_CONTEXT_RESERVE_BYTES",

@@ -1,11 +1,49 @@
-"""What a parsed config is: the frozen dataclasses and enums of every section, their defaults,
-and the bounds the parser holds values to. `reader`, `vgpu` and `nvidia` build these from a file.
+"""What a parsed config is: the frozen dataclasses of every section, with each key of vgpu's
+format declared once on the field that holds its value (`keys`): its name, default, kind of value
+with unit and bounds (`values`), and description. `vgpu` and `nvidia` build these from a file;
+`schema`, `defaults` and the docs' key table are written from the declarations.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
+
+from deviceplugin.config.dra import DraConfig
+from deviceplugin.config.health import HealthConfig
+from deviceplugin.config.keys import (
+    Boolean,
+    Choice,
+    Const,
+    Duration,
+    Integer,
+    Items,
+    OneOrMore,
+    Section,
+    Size,
+    Text,
+    inline,
+    key,
+    required,
+    section,
+)
+from deviceplugin.config.values import (
+    FEATURE_FILE_PATTERN,
+    MAX_POLL_INTERVAL_S,
+    MAX_REPLICAS,
+    MIN_COMPUTE_PERIOD_S,
+    MIN_MEMORY_PER_SLICE_BYTES,
+    MIN_POLL_INTERVAL_S,
+    MPS_ROOT_PATTERN,
+    NOT_NORMALISED_PATTERN,
+    RESOURCE_NAME_PATTERN,
+    AllocationPolicy,
+    ComputeAction,
+    ConfigFormat,
+    DeviceIdStrategy,
+    DeviceListStrategy,
+    MemoryAction,
+    MigStrategy,
+)
 
 DEFAULT_RESOURCE_NAME = "nvidia.com/vgpu"
 DEFAULT_REPLICAS = 4
@@ -15,37 +53,6 @@ DEFAULT_MPS_ROOT = "/run/vgpu/mps"
 DEFAULT_MPS_CONTROL_COMMAND = "nvidia-cuda-mps-control"
 
 
-class AllocationPolicy(StrEnum):
-    PACK = "pack"
-    SPREAD = "spread"
-
-
-class DeviceListStrategy(StrEnum):
-    ENVVAR = "envvar"
-    VOLUME_MOUNTS = "volume-mounts"
-    CDI_ANNOTATIONS = "cdi-annotations"
-    CDI_CRI = "cdi-cri"
-    DEVICE_SPECS = "device-specs"
-
-
-class DeviceIdStrategy(StrEnum):
-    """How a container's GPUs are named to the container runtime (NVIDIA's deviceIDStrategy):
-    by UUID, or by NVML index (`<GPU index>:<MIG index>` for a MIG device)."""
-
-    UUID = "uuid"
-    INDEX = "index"
-
-
-class MemoryAction(StrEnum):
-    KILL = "kill"
-    MONITOR = "monitor"
-
-
-class ComputeAction(StrEnum):
-    THROTTLE = "throttle"
-    MONITOR = "monitor"
-
-
 @dataclass(frozen=True, slots=True)
 class GpuMatch:
     """Selects GPUs for an override. Every field given must match; `model` is a glob on the name.
@@ -53,45 +60,64 @@ class GpuMatch:
     `profile` (a glob on the MIG profile, e.g. "1g.10gb") selects MIG devices: an override with a
     profile applies to MIG devices only, and one without applies to full GPUs only."""
 
-    model: str | None = None
-    index: int | None = None
-    uuid: str | None = None
-    profile: str | None = None
+    model: str | None = key(
+        "model", None, Text(min_length=1), "A glob on the GPU's name, e.g. *A100*."
+    )
+    index: int | None = key("index", None, Integer(0), "The GPU's index.")
+    uuid: str | None = key("uuid", None, Text(min_length=1), "The GPU's UUID.")
+    profile: str | None = key(
+        "profile",
+        None,
+        Text(min_length=1),
+        "A glob on a MIG device's profile, e.g. 1g.10gb; an override with a profile applies to"
+        " MIG devices only, one without to full GPUs only.",
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class SliceRule:
     """Exactly one of replicas and memory_per_slice_bytes is set."""
 
-    replicas: int | None = None
-    memory_per_slice_bytes: int | None = None
+    replicas: int | None = key(
+        "replicas",
+        None,
+        Integer(1, MAX_REPLICAS),
+        "Slices per GPU: each gets 1/replicas of the GPU's memory and compute, and a container"
+        " holding k slices of a GPU gets k times that.",
+    )
+    memory_per_slice_bytes: int | None = key(
+        "memoryPerSlice",
+        None,
+        Size(MIN_MEMORY_PER_SLICE_BYTES),
+        "The memory of one slice, instead of replicas: replicas = the GPU's memory /"
+        " memoryPerSlice.",
+        example="10Gi",
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class SliceOverride:
-    match: GpuMatch
-    rule: SliceRule
+    match: GpuMatch = required(
+        "match",
+        Section(GpuMatch),
+        "Which GPUs the override applies to; every key given must match.",
+    )
+    rule: SliceRule = inline(SliceRule)
 
 
 @dataclass(frozen=True, slots=True)
 class SlicingConfig:
-    default: SliceRule = field(default_factory=lambda: SliceRule(replicas=DEFAULT_REPLICAS))
+    default: SliceRule = inline(SliceRule, lambda: SliceRule(replicas=DEFAULT_REPLICAS))
     # The first override that matches a GPU wins.
-    overrides: tuple[SliceOverride, ...] = ()
-
-
-class MigStrategy(StrEnum):
-    """How GPUs in MIG mode are advertised (NVIDIA's migStrategy, with the same meaning).
-
-    - `none`: they are left out, with a log line.
-    - `single`: every MIG device is sliced like a GPU under the one resource name; all MIG devices
-      of the node must share one profile, else the MIG GPUs are left out.
-    - `mixed`: one resource per MIG profile, `nvidia.com/mig-<profile>`; full GPUs keep the
-      resource name."""
-
-    NONE = "none"
-    SINGLE = "single"
-    MIXED = "mixed"
+    overrides: tuple[SliceOverride, ...] = key(
+        "overrides",
+        (),
+        Items(SliceOverride),
+        "Per-GPU exceptions, matched by model (a glob on the GPU's name), index, uuid or MIG"
+        " profile, each with its replicas or memoryPerSlice; the first that matches a GPU wins.",
+        example='[{match: {model: "*A100*"}, replicas: 8},'
+        " {match: {index: 1}, memoryPerSlice: 20Gi}]",
+    )
 
 
 MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
@@ -99,7 +125,18 @@ MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 
 @dataclass(frozen=True, slots=True)
 class MigConfig:
-    strategy: MigStrategy = MigStrategy.NONE
+    strategy: MigStrategy = key(
+        "strategy",
+        MigStrategy.NONE,
+        Choice(MigStrategy),
+        "none: GPUs in MIG mode are left out. single: every MIG device is sliced like a GPU and"
+        " advertised under resourceName (all MIG devices of the node must share one profile)."
+        " mixed: each profile is its own resource, nvidia.com/mig-<profile> (e.g."
+        " nvidia.com/mig-1g.10gb), as with NVIDIA's plugin. A MIG device is one slice unless a"
+        ' slicing override matches its profile, e.g. {match: {profile: "1g.10gb"}, replicas: 2}.'
+        " Memory limits are enforced per MIG device; NVML measures no utilisation per MIG"
+        " device, so compute shares are not enforced on them.",
+    )
     # mixed: (profile, resource name) for profiles not advertised as nvidia.com/mig-<profile>
     # (NVIDIA's rename and renameByDefault).
     renames: tuple[tuple[str, str], ...] = ()
@@ -114,14 +151,48 @@ class MigConfig:
 
 @dataclass(frozen=True, slots=True)
 class AllocationConfig:
-    policy: AllocationPolicy = AllocationPolicy.PACK
-    device_list_strategy: tuple[DeviceListStrategy, ...] = (DeviceListStrategy.ENVVAR,)
+    policy: AllocationPolicy = key(
+        "policy",
+        AllocationPolicy.PACK,
+        Choice(
+            AllocationPolicy,
+            {"packed": "pack", "distributed": "spread"},
+            "NVIDIA's packed, distributed are accepted too",
+        ),
+        "pack: put a container's slices on the GPU that already has the most used slices;"
+        " spread: on the least used GPU.",
+    )
+    device_list_strategy: tuple[DeviceListStrategy, ...] = key(
+        "deviceListStrategy",
+        (DeviceListStrategy.ENVVAR,),
+        OneOrMore(DeviceListStrategy),
+        "How a container gets its GPUs: one strategy or a list of them.",
+    )
     # What NVIDIA_VISIBLE_DEVICES, the volume mounts and the CDI names call a GPU.
-    device_id_strategy: DeviceIdStrategy = DeviceIdStrategy.UUID
-    # Tell frameworks that grab GPU memory up front their share (XLA_PYTHON_CLIENT_MEM_FRACTION,
-    # TF_FORCE_GPU_ALLOW_GROWTH, VGPU_MEMORY_FRACTION_<i>), less the context reserve.
-    framework_hints: bool = True
-    context_reserve_bytes: int = DEFAULT_CONTEXT_RESERVE_BYTES
+    device_id_strategy: DeviceIdStrategy = key(
+        "deviceIDStrategy",
+        DeviceIdStrategy.UUID,
+        Choice(DeviceIdStrategy),
+        "What the container runtime is told a GPU is called: uuid (GPU-..., MIG-...) or index"
+        " (NVML's index: 0, 1, and <GPU index>:<MIG index> for a MIG device), as NVIDIA's"
+        " deviceIDStrategy.",
+    )
+    framework_hints: bool = key(
+        "frameworkHints",
+        True,
+        Boolean(),
+        "Tell frameworks that reserve GPU memory up front their share, so that they fit their"
+        " slices: XLA_PYTHON_CLIENT_MEM_FRACTION (JAX), TF_FORCE_GPU_ALLOW_GROWTH (TensorFlow)"
+        " and VGPU_MEMORY_FRACTION_<i> per GPU (PyTorch, vLLM: set in code or on the command"
+        " line).",
+    )
+    context_reserve_bytes: int = key(
+        "contextReserve",
+        DEFAULT_CONTEXT_RESERVE_BYTES,
+        Size(zero=True),
+        "Left out of those fractions for the CUDA context and the libraries outside the"
+        " framework's pool; 0 for none.",
+    )
     # Refuse a container that asks for more than one slice of a resource: what NVIDIA's plugin
     # does with sharing.mps unless failRequestsGreaterThanOne is false (NVIDIA files only).
     fail_requests_greater_than_one: bool = False
@@ -129,28 +200,75 @@ class AllocationConfig:
 
 @dataclass(frozen=True, slots=True)
 class MemoryEnforcement:
-    action: MemoryAction = MemoryAction.KILL
-    grace_period_s: float = 2.0
+    action: MemoryAction = key(
+        "action",
+        MemoryAction.KILL,
+        Choice(MemoryAction),
+        "kill: SIGKILL the largest GPU process of a container that stays above its memory limit"
+        " for longer than gracePeriod; monitor: only record the violation.",
+    )
+    grace_period_s: float = key(
+        "gracePeriod", 2.0, Duration(), "How long a container may stay above its memory limit."
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class ComputeEnforcement:
-    action: ComputeAction = ComputeAction.THROTTLE
-    window_s: float = 5.0
-    period_s: float = 0.25
-    work_conserving: bool = True
+    action: ComputeAction = key(
+        "action",
+        ComputeAction.THROTTLE,
+        Choice(ComputeAction),
+        "throttle: pause and resume (SIGSTOP/SIGCONT) the GPU processes of a container that uses"
+        " more than its compute share while others wait; monitor: only record the violation.",
+    )
+    window_s: float = key(
+        "window",
+        5.0,
+        Duration(),
+        "Utilisation is averaged over this window; at least one period.",
+    )
+    period_s: float = key(
+        "period", 0.25, Duration(MIN_COMPUTE_PERIOD_S), "The length of one pause/resume cycle."
+    )
+    work_conserving: bool = key(
+        "workConserving",
+        True,
+        Boolean(),
+        "Let containers use GPU time that no other container wants, beyond their share.",
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class EnforcementConfig:
-    poll_interval_s: float = 0.5
-    # How often while no slice is allocated and no GPU process runs: nothing to enforce then.
+    poll_interval_s: float = key(
+        "pollInterval",
+        0.5,
+        Duration(MIN_POLL_INTERVAL_S, MAX_POLL_INTERVAL_S),
+        "How often GPU memory, utilisation and health are read.",
+    )
     # Never faster than poll_interval_s (a smaller value means: always poll_interval_s).
-    idle_poll_interval_s: float = 5.0
-    memory: MemoryEnforcement = field(default_factory=MemoryEnforcement)
-    compute: ComputeEnforcement = field(default_factory=ComputeEnforcement)
-    # Decide, log and count every action, but send no signal.
-    dry_run: bool = False
+    idle_poll_interval_s: float = key(
+        "idlePollInterval",
+        5.0,
+        Duration(MIN_POLL_INTERVAL_S, MAX_POLL_INTERVAL_S),
+        "How often while no slice is allocated and no GPU process runs: nothing is enforced"
+        " then, and an Allocate brings back pollInterval at once. Never faster than"
+        " pollInterval.",
+    )
+    dry_run: bool = key(
+        "dryRun",
+        False,
+        Boolean(),
+        "Decide, log and count every enforcement action, but send no signal to any process.",
+    )
+    memory: MemoryEnforcement = section(
+        "memory", MemoryEnforcement, "A container above its memory limit."
+    )
+    compute: ComputeEnforcement = section(
+        "compute",
+        ComputeEnforcement,
+        "A container above its compute share while others want the GPU.",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,9 +277,32 @@ class MpsConfig:
     (`control_command -d`), with its pipe and log directories under `root`, and hands containers
     the pipe directory and their limits."""
 
-    enabled: bool = False
-    root: str = DEFAULT_MPS_ROOT
-    control_command: str = DEFAULT_MPS_CONTROL_COMMAND
+    enabled: bool = key(
+        "enabled",
+        False,
+        Boolean(),
+        "Run and supervise the node's CUDA MPS control daemon and share the GPUs through it:"
+        " each MPS client process is held to one slice's memory and compute by the GPU itself,"
+        " and containers get the pipe directory and their limits. Needs the DaemonSet's MPS"
+        " component.",
+    )
+    root: str = key(
+        "root",
+        DEFAULT_MPS_ROOT,
+        Text(
+            "an absolute, normalised path without commas or colons",
+            pattern=MPS_ROOT_PATTERN,
+            not_pattern=NOT_NORMALISED_PATTERN,
+        ),
+        "Where the MPS pipe (<root>/pipe, mounted into containers at the same path), log"
+        " (<root>/log) and shared memory (<root>/shm) directories are.",
+    )
+    control_command: str = key(
+        "controlCommand",
+        DEFAULT_MPS_CONTROL_COMMAND,
+        Text(min_length=1, not_pattern=r"^\s*$"),
+        "The MPS control program, run with -f as the daemon's child and sent commands on stdin.",
+    )
 
 
 # Where node feature discovery's local source reads feature files (the DaemonSet gives the daemon
@@ -169,27 +310,6 @@ class MpsConfig:
 NFD_FEATURES_DIR = "/etc/kubernetes/node-feature-discovery/features.d"
 NFD_FEATURE_NAME = "vgpu"
 NFD_FEATURE_FILE = f"{NFD_FEATURES_DIR}/{NFD_FEATURE_NAME}"
-
-
-DEFAULT_DRA_DRIVER_NAME = "vgpu.dev"
-DEFAULT_DRA_MEMORY_MIN_BYTES = 256 * 1024**2
-DEFAULT_DRA_MEMORY_STEP_BYTES = 256 * 1024**2
-
-
-@dataclass(frozen=True, slots=True)
-class DraConfig:
-    """`dra`: the DRA driver's name and its request policies (docs/dra.md): what a claim may ask
-    of one device's `memory` and `compute` (100 = the whole device). A default of None gives a
-    claim that names no amount one slice's worth of the device (its memory / replicas, 100 /
-    replicas), as `nvidia.com/vgpu: 1` gets."""
-
-    driver_name: str = DEFAULT_DRA_DRIVER_NAME
-    memory_min_bytes: int = DEFAULT_DRA_MEMORY_MIN_BYTES
-    memory_step_bytes: int = DEFAULT_DRA_MEMORY_STEP_BYTES
-    memory_default_bytes: int | None = None
-    compute_min: int = 1
-    compute_step: int = 1
-    compute_default: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,100 +321,71 @@ class NodeLabelsConfig:
     `legacy_directory`: the directory that an old `nodeLabels.path` named; the daemon writes
     the file only when it is that same directory."""
 
-    file: str = ""
-    legacy_directory: str = ""
-
-
-# Xids that an application causes (its own bad kernel, page fault, or a context it lost), not the
-# GPU: they leave the GPU in service. NVIDIA k8s-device-plugin ignores the same ones.
-DEFAULT_IGNORED_XIDS: tuple[int, ...] = (13, 31, 43, 45, 68, 109)
-DEFAULT_RECOVERY_DELAY_S = 60.0
-DEFAULT_HANG_TIMEOUT_S = 10.0
-
-
-class RecoveryPolicy(StrEnum):
-    """What happens to a GPU that was marked unhealthy and then answers again.
-
-    A GPU is marked unhealthy by a critical Xid or double-bit ECC event, by an NVML call on it that
-    fails with GPU_IS_LOST or an unexpected error, or by an NVML call on it that has not returned
-    for `hangTimeout`. Its slices are then reported Unhealthy to the kubelet, which admits no new
-    pod onto them; pods already running keep them.
-
-    - `manual` (the default): the GPU stays unhealthy until the daemon restarts, whatever it
-      answers afterwards. An operator checks the GPU (nvidia-smi, the Xid in the kernel log, a
-      reset or a drain) and then restarts the daemon's pod, which puts the GPU back in service if
-      it reads correctly at start-up.
-    - `auto`: the GPU is returned to service once it has answered every NVML call of a poll
-      correctly and has had no critical Xid, no failed call and no hung call for `recoveryDelay`
-      (default 60s). Any new fault restarts that wait. Every return to service is logged and
-      counted, like every fall.
-    """
-
-    MANUAL = "manual"
-    AUTO = "auto"
-
-
-@dataclass(frozen=True, slots=True)
-class HealthConfig:
-    """GPU health checking (the `health:` section).
-
-    An Xid is critical, and marks its GPU unhealthy, unless it is ignored: listed in
-    `ignored_xids` (default: the application errors 13, 31, 43, 45, 68, 109) or in
-    `additional_ignored_xids`, and not listed in `critical_xids`, which wins over both.
-    A double-bit ECC event counts as Xid 48. `enabled: false` turns the Xid and ECC event watch
-    off; a GPU that NVML reports lost, or whose calls hang for `hang_timeout_s`, is still marked
-    unhealthy, since it cannot be measured. See RecoveryPolicy for the way back."""
-
-    enabled: bool = True
-    ignored_xids: tuple[int, ...] = DEFAULT_IGNORED_XIDS
-    additional_ignored_xids: tuple[int, ...] = ()
-    critical_xids: tuple[int, ...] = ()
-    recovery: RecoveryPolicy = RecoveryPolicy.MANUAL
-    recovery_delay_s: float = DEFAULT_RECOVERY_DELAY_S
-    hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
-
-    def is_critical(self, xid: int) -> bool:
-        """Whether Xid `xid` takes its GPU out of service (always False when disabled)."""
-        if not self.enabled:
-            return False
-        if xid in self.critical_xids:
-            return True
-        return xid not in self.ignored_xids and xid not in self.additional_ignored_xids
-
-
-class ConfigFormat(StrEnum):
-    """The format a config file was written in: vgpu's own, or NVIDIA k8s-device-plugin's, which
-    is read with the meaning NVIDIA's plugin gives it."""
-
-    VGPU = "vgpu"
-    NVIDIA = "nvidia"
+    file: str = key(
+        "file",
+        "",
+        Text("a file name, no path", pattern=FEATURE_FILE_PATTERN, max_length=200),
+        "Keep a node feature discovery feature file of this name in the directory the daemon"
+        " was started with, --node-features-dir: NFD v0.15 or newer turns"
+        " its lines into node labels nvidia.com/vgpu.count, .replicas, .memory-per-slice-mib,"
+        ' .product, .mig-strategy; all but the last describe resourceName\'s slices. "" keeps'
+        " none; the DaemonSet mounts NFD's features.d directory and names it.",
+    )
+    legacy_directory: str = key(
+        "path",
+        "",
+        Text("an absolute path", pattern="^(/.*)?$"),
+        "The old spelling of file, read as file: <its name> and written only when its"
+        " directory is the daemon's --node-features-dir.",
+        deprecated=True,
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class Config:
-    version: str = "v1"
-    resource_name: str = DEFAULT_RESOURCE_NAME
-    slicing: SlicingConfig = field(default_factory=SlicingConfig)
-    allocation: AllocationConfig = field(default_factory=AllocationConfig)
-    enforcement: EnforcementConfig = field(default_factory=EnforcementConfig)
-    mps: MpsConfig = field(default_factory=MpsConfig)
-    health: HealthConfig = field(default_factory=HealthConfig)
-    node_labels: NodeLabelsConfig = field(default_factory=NodeLabelsConfig)
-    mig: MigConfig = field(default_factory=MigConfig)
-    dra: DraConfig = field(default_factory=DraConfig)
+    version: str = key("version", "v1", Const("v1"), "The format's version.")
+    resource_name: str = key(
+        "resourceName",
+        DEFAULT_RESOURCE_NAME,
+        Text(
+            "an extended resource name, <domain>/<name>",
+            pattern=RESOURCE_NAME_PATTERN,
+            not_pattern=r"kubernetes\.io/|^requests\.",
+        ),
+        "The extended resource pods request, e.g. resources.limits: {nvidia.com/vgpu: 1}.",
+    )
+    slicing: SlicingConfig = section("slicing", SlicingConfig, "How each GPU is split into slices.")
+    allocation: AllocationConfig = section(
+        "allocation", AllocationConfig, "How slices are chosen and handed to a container."
+    )
+    enforcement: EnforcementConfig = section(
+        "enforcement",
+        EnforcementConfig,
+        "What happens to a container that uses more than its slices.",
+    )
+    mps: MpsConfig = section(
+        "mps",
+        MpsConfig,
+        "CUDA MPS: one control daemon for the node, run and supervised by the daemon, and its"
+        " pipe directory and limits in each container.",
+    )
+    health: HealthConfig = section(
+        "health", HealthConfig, "GPU health from NVML's Xid and ECC events (nvml backend)."
+    )
+    node_labels: NodeLabelsConfig = section(
+        "nodeLabels",
+        NodeLabelsConfig,
+        "Node labels through a node feature discovery feature file.",
+    )
+    mig: MigConfig = section("mig", MigConfig, "GPUs in MIG mode.")
+    dra: DraConfig = section(
+        "dra",
+        DraConfig,
+        "DRA mode only (serve --kubelet-api dra; docs/dra.md): the driver's name and what a"
+        " claim may ask of one device's capacities. The scheduler rounds a request up to min +"
+        " a multiple of step.",
+    )
     # Non-fatal findings, e.g. NVIDIA keys that parse but that vgpu does not act on.
     warnings: tuple[str, ...] = field(default=(), compare=False)
     # The format the file was written in (check-config says what vgpu adds to NVIDIA's meaning).
     format: ConfigFormat = field(default=ConfigFormat.VGPU, compare=False)
-
-
-MIN_POLL_INTERVAL_S = 0.05
-# Bounds beyond which a value is a mistake, not a choice: more slices per GPU than any workload
-# could use (and device lists that approach the kubelet's message limit), slices too small to
-# hold a CUDA context, polls too far apart to enforce anything, and durations past an hour.
-MAX_REPLICAS = 1024
-MIN_MEMORY_PER_SLICE_BYTES = 64 << 20
-MAX_POLL_INTERVAL_S = 60.0
-MAX_DURATION_S = 3600.0
-MIN_COMPUTE_PERIOD_S = 0.02
-MIN_HANG_TIMEOUT_S = 0.1

@@ -30,15 +30,11 @@ from dataclasses import dataclass
 
 from deviceplugin.config.model import (
     DEFAULT_MPS_ROOT,
-    MAX_REPLICAS,
     MIG_RESOURCE_PREFIX,
     AllocationConfig,
     Config,
-    ConfigFormat,
-    DeviceListStrategy,
     GpuMatch,
     MigConfig,
-    MigStrategy,
     MpsConfig,
     SliceOverride,
     SliceRule,
@@ -56,6 +52,12 @@ from deviceplugin.config.reader import (
     _kind,
     _Reader,
     _show,
+)
+from deviceplugin.config.values import (
+    MAX_REPLICAS,
+    ConfigFormat,
+    DeviceListStrategy,
+    MigStrategy,
 )
 
 NVIDIA_GPU_RESOURCE = "nvidia.com/gpu"

@@ -11,18 +11,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from deviceplugin.config.model import (
-    AllocationPolicy,
-    DeviceIdStrategy,
-    DeviceListStrategy,
+from deviceplugin.config.health import (
     HealthConfig,
-    MigStrategy,
 )
 from deviceplugin.config.reader import (
     _join,
     _kind,
     _Reader,
     _show,
+)
+from deviceplugin.config.values import (
+    AllocationPolicy,
+    DeviceIdStrategy,
+    DeviceListStrategy,
+    MigStrategy,
 )
 from deviceplugin.config.vgpu import _MIG_STRATEGIES, _POLICIES, _mps_root
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import TypeVar
 
-from deviceplugin.config.model import (
+from deviceplugin.config.values import (
     MAX_DURATION_S,
     DeviceIdStrategy,
     DeviceListStrategy,
@@ -431,7 +431,11 @@ class _Reader:
         return tuple(chosen) if valid else None
 
     def version(self, value: object, path: str) -> str | None:
-        if value != "v1":
-            self.error(path, f'{_show(value)} is not supported (expected "v1")')
+        return self.const(value, path, "v1")
+
+    def const(self, value: object, path: str, expected: str) -> str | None:
+        """`expected` and nothing else (a format's version)."""
+        if value != expected:
+            self.error(path, f"{_show(value)} is not supported (expected {json.dumps(expected)})")
             return None
-        return "v1"
+        return expected

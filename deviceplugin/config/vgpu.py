@@ -1,4 +1,7 @@
-"""vgpu's own config format (`version: v1`): its keys, section by section, read into a Config.
+"""vgpu's own config format (`version: v1`), read into a Config from the keys' declarations
+(`keys`, `model`): each key's value is read by its kind, within its bounds, into the field that
+declares it. Written by hand here: the checks of strings (`_CHECKS`), the sections whose keys
+depend on each other (slicing, nodeLabels: `_SECTIONS`) and the rules across keys (`_RULES`).
 Every problem is recorded on the _Reader with its key path; parse_config raises them together.
 """
 
@@ -6,33 +9,35 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
 
+from deviceplugin.config.health import HealthConfig
+from deviceplugin.config.keys import (
+    Boolean,
+    Choice,
+    Const,
+    Duration,
+    Group,
+    Integer,
+    Node,
+    OneOrMore,
+    Section,
+    Size,
+    Text,
+    XidList,
+    keys_of,
+)
 from deviceplugin.config.model import (
+    DEFAULT_MPS_CONTROL_COMMAND,
     DEFAULT_MPS_ROOT,
-    MAX_POLL_INTERVAL_S,
-    MAX_REPLICAS,
-    MIN_COMPUTE_PERIOD_S,
-    MIN_HANG_TIMEOUT_S,
-    MIN_MEMORY_PER_SLICE_BYTES,
-    MIN_POLL_INTERVAL_S,
     NFD_FEATURE_NAME,
     AllocationConfig,
-    AllocationPolicy,
-    ComputeAction,
     ComputeEnforcement,
     Config,
-    DraConfig,
-    EnforcementConfig,
     GpuMatch,
-    HealthConfig,
-    MemoryAction,
-    MemoryEnforcement,
-    MigConfig,
-    MigStrategy,
-    MpsConfig,
     NodeLabelsConfig,
-    RecoveryPolicy,
     SliceOverride,
     SliceRule,
     SlicingConfig,
@@ -40,62 +45,37 @@ from deviceplugin.config.model import (
 from deviceplugin.config.reader import (
     _join,
     _Reader,
+    _resource_name_problem,
     _show,
     format_duration,
+    format_size,
+)
+from deviceplugin.config.values import (
+    MAX_REPLICAS,
+    MIN_MEMORY_PER_SLICE_BYTES,
+    AllocationPolicy,
+    DeviceListStrategy,
+    MigStrategy,
 )
 
-_POLICIES: dict[str, AllocationPolicy] = {
-    "pack": AllocationPolicy.PACK,
-    "spread": AllocationPolicy.SPREAD,
-    # NVIDIA k8s-device-plugin's names for the same policies.
-    "packed": AllocationPolicy.PACK,
-    "distributed": AllocationPolicy.SPREAD,
-}
-_MEMORY_ACTIONS: dict[str, MemoryAction] = {a.value: a for a in MemoryAction}
-_COMPUTE_ACTIONS: dict[str, ComputeAction] = {a.value: a for a in ComputeAction}
-_RECOVERY_POLICIES: dict[str, RecoveryPolicy] = {p.value: p for p in RecoveryPolicy}
 
-_TOP_KEYS = (
-    "version",
-    "resourceName",
-    "slicing",
-    "allocation",
-    "enforcement",
-    "mps",
-    "health",
-    "nodeLabels",
-    "mig",
-    "dra",
-)
-_NODE_LABELS_KEYS = ("file", "path")
-_DRA_KEYS = ("driverName", "memory", "compute")
+def _names(nodes: tuple[Node, ...]) -> tuple[str, ...]:
+    return tuple(node.name for node in nodes)
+
+
+_TOP_KEYS = _names(keys_of(Config))
+_SLICING_KEYS = _names(keys_of(SlicingConfig))
+_OVERRIDE_KEYS = _names(keys_of(SliceOverride))
+_MATCH_KEYS = _names(keys_of(GpuMatch))
+_NODE_LABELS_KEYS = _names(keys_of(NodeLabelsConfig))
+# What NVIDIA's format shares with vgpu's: the allocation policies (with NVIDIA's names) and the
+# MIG strategies.
+_POLICY = next(n.declared.kind for n in keys_of(AllocationConfig) if n.name == "policy")
+assert isinstance(_POLICY, Choice)
+_POLICIES = {name: AllocationPolicy(value) for name, value in _POLICY.options().items()}
+_MIG_STRATEGIES = {s.value: s for s in MigStrategy}
 # A DRA driver's name: a DNS subdomain (the kubelet's plugin name, a ResourceSlice's driver).
 _DRIVER_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-_DRA_AMOUNT_KEYS = ("min", "step", "default")
-_SLICING_KEYS = ("replicas", "memoryPerSlice", "overrides")
-_OVERRIDE_KEYS = ("match", "replicas", "memoryPerSlice")
-_MATCH_KEYS = ("model", "index", "uuid", "profile")
-_MIG_KEYS = ("strategy",)
-_ALLOCATION_KEYS = (
-    "policy",
-    "deviceListStrategy",
-    "deviceIDStrategy",
-    "frameworkHints",
-    "contextReserve",
-)
-_ENFORCEMENT_KEYS = ("pollInterval", "idlePollInterval", "dryRun", "memory", "compute")
-_MEMORY_KEYS = ("action", "gracePeriod")
-_COMPUTE_KEYS = ("action", "window", "period", "workConserving")
-_MPS_KEYS = ("enabled", "root", "controlCommand")
-_HEALTH_KEYS = (
-    "enabled",
-    "ignoredXids",
-    "additionalIgnoredXids",
-    "criticalXids",
-    "recovery",
-    "recoveryDelay",
-    "hangTimeout",
-)
 
 
 def _slice_rule(r: _Reader, section: Mapping[str, object], path: str) -> SliceRule | None:
@@ -141,8 +121,7 @@ def _gpu_match(r: _Reader, value: object, path: str) -> GpuMatch | None:
     return GpuMatch(model=model, index=index, uuid=uuid, profile=profile)
 
 
-def _slicing(r: _Reader, value: object) -> SlicingConfig:
-    path = "slicing"
+def _slicing(r: _Reader, value: object, path: str) -> SlicingConfig:
     section = r.section(value, path, _SLICING_KEYS)
     default = SlicingConfig().default
     if "replicas" in section or "memoryPerSlice" in section:
@@ -166,151 +145,18 @@ def _slicing(r: _Reader, value: object) -> SlicingConfig:
     return SlicingConfig(default=default, overrides=tuple(overrides))
 
 
-def _allocation(r: _Reader, value: object) -> AllocationConfig:
-    path = "allocation"
-    section = r.section(value, path, _ALLOCATION_KEYS)
-    defaults = AllocationConfig()
-    policy = defaults.policy
-    if "policy" in section:
-        shown = "pack, spread (NVIDIA's packed, distributed are accepted too)"
-        policy = r.choice(section["policy"], _join(path, "policy"), _POLICIES, shown) or policy
-    strategies = defaults.device_list_strategy
-    if "deviceListStrategy" in section:
-        parsed = r.strategies(section["deviceListStrategy"], _join(path, "deviceListStrategy"))
-        strategies = parsed or strategies
-    id_strategy = defaults.device_id_strategy
-    if "deviceIDStrategy" in section:
-        id_strategy = (
-            r.device_id_strategy(section["deviceIDStrategy"], _join(path, "deviceIDStrategy"))
-            or id_strategy
-        )
-    hints = defaults.framework_hints
-    if "frameworkHints" in section:
-        parsed_hints = r.boolean(section["frameworkHints"], _join(path, "frameworkHints"))
-        hints = hints if parsed_hints is None else parsed_hints
-    reserve = defaults.context_reserve_bytes
-    if "contextReserve" in section:
-        value = section["contextReserve"]
-        # 0 is a valid reserve (no room kept for the CUDA context), unlike other sizes.
-        zero = (value == 0 and not isinstance(value, bool)) or value == "0"
-        parsed_reserve = 0 if zero else r.size(value, _join(path, "contextReserve"))
-        reserve = reserve if parsed_reserve is None else parsed_reserve
-    return AllocationConfig(
-        policy=policy,
-        device_list_strategy=strategies,
-        device_id_strategy=id_strategy,
-        framework_hints=hints,
-        context_reserve_bytes=reserve,
-    )
-
-
-def _enforcement(r: _Reader, value: object) -> EnforcementConfig:
-    path = "enforcement"
-    section = r.section(value, path, _ENFORCEMENT_KEYS)
-    defaults = EnforcementConfig()
-
-    def poll_interval(key: str, default_s: float) -> float:
-        if key not in section:
-            return default_s
-        parsed = r.duration(
-            section[key], _join(path, key), MIN_POLL_INTERVAL_S, MAX_POLL_INTERVAL_S
-        )
-        return default_s if parsed is None else parsed
-
-    poll = poll_interval("pollInterval", defaults.poll_interval_s)
-    idle_poll = poll_interval("idlePollInterval", defaults.idle_poll_interval_s)
-
-    dry_run = defaults.dry_run
-    if "dryRun" in section:
-        parsed_dry_run = r.boolean(section["dryRun"], _join(path, "dryRun"))
-        dry_run = dry_run if parsed_dry_run is None else parsed_dry_run
-
-    memory_path = _join(path, "memory")
-    memory = r.section(section.get("memory"), memory_path, _MEMORY_KEYS)
-    memory_action = defaults.memory.action
-    if "action" in memory:
-        shown = ", ".join(_MEMORY_ACTIONS)
-        action_path = _join(memory_path, "action")
-        memory_action = r.choice(memory["action"], action_path, _MEMORY_ACTIONS, shown) or (
-            memory_action
-        )
-    grace = defaults.memory.grace_period_s
-    if "gracePeriod" in memory:
-        parsed = r.duration(memory["gracePeriod"], _join(memory_path, "gracePeriod"), 0.0)
-        grace = grace if parsed is None else parsed
-
-    compute_path = _join(path, "compute")
-    compute = r.section(section.get("compute"), compute_path, _COMPUTE_KEYS)
-    compute_action = defaults.compute.action
-    if "action" in compute:
-        shown = ", ".join(_COMPUTE_ACTIONS)
-        action_path = _join(compute_path, "action")
-        compute_action = r.choice(compute["action"], action_path, _COMPUTE_ACTIONS, shown) or (
-            compute_action
-        )
-    window: float | None = defaults.compute.window_s
-    if "window" in compute:
-        window = r.duration(compute["window"], _join(compute_path, "window"), 0.0)
-    period: float | None = defaults.compute.period_s
-    if "period" in compute:
-        period = r.duration(compute["period"], _join(compute_path, "period"), MIN_COMPUTE_PERIOD_S)
-    if window is not None and period is not None and window < period:
-        r.error(
-            _join(compute_path, "window"),
-            f"{format_duration(window)} is shorter than period {format_duration(period)}"
-            " (the window must hold at least one duty cycle)",
-        )
-    work_conserving = defaults.compute.work_conserving
-    if "workConserving" in compute:
-        parsed_bool = r.boolean(compute["workConserving"], _join(compute_path, "workConserving"))
-        work_conserving = work_conserving if parsed_bool is None else parsed_bool
-
-    return EnforcementConfig(
-        poll_interval_s=poll,
-        idle_poll_interval_s=idle_poll,
-        dry_run=dry_run,
-        memory=MemoryEnforcement(action=memory_action, grace_period_s=grace),
-        compute=ComputeEnforcement(
-            action=compute_action,
-            window_s=defaults.compute.window_s if window is None else window,
-            period_s=defaults.compute.period_s if period is None else period,
-            work_conserving=work_conserving,
-        ),
-    )
+def _mps_root_problem(root: str) -> str | None:
+    if not root.startswith("/"):
+        return f"{_show(root)} is not an absolute path (e.g. {DEFAULT_MPS_ROOT})"
+    # Containers get <root>/pipe at the same path: keep it a plain, normalised path.
+    if os.path.normpath(root) != root or any(c in root for c in ",:\n"):
+        return f"{_show(root)} is not a normalised path without commas or colons"
+    return None
 
 
 def _mps_root(r: _Reader, value: object, path: str) -> str | None:
-    root = r.string(value, path)
-    if root is None:
-        return None
-    if not root.startswith("/"):
-        r.error(path, f"{_show(root)} is not an absolute path (e.g. {DEFAULT_MPS_ROOT})")
-        return None
-    # Containers get <root>/pipe at the same path: keep it a plain, normalised path.
-    if os.path.normpath(root) != root or any(c in root for c in ",:\n"):
-        r.error(path, f"{_show(root)} is not a normalised path without commas or colons")
-        return None
-    return root
-
-
-def _mps(r: _Reader, value: object) -> MpsConfig:
-    section = r.section(value, "mps", _MPS_KEYS)
-    defaults = MpsConfig()
-    enabled = defaults.enabled
-    if "enabled" in section:
-        parsed = r.boolean(section["enabled"], "mps.enabled")
-        enabled = enabled if parsed is None else parsed
-    root = defaults.root
-    if "root" in section:
-        root = _mps_root(r, section["root"], "mps.root") or root
-    command = defaults.control_command
-    if "controlCommand" in section:
-        parsed_command = r.string(section["controlCommand"], "mps.controlCommand")
-        if parsed_command is not None and not parsed_command.strip():
-            r.error("mps.controlCommand", "is empty (the default is nvidia-cuda-mps-control)")
-        elif parsed_command is not None:
-            command = parsed_command
-    return MpsConfig(enabled=enabled, root=root, control_command=command)
+    """mps.root, or NVIDIA's flags.mpsRoot: an absolute, normalised path."""
+    return _checked(r, value, path, _mps_root_problem)
 
 
 def feature_file_name_problem(name: str) -> str | None:
@@ -326,8 +172,8 @@ def feature_file_name_problem(name: str) -> str | None:
     return None
 
 
-def _node_labels(r: _Reader, value: object) -> NodeLabelsConfig:
-    section = r.section(value, "nodeLabels", _NODE_LABELS_KEYS)
+def _node_labels(r: _Reader, value: object, where: str) -> NodeLabelsConfig:
+    section = r.section(value, where, _NODE_LABELS_KEYS)
     if "file" in section and section.get("path", "") != "":
         r.error("nodeLabels", "sets both file and path; keep file (path is the old spelling)")
         return NodeLabelsConfig()
@@ -383,137 +229,161 @@ def driver_name_problem(name: str) -> str | None:
     return None
 
 
-def _dra(r: _Reader, value: object) -> DraConfig:
-    section = r.section(value, "dra", _DRA_KEYS)
-    d = DraConfig()
-    driver = d.driver_name
-    if "driverName" in section:
-        name = r.string(section["driverName"], "dra.driverName")
-        problem = None if name is None else driver_name_problem(name)
-        if problem is not None:
-            r.error("dra.driverName", problem)
-        elif name is not None:
-            driver = name
-    memory = r.section(section.get("memory"), "dra.memory", _DRA_AMOUNT_KEYS)
-    sizes: dict[str, int | None] = {
-        "min": d.memory_min_bytes,
-        "step": d.memory_step_bytes,
-        "default": d.memory_default_bytes,
-    }
-    for key in _DRA_AMOUNT_KEYS:
-        if key in memory:
-            size = r.size(memory[key], f"dra.memory.{key}")
-            if size == 0:
-                r.error(f"dra.memory.{key}", "is 0; give an amount such as 256Mi")
-            sizes[key] = size or sizes[key]
-    compute = r.section(section.get("compute"), "dra.compute", _DRA_AMOUNT_KEYS)
-    percents: dict[str, int | None] = {
-        "min": d.compute_min,
-        "step": d.compute_step,
-        "default": d.compute_default,
-    }
-    for key in _DRA_AMOUNT_KEYS:
-        if key in compute:
-            percents[key] = r.integer(compute[key], f"dra.compute.{key}", 1, 100) or percents[key]
-    return DraConfig(
-        driver_name=driver,
-        memory_min_bytes=sizes["min"] or d.memory_min_bytes,
-        memory_step_bytes=sizes["step"] or d.memory_step_bytes,
-        memory_default_bytes=sizes["default"],
-        compute_min=percents["min"] or d.compute_min,
-        compute_step=percents["step"] or d.compute_step,
-        compute_default=percents["default"],
-    )
+def _read_section(r: _Reader, cls: type[Any], value: object, path: str) -> Any:
+    """The section `cls` declares, read from `value`; a key whose value is bad keeps its
+    default (the problem is recorded)."""
+    if cls in _SECTIONS:
+        return _SECTIONS[cls](r, value, path)
+    nodes = keys_of(cls)
+    section = r.section(value, path, _names(nodes))
+    values: dict[str, object] = {}
+    _read_keys(r, nodes, section, path, values, rules=_RULES.get(cls, {}))
+    return replace(cls(), **values)
 
 
-def _health(r: _Reader, value: object) -> HealthConfig:
-    path = "health"
-    section = r.section(value, path, _HEALTH_KEYS)
+def _read_keys(
+    r: _Reader,
+    nodes: tuple[Node, ...],
+    section: Mapping[str, object],
+    path: str,
+    values: dict[str, object],
+    *,
+    rules: Mapping[str, Rule],
+) -> None:
+    """Each key of `nodes` given in `section` into `values`, by field; a rule across keys runs
+    after the key it follows."""
+    for node in nodes:
+        key_path = _join(path, node.name)
+        kind = node.declared.kind
+        if isinstance(kind, Section):
+            values[node.attribute] = _read_section(r, kind.of, section.get(node.name), key_path)
+        elif isinstance(kind, Group):
+            group = r.section(section.get(node.name), key_path, _names(node.children))
+            _read_keys(r, node.children, group, key_path, values, rules={})
+        elif node.name in section:
+            value = _read_value(r, node, section[node.name], key_path)
+            if value is not None:
+                values[node.attribute] = value
+        if node.name in rules:
+            rules[node.name](r, path, section, values)
+
+
+def _read_value(r: _Reader, node: Node, value: object, path: str) -> object:
+    """A key's value as its kind reads it, or None (the problem recorded)."""
+    kind = node.declared.kind
+    if isinstance(kind, Boolean):
+        return r.boolean(value, path)
+    if isinstance(kind, Integer):
+        return r.integer(value, path, kind.minimum, kind.maximum)
+    if isinstance(kind, Duration):
+        return r.duration(value, path, kind.minimum_s, kind.maximum_s)
+    if isinstance(kind, Size):
+        return _size(r, value, path, kind)
+    if isinstance(kind, Choice):
+        return r.choice(value, path, kind.options(), kind.shown())
+    if isinstance(kind, OneOrMore):
+        assert kind.values is DeviceListStrategy, "the reader knows deviceListStrategy's list"
+        return r.strategies(value, path)
+    if isinstance(kind, XidList):
+        return r.xids(value, path)
+    if isinstance(kind, Const):
+        return r.const(value, path, kind.value)
+    assert isinstance(kind, Text), f"{path}: no reader for {kind}"
+    return _checked(r, value, path, _CHECKS.get(path))
+
+
+def _size(r: _Reader, value: object, path: str, kind: Size) -> int | None:
+    if kind.zero and ((value == 0 and not isinstance(value, bool)) or value == "0"):
+        return 0
+    size = r.size(value, path)
+    if size is not None and size < kind.minimum_bytes:
+        r.error(path, f"{_show(value)} is too small (must be >= {format_size(kind.minimum_bytes)})")
+        return None
+    return size
+
+
+def _checked(
+    r: _Reader, value: object, path: str, problem_of: Callable[[str], str | None] | None
+) -> str | None:
+    """A non-empty string, and what `problem_of` finds wrong with it, if anything."""
+    text = r.string(value, path)
+    problem = None if text is None or problem_of is None else problem_of(text)
+    if problem is not None:
+        r.error(path, problem)
+        return None
+    return text
+
+
+# Rules across keys: each runs after the key it is listed under, as (reader, the section's path,
+# its raw keys, the values read so far by field).
+Rule = Callable[[_Reader, str, Mapping[str, object], dict[str, object]], None]
+
+
+def _window_holds_a_period(
+    r: _Reader, path: str, section: Mapping[str, object], values: dict[str, object]
+) -> None:
+    """enforcement.compute: the window must hold at least one duty cycle."""
+    defaults = ComputeEnforcement()
+    # A key given with a bad value is None here: its problem is already recorded.
+    window = values.get("window_s", None if "window" in section else defaults.window_s)
+    period = values.get("period_s", None if "period" in section else defaults.period_s)
+    if isinstance(window, float) and isinstance(period, float) and window < period:
+        r.error(
+            _join(path, "window"),
+            f"{format_duration(window)} is shorter than period {format_duration(period)}"
+            " (the window must hold at least one duty cycle)",
+        )
+
+
+def _xids_listed_once(
+    r: _Reader, path: str, section: Mapping[str, object], values: dict[str, object]
+) -> None:
+    """health: criticalXids wins over the default ignore list; an Xid written both as ignored
+    and as critical is a contradiction."""
     defaults = HealthConfig()
-    enabled = defaults.enabled
-    if "enabled" in section:
-        parsed_bool = r.boolean(section["enabled"], _join(path, "enabled"))
-        enabled = enabled if parsed_bool is None else parsed_bool
-    lists: dict[str, tuple[int, ...]] = {}
-    for key, default in (
-        ("ignoredXids", defaults.ignored_xids),
-        ("additionalIgnoredXids", defaults.additional_ignored_xids),
-        ("criticalXids", defaults.critical_xids),
+    critical = values.get("critical_xids", defaults.critical_xids)
+    for key, attribute in (
+        ("ignoredXids", "ignored_xids"),
+        ("additionalIgnoredXids", "additional_ignored_xids"),
     ):
-        parsed_xids = r.xids(section[key], _join(path, key)) if key in section else None
-        lists[key] = default if parsed_xids is None else parsed_xids
-    # criticalXids wins over the default ignore list; an Xid written both as ignored and as
-    # critical is a contradiction.
-    for key in ("ignoredXids", "additionalIgnoredXids"):
         if key not in section:
             continue
-        both = [x for x in lists["criticalXids"] if x in lists[key]]
+        listed = values.get(attribute, getattr(defaults, attribute))
+        assert isinstance(critical, tuple)
+        assert isinstance(listed, tuple)
+        both = [x for x in critical if x in listed]
         if both:
             shown = ", ".join(str(x) for x in both)
             r.error(
                 _join(path, "criticalXids"),
                 f"{shown} also listed in {_join(path, key)}; list each Xid in one of them",
             )
-    recovery = defaults.recovery
-    if "recovery" in section:
-        recovery = (
-            r.choice(
-                section["recovery"],
-                _join(path, "recovery"),
-                _RECOVERY_POLICIES,
-                ", ".join(_RECOVERY_POLICIES),
-            )
-            or recovery
-        )
-    delay = defaults.recovery_delay_s
-    if "recoveryDelay" in section:
-        parsed = r.duration(section["recoveryDelay"], _join(path, "recoveryDelay"), 0.0)
-        delay = delay if parsed is None else parsed
-    hang = defaults.hang_timeout_s
-    if "hangTimeout" in section:
-        parsed = r.duration(section["hangTimeout"], _join(path, "hangTimeout"), MIN_HANG_TIMEOUT_S)
-        hang = hang if parsed is None else parsed
-    return HealthConfig(
-        enabled=enabled,
-        ignored_xids=lists["ignoredXids"],
-        additional_ignored_xids=lists["additionalIgnoredXids"],
-        critical_xids=lists["criticalXids"],
-        recovery=recovery,
-        recovery_delay_s=delay,
-        hang_timeout_s=hang,
-    )
 
 
-_MIG_STRATEGIES = {s.value: s for s in MigStrategy}
+def _control_command_problem(command: str) -> str | None:
+    if not command.strip():
+        return f"is empty (the default is {DEFAULT_MPS_CONTROL_COMMAND})"
+    return None
 
 
-def _mig(r: _Reader, value: object) -> MigConfig:
-    section = r.section(value, "mig", _MIG_KEYS)
-    if "strategy" not in section:
-        return MigConfig()
-    shown = ", ".join(_MIG_STRATEGIES)
-    strategy = r.choice(section["strategy"], "mig.strategy", _MIG_STRATEGIES, shown)
-    return MigConfig(strategy=strategy or MigStrategy.NONE)
+_RULES: dict[type, dict[str, Rule]] = {
+    ComputeEnforcement: {"period": _window_holds_a_period},
+    HealthConfig: {"criticalXids": _xids_listed_once},
+}
+# What the parser checks of a string key beyond its being a non-empty string, by key path.
+_CHECKS: dict[str, Callable[[str], str | None]] = {
+    "resourceName": _resource_name_problem,
+    "mps.root": _mps_root_problem,
+    "mps.controlCommand": _control_command_problem,
+    "dra.driverName": driver_name_problem,
+}
+# Sections read by hand: their keys depend on each other.
+_SECTIONS: dict[type, Callable[[_Reader, object, str], Any]] = {
+    SlicingConfig: _slicing,
+    NodeLabelsConfig: _node_labels,
+}
 
 
 def _parse_vgpu(r: _Reader, data: object) -> Config:
-    top = r.section(data, "", _TOP_KEYS)
-    defaults = Config()
-    version = defaults.version
-    if "version" in top:
-        version = r.version(top["version"], "version") or version
-    resource_name = defaults.resource_name
-    if "resourceName" in top:
-        resource_name = r.resource_name(top["resourceName"], "resourceName") or resource_name
-    return Config(
-        version=version,
-        resource_name=resource_name,
-        slicing=_slicing(r, top.get("slicing")),
-        allocation=_allocation(r, top.get("allocation")),
-        enforcement=_enforcement(r, top.get("enforcement")),
-        mps=_mps(r, top.get("mps")),
-        health=_health(r, top.get("health")),
-        node_labels=_node_labels(r, top.get("nodeLabels")),
-        mig=_mig(r, top.get("mig")),
-        dra=_dra(r, top.get("dra")),
-    )
+    config: Config = _read_section(r, Config, data, "")
+    return config

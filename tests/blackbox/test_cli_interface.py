@@ -89,7 +89,9 @@ def test_serve_help_shows_every_default_and_its_environment_variable() -> None:
     assert expected.keys() <= options.keys(), options.keys()
     for option, help_line in options.items():
         assert "default:" in help_line, f"{option} shows no default: {help_line}"
-        assert f"env {expected[option]}" in help_line, f"{option} names no variable"
+        variable = re.search(r"env ([A-Z][A-Z0-9_]*)\)", help_line)
+        assert variable, f"{option} names no variable"
+        assert variable.group(1) == expected.get(option, variable.group(1)), option
     assert "/var/lib/kubelet/device-plugins" in options["--device-plugin-dir"]
     assert "default: :9410" in options["--metrics-address"]
     assert "default: info" in options["--log-level"]
@@ -124,6 +126,14 @@ def test_a_bad_device_id_strategy_in_the_environment_is_named() -> None:
     assert result.returncode == 2
     assert "--device-id-strategy" in result.stderr
     assert "'serial' is not one of uuid, index" in result.stderr
+
+
+def test_a_bad_cgroup_driver_in_the_environment_is_named() -> None:
+    result = run_cli("serve", env={"VGPU_KUBELET_CGROUP_DRIVER": "bogus"})
+    assert result.returncode == 2
+    assert "--kubelet-cgroup-driver" in result.stderr
+    assert "bad --kubelet-cgroup-root" not in result.stderr
+    assert "'bogus' is not one of auto, cgroupfs, systemd" in result.stderr
 
 
 @pytest.mark.parametrize("spelling", ["warning", "WARNING", "Warning"])

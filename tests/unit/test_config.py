@@ -38,6 +38,7 @@ from deviceplugin.config import (
     parse_duration,
     parse_size,
 )
+from deviceplugin.config.keys import Group, Node, Section, keys_of
 from deviceplugin.errors import ConfigError
 
 GI = 1024**3
@@ -711,6 +712,18 @@ def test_default_config_yaml_parses_to_the_defaults(tmp_path: Path) -> None:
     assert config.warnings == ()
 
 
+def declared_keys(nodes: tuple[Node, ...], prefix: str = "") -> dict[str, Node]:
+    """Every key declared for vgpu's format, by path, but those inside a list item."""
+    found: dict[str, Node] = {}
+    for node in nodes:
+        path = f"{prefix}.{node.name}" if prefix else node.name
+        if isinstance(node.declared.kind, Section | Group):
+            found |= declared_keys(node.children, path)
+        else:
+            found[path] = node
+    return found
+
+
 def test_default_config_yaml_shows_every_setting() -> None:
     data = yaml.safe_load(default_config_yaml())
 
@@ -722,52 +735,42 @@ def test_default_config_yaml_shows_every_setting() -> None:
             found |= keys(item, f"{prefix}.{key}" if prefix else key)
         return found
 
+    declared = declared_keys(keys_of(Config))
+    # Each key with a default is written with it; one without is a commented example.
     assert keys(data) == {
-        "version",
-        "resourceName",
-        "slicing.replicas",
-        "slicing.overrides",
-        "allocation.policy",
-        "allocation.deviceListStrategy",
-        "allocation.deviceIDStrategy",
-        "allocation.frameworkHints",
-        "allocation.contextReserve",
-        "enforcement.pollInterval",
-        "enforcement.idlePollInterval",
-        "enforcement.dryRun",
-        "enforcement.memory.action",
-        "enforcement.memory.gracePeriod",
-        "enforcement.compute.action",
-        "enforcement.compute.window",
-        "enforcement.compute.period",
-        "enforcement.compute.workConserving",
-        "mps.enabled",
-        "mps.root",
-        "mps.controlCommand",
-        "health.enabled",
-        "health.ignoredXids",
-        "health.additionalIgnoredXids",
-        "health.criticalXids",
-        "health.recovery",
-        "health.recoveryDelay",
-        "health.hangTimeout",
-        "nodeLabels.file",
-        "mig.strategy",
-        "dra.driverName",
-        "dra.memory.min",
-        "dra.memory.step",
-        "dra.compute.min",
-        "dra.compute.step",
+        path
+        for path, node in declared.items()
+        if node.default is not None and not node.declared.deprecated
     }
+    assert "slicing.replicas" in keys(data)
+    assert "enforcement.compute.workConserving" in keys(data)
+    assert "dra.memory.min" in keys(data)
+    for path, node in declared.items():
+        if node.default is None and not node.declared.deprecated:
+            assert f"# {node.name}: {node.declared.example}" in default_config_yaml(), path
 
 
-def test_default_config_yaml_examples_are_valid_when_uncommented() -> None:
-    text = default_config_yaml()
-    example = text.replace("  overrides: []\n  # overrides:\n", "  overrides:\n")
-    example = example.replace("  #   ", "    ")
+def place(path: str, value: object) -> dict[str, object]:
+    config: dict[str, object] = {}
+    here = config
+    *sections, name = path.split(".")
+    for section in sections:
+        here = here.setdefault(section, {})  # type: ignore[assignment]
+    here[name] = value
+    return config
 
-    config = parse_config(yaml.safe_load(example))
 
+def test_every_example_is_a_valid_value_of_its_key() -> None:
+    examples = {
+        path: node.declared.example
+        for path, node in declared_keys(keys_of(Config)).items()
+        if node.declared.example
+    }
+    assert {"slicing.memoryPerSlice", "slicing.overrides"} <= examples.keys()
+    for path, example in examples.items():
+        parse_config(place(path, yaml.safe_load(example)))
+
+    config = parse_config(place("slicing.overrides", yaml.safe_load(examples["slicing.overrides"])))
     assert config.slicing.overrides == (
         SliceOverride(GpuMatch(model="*A100*"), SliceRule(replicas=8)),
         SliceOverride(GpuMatch(index=1), SliceRule(memory_per_slice_bytes=20 * GI)),

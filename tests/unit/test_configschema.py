@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from deviceplugin.config import default_config_yaml, format_duration, parse_config
+from deviceplugin.config.schema import _SIZE_PATTERN as SIZE_PATTERN
 from deviceplugin.config.schema import config_schema
 from deviceplugin.errors import ConfigError
 from tests.deploy.support import DEPLOY, ROOT
@@ -127,15 +128,19 @@ def samples(path: Path, schema: dict[str, Any]) -> tuple[list[object], list[obje
     if schema.get("type") == "string" and "pattern" not in schema:
         good += ["*A100*", "GPU-0a1b"]
         bad += ["", 5]
+    if any(a.get("pattern") == SIZE_PATTERN for a in schema.get("anyOf", [])):  # a size
+        minimum = schema.get("x-minimumBytes", 1)
+        good += ["10Gi", "512Mi", "1G", "1.5Gi", max(minimum, 1024 * 1024)]
+        bad += ["10Q", "Gi", -1, True]
+        if {"const": 0} in schema["anyOf"]:  # or 0
+            good += [0, "0"]
+        else:
+            bad.append(0)
+        if minimum > 1:
+            bad += [1024, minimum - 1]
     if "x-minimumSeconds" in schema:  # a duration
         good += [SOME_DURATION, "1m30s" if path[-1] == "window" else SOME_DURATION]
         bad += ["2", "2 seconds", "-1s", True, [1]]
-    if path[-1] == "memoryPerSlice":  # a size, at least x-minimumBytes
-        good += ["10Gi", "512Mi", "1G", schema["x-minimumBytes"], "1.5Gi"]
-        bad += ["10Q", "Gi", 0, -1, True, 1024, schema["x-minimumBytes"] - 1]
-    if path[-1] == "contextReserve":  # a size, or 0
-        good += ["512Mi", "1G", 0, "0", 1024]
-        bad += ["10Q", "Gi", -1, True]
     if path[-1] == "root":
         good += ["/run/vgpu/mps", "/mps"]
         bad += ["run/mps", "/a,b", "/a:b", 5]
@@ -152,9 +157,6 @@ def samples(path: Path, schema: dict[str, Any]) -> tuple[list[object], list[obje
         good += ["example.com/gpu", "vgpu.example.com/slice_1"]
         bad += ["gpu", "kubernetes.io/gpu", "requests.example.com/gpu", "Example.com/gpu", ""]
         bad.append("example.com/" + "a" * 64)
-    if path[-1] == "contextReserve":  # a size, or 0
-        good += ["1Gi", "256Mi", 0, "0", 1024]
-        bad += ["10Q", "Gi", -1, True]
     if path[-1] == "root":  # mps.root
         good += ["/run/vgpu/mps", "/var/run/mps"]
         bad += ["", "run/mps", "/run/../mps", "/run/mps/", "/run//mps", "/a,b", "/a:b", 5]
@@ -169,9 +171,6 @@ def samples(path: Path, schema: dict[str, Any]) -> tuple[list[object], list[obje
     if path == ("dra", "driverName"):
         good += ["vgpu.dev", "gpu.example.com"]
         bad += ["Not_A_Name", "", "vgpu.dev.", 5]
-    if path[:2] == ("dra", "memory"):  # a size, more than 0
-        good += ["256Mi", "1Gi", 1048576]
-        bad += ["10Q", "Gi", -1, 0, True]
     if path[-1] == "overrides":
         good += [[], None, [OVERRIDE]]
         bad += [[{"replicas": 2}], [{"match": {}, "replicas": 2}], [{"match": {"index": 0}}]]
