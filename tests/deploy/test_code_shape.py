@@ -19,11 +19,6 @@ GENERATED = ROOT / "deviceplugin" / "_proto"
 ALLOWED = frozenset(
     {
         "deviceplugin/app.py",
-        "deviceplugin/__main__.py",
-        "deviceplugin/__main__.py:build_parser",
-        "deviceplugin/config/vgpu.py",
-        "deviceplugin/config/schema.py:_vgpu_schema",
-        "deviceplugin/config/defaults.py:default_config_yaml",
     }
 )
 
