@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +16,7 @@ from typing import Any
 
 from deviceplugin.enforcer.control import boot_id
 from deviceplugin.safefs import RefusedFileError, read_bounded
+from deviceplugin.statefiles import write_file
 
 log = logging.getLogger("deviceplugin.enforcer.enforcer")
 
@@ -106,13 +105,12 @@ def read_stopped_record(path: Path) -> list[tuple[int, float]]:
 def write_stopped_record(
     path: Path, entries: Iterable[tuple[int, float]], *, boot: str | None = None
 ) -> None:
-    """Replace the record atomically (a temporary file, fsync, rename); no entries removes it.
+    """Replace the record atomically and durably (`statefiles`); no entries removes it.
     `boot` is the boot ID the identities belong to (default: this boot's)."""
     items = sorted(entries)
     if not items:
         path.unlink(missing_ok=True)
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
     content = json.dumps(
         {
             "version": _RECORD_VERSION,
@@ -121,16 +119,7 @@ def write_stopped_record(
         },
         indent=1,
     )
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(content + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_file(path.parent, path.name, (content + "\n").encode())
 
 
 def move_aside(path: Path, wall_s: float) -> Path | None:
