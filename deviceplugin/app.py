@@ -2,7 +2,7 @@
 
 The poll loop (`poller`) reads the GPU backend and publishes the slice inventory and the usage
 snapshot. The plugin life cycle keeps the gRPC server registered with the kubelet; the allocation
-tracker (`kubelet.tracker`) keeps the record of allocations in step with pod-resources. A part
+tracker (`plugin.tracker`) keeps the record of allocations in step with pod-resources. A part
 that fails for good ends the TaskGroup, and the daemon exits non-zero so the DaemonSet restarts it.
 
 Over 400 lines: `Daemon` is the wiring of every part and its reload hooks, best read as one class.
@@ -36,14 +36,14 @@ from deviceplugin.kubelet.checkpoint import (
     DeviceCheckpoint,
     normalize_pod_uid,
 )
-from deviceplugin.kubelet.lifecycle import PluginLifecycle
 from deviceplugin.kubelet.limits import device_list_problem
 from deviceplugin.kubelet.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
-from deviceplugin.kubelet.resources import ResourceEndpoint, ResourcePlugins
-from deviceplugin.kubelet.server import DevicePluginService
-from deviceplugin.kubelet.tracker import POD_RESOURCES_INTERVAL_S, AllocationTracker
 from deviceplugin.model import DaemonHealth, Inventory, NodeSnapshot
 from deviceplugin.nodelabels import NodeLabelFile
+from deviceplugin.plugin.lifecycle import PluginLifecycle
+from deviceplugin.plugin.resources import ResourceEndpoint, ResourcePlugins
+from deviceplugin.plugin.server import DevicePluginService
+from deviceplugin.plugin.tracker import POD_RESOURCES_INTERVAL_S, AllocationTracker
 from deviceplugin.poller import Poller, idle_interval_s
 from deviceplugin.slicing import plan_gpus
 from deviceplugin.state import Published

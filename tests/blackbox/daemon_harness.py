@@ -17,9 +17,9 @@ from deviceplugin.app import Daemon, DaemonSettings
 from deviceplugin.config import Config, DeviceIdStrategy, EnforcementConfig
 from deviceplugin.gpu.backend import GpuBackend
 from deviceplugin.gpu.fake import FakeBackend, FakeGpu, FakeProcess, FakeState, write_state_file
-from deviceplugin.kubelet.lifecycle import endpoint_name
 from deviceplugin.model import NodeReading
 from deviceplugin.partitions import MemoryLimits, PartitionSupport
+from deviceplugin.plugin.lifecycle import endpoint_name
 from deviceplugin.sim.kubelet import KubeletSimulator
 
 GiB = 1024**3

@@ -21,7 +21,7 @@ import pytest
 from deviceplugin.app import Daemon
 from deviceplugin.check import check_config
 from deviceplugin.gpu.fake import FakeBackend
-from deviceplugin.kubelet.lifecycle import PluginLifecycle
+from deviceplugin.plugin.lifecycle import PluginLifecycle
 from deviceplugin.reload import config_hash, read_config
 from deviceplugin.sim.kubelet import AdmissionError
 from tests.blackbox.daemon_harness import (

@@ -9,8 +9,8 @@ import time
 import grpc
 import pytest
 
-import deviceplugin.kubelet.lifecycle as lifecycle_module
-import deviceplugin.kubelet.server as server_module
+import deviceplugin.plugin.lifecycle as lifecycle_module
+import deviceplugin.plugin.server as server_module
 from deviceplugin.kubelet.proto import dp, dp_grpc
 from deviceplugin.model import Inventory
 from tests.blackbox.daemon_harness import Node, eventually, registered, running_daemon

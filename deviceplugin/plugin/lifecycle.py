@@ -36,8 +36,8 @@ import grpc
 
 from deviceplugin.kubelet.dirwatch import DEFAULT_FALLBACK_INTERVAL_S, DirectoryWatch
 from deviceplugin.kubelet.proto import DEVICE_PLUGIN_VERSION, KUBELET_SOCKET, dp, dp_grpc
-from deviceplugin.kubelet.server import DevicePluginService
 from deviceplugin.localgrpc import local_channel
+from deviceplugin.plugin.server import DevicePluginService
 
 log = logging.getLogger(__name__)
 
