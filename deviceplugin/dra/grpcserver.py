@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import stat
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +28,7 @@ from deviceplugin._proto.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from deviceplugin._proto.pluginregistration.v1 import api_pb2 as reg_pb
 from deviceplugin._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from deviceplugin.dra.settings import PLUGIN_TYPE, SUPPORTED_VERSIONS
+from deviceplugin.kubelet.sockets import remove_socket, serve_unix
 
 log = logging.getLogger(__name__)
 
@@ -190,24 +189,9 @@ class _RegistrationService:
         return reg_pb.RegistrationStatusResponse()
 
 
-def _remove_socket(path: Path) -> None:
-    """Remove a stale socket (never a directory or a regular file someone put there)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise OSError(f"{path} exists and is not a socket; remove it")
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
-
-
-async def _serve_unix(server: grpc.aio.Server, path: Path) -> None:
-    path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-    _remove_socket(path)
-    server.add_insecure_port(f"unix://{path}")
-    await server.start()
-    os.chmod(path, 0o600)
+async def _serve(server: grpc.aio.Server, path: Path) -> None:
+    if not await serve_unix(server, path):
+        raise FileNotFoundError(f"{path} was removed as soon as it was made")
 
 
 class PluginServers:
@@ -244,7 +228,7 @@ class PluginServers:
             service,
         )
         # The service socket first: the kubelet dials it as soon as it has our registration.
-        await _serve_unix(service, self.service_socket)
+        await _serve(service, self.service_socket)
         self._servers.append(service)
         registration = grpc.aio.server()
         reg_grpc.add_RegistrationServicer_to_server(
@@ -253,7 +237,7 @@ class PluginServers:
             ),
             registration,
         )
-        await _serve_unix(registration, self.registration_socket)
+        await _serve(registration, self.registration_socket)
         self._servers.append(registration)
         log.info(
             "serving the DRA plugin driver=%s socket=%s registration=%s",
@@ -269,4 +253,4 @@ class PluginServers:
         self._servers.clear()
         for path in (self.registration_socket, self.service_socket):
             with contextlib.suppress(OSError):
-                _remove_socket(path)
+                remove_socket(path)
