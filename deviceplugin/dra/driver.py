@@ -46,13 +46,13 @@ from deviceplugin.dra.grpcserver import (
     PrepareResult,
 )
 from deviceplugin.dra.kubeapi import ApiCallError, KubeApi
-from deviceplugin.dra.podresources import claim_containers
 from deviceplugin.dra.prepare import ClaimPreparer
 from deviceplugin.dra.publisher import SlicePublisher, until_set
 from deviceplugin.dra.settings import DraSettings
 from deviceplugin.dra.slices import build_devices, device_plans, inventory_health
 from deviceplugin.dra.slices import device_name as plan_device_name
 from deviceplugin.dra.store import ClaimStore
+from deviceplugin.kubelet.podresources import PodResourcesClient
 from deviceplugin.model import AllocationRecord, Inventory, NodeSnapshot
 from deviceplugin.state import AllocationBook
 
@@ -116,7 +116,10 @@ class DraDriver:
         self.unregistered_since_s = 0.0
         # (pod, container) names using each prepared claim, by claim UID, from pod-resources:
         # replaced whole (the poll worker reads it).
-        self._pod_resources = pod_resources_socket
+        # One channel for every ask (a new one only after a failed call).
+        self._pod_resources = (
+            None if pod_resources_socket is None else PodResourcesClient(pod_resources_socket)
+        )
         self._users: dict[str, tuple[tuple[str, str], ...]] = {}
         # The pod names pod-resources listed with a claim when it was last read again for them.
         self._looked_up: dict[str, frozenset[str]] = {}
@@ -265,14 +268,21 @@ class DraDriver:
         on the node (a claim shared by pods) is not prepared again, so nothing else tells the
         driver. A pod listed that the claim was not reserved for when it was prepared has the
         claim read again from the API server, for the pod's UID."""
-        if self._pod_resources is None:
+        client = self._pod_resources
+        if client is None:
             return
+        try:
+            await self._ask_for_names(client, stop)
+        finally:
+            await client.close()
+
+    async def _ask_for_names(self, client: PodResourcesClient, stop: asyncio.Event) -> None:
         warned = False
         while not stop.is_set():
             self._names_wanted.clear()
             if self._claims or not self.pod_resources_ok:
                 try:
-                    users = await claim_containers(self._pod_resources, self.settings.driver_name)
+                    users = await client.claim_users(self.settings.driver_name)
                     warned = False
                     self.pod_resources_ok = True
                 except grpc.aio.AioRpcError as e:
@@ -282,7 +292,7 @@ class DraDriver:
                         log.warning(
                             "pod-resources not answering; the claims' processes are refused "
                             "until it names their containers socket=%s error=%s",
-                            self._pod_resources,
+                            client.socket,
                             e.code().name,
                         )
                         warned = True

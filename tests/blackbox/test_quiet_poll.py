@@ -25,7 +25,6 @@ from deviceplugin.config import (
     SliceRule,
     SlicingConfig,
 )
-from deviceplugin.dra import podresources as dra_podresources
 from deviceplugin.gpu.fake import FakeBackend, FakeProcess
 from deviceplugin.kubelet.limits import device_list_problem
 from deviceplugin.kubelet.podresources import (
@@ -226,9 +225,11 @@ async def test_the_dra_claim_lookup_after_the_kubelet_is_back_is_not_failed_by_a
     stale = await _channel_in_reconnect_backoff(socket)
     sim = KubeletSimulator(short_tmp / "dp", socket)
     await sim.start()
+    client = PodResourcesClient(socket, timeout_s=2.0)
     try:
-        assert await dra_podresources.claim_containers(socket, "vgpu.dev") == {}
+        assert await client.claim_users("vgpu.dev") == {}
     finally:
+        await client.close()
         await stale.close()
         await sim.stop()
 
