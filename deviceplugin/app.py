@@ -31,10 +31,7 @@ from deviceplugin.gpu.backend import GpuBackend, open_backend
 from deviceplugin.grants import allocation_book
 from deviceplugin.kubelet.checkpoint import (
     CHECKPOINT_FILE,
-    CheckpointEntry,
     CheckpointReader,
-    DeviceCheckpoint,
-    normalize_pod_uid,
 )
 from deviceplugin.kubelet.limits import device_list_problem
 from deviceplugin.kubelet.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
@@ -172,12 +169,12 @@ class Daemon:
             self.book,
             node_name=settings.node_name,
             health=self.health,
-            checkpoint=_ClaimEvidence(self.dra)
+            evidence=self.dra.evidence
             if self.dra is not None
             else CheckpointReader(
                 settings.device_plugin_dir / CHECKPOINT_FILE,
                 lambda: self.resources.known_names,
-            ),
+            ).read,
             enforce=self._enforce,
             on_poll_duration=self._observe_poll,
             on_inventory=lambda inventory: self.reconcile_resources(),
@@ -781,25 +778,6 @@ class _DaemonMetricsOf:
 
     def render(self, accept: str = "") -> tuple[bytes, str]:
         return self._daemon.metrics.render(accept)
-
-
-class _ClaimEvidence:
-    """DRA mode's attribution evidence: the prepared claims, the pods they are reserved for and
-    their containers, in the shape of the kubelet's device checkpoint."""
-
-    def __init__(self, dra: DraDriver) -> None:
-        self._dra = dra
-
-    def read(self) -> DeviceCheckpoint:
-        return DeviceCheckpoint.of(
-            tuple(
-                # A claim holds no slice: no device IDs.
-                CheckpointEntry(
-                    normalize_pod_uid(o.pod_uid), o.container, o.allocation_id, (), o.gpu_uuids
-                )
-                for o in self._dra.claim_owners()
-            )
-        )
 
 
 def _mps_control_daemon(config: MpsConfig) -> MpsControlDaemon:

@@ -21,14 +21,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from deviceplugin.config import Config
 from deviceplugin.dra.slices import device_name
 from deviceplugin.errors import BackendError
 from deviceplugin.gpu.backend import GpuBackend, no_wake
 from deviceplugin.incremental import InventoryCache
-from deviceplugin.kubelet.checkpoint import DeviceCheckpoint
 from deviceplugin.kubelet.limits import DeviceListTooLargeError, device_list_problem
 from deviceplugin.model import (
     AllocationRecord,
@@ -38,6 +37,7 @@ from deviceplugin.model import (
     Inventory,
     NodeSnapshot,
 )
+from deviceplugin.owners import AllocationOwners
 from deviceplugin.slicing import format_bytes, keep_held, plan_gpus
 from deviceplugin.state import AllocationBook, Published
 from deviceplugin.usage.attribution import AttributionEvidence, SnapshotBuilder, mark_stale
@@ -177,13 +177,6 @@ def _set_exception(future: asyncio.Future[Any], error: BaseException) -> None:
         future.set_exception(error)
 
 
-class CheckpointSource(Protocol):
-    """Who holds which allocation, as attribution evidence: the kubelet's device checkpoint
-    (`CheckpointReader`), or in DRA mode the prepared claims and their pods."""
-
-    def read(self) -> DeviceCheckpoint: ...
-
-
 @dataclass(frozen=True, slots=True)
 class Tick:
     """What one poll produced, off the event loop."""
@@ -211,7 +204,9 @@ class Poller:
         node_name: str = "",
         health: Callable[[], DaemonHealth] = DaemonHealth,
         resolver: AllocationResolver | None = None,
-        checkpoint: CheckpointSource | None = None,
+        # Who holds which allocation (the frontend's evidence: the kubelet's device checkpoint,
+        # or in DRA mode the prepared claims and their pods), read on the poll worker.
+        evidence: Callable[[], AllocationOwners] | None = None,
         enforce: Callable[[NodeSnapshot], NodeSnapshot] = lambda snapshot: snapshot,
         on_poll_duration: Callable[[float], None] = lambda seconds: None,
         timeout_s: float | None = None,
@@ -237,7 +232,7 @@ class Poller:
         # The device list's size check, kept with what it was computed from.
         self._list_check_key: object = None
         self._list_check_problem: str | None = None
-        self._checkpoint = checkpoint
+        self._owners = evidence
         self._checkpoint_reason: str | None = None
         # Each GPU's health at the last poll, by UUID: a change is logged once.
         self._healthy: dict[str, bool] = {}
@@ -329,9 +324,9 @@ class Poller:
         checkpoint (which pod holds which allocation) and the process's pod and container
         cgroups. A claim from a process in no pod cgroup is refused unless the settings trust
         host processes (demo, tests). Without a readable checkpoint, claims stand as they are."""
-        if self._checkpoint is None:
+        if self._owners is None:
             return None
-        checkpoint = self._checkpoint.read()
+        checkpoint = self._owners()
         if checkpoint.reason != self._checkpoint_reason:
             first = self._checkpoint_reason is None
             self._checkpoint_reason = checkpoint.reason

@@ -32,7 +32,6 @@ import grpc
 
 from deviceplugin.config import Config
 from deviceplugin.dra.claims import (
-    ClaimOwner,
     PreparedClaim,
     claim_owners,
     claim_record,
@@ -54,6 +53,7 @@ from deviceplugin.dra.slices import device_name as plan_device_name
 from deviceplugin.dra.store import ClaimStore
 from deviceplugin.kubelet.podresources import PodResourcesClient
 from deviceplugin.model import AllocationRecord, Inventory, NodeSnapshot
+from deviceplugin.owners import AllocationOwners
 from deviceplugin.state import AllocationBook
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,13 @@ class DraDriver:
         self._names_wanted = asyncio.Event()
         # Whether pod-resources answered the last query (for /healthz and /status).
         self.pod_resources_ok = False
+        # The last evidence and the claims and users it was made of.
+        self._evidence: (
+            tuple[
+                tuple[PreparedClaim, ...], dict[str, tuple[tuple[str, str], ...]], AllocationOwners
+            ]
+            | None
+        ) = None
 
     # --- the poll's view -------------------------------------------------------------------
 
@@ -154,11 +161,19 @@ class DraDriver:
             self._built, self._config().dra, self.settings.driver_name, self._reasons()
         )
 
-    def claim_owners(self) -> list[ClaimOwner]:
+    def evidence(self) -> AllocationOwners:
         """Attribution's evidence in DRA mode: each prepared claim held by the containers the
         kubelet's pod-resources DRA entries list for it, in the pods it is reserved for (a
-        claim from a process outside them is refused). Read by the poll worker."""
-        return claim_owners(self._claims, self._users)
+        claim from a process outside them is refused). Read by the poll worker; the same object
+        while the claims and their users are (both are replaced whole on a change), so that a
+        poll of unchanged processes reuses the last attribution."""
+        claims, users = self._claims, self._users
+        last = self._evidence
+        if last is not None and last[0] is claims and last[1] is users:
+            return last[2]
+        owners = claim_owners(claims, users)
+        self._evidence = (claims, users, owners)
+        return owners
 
     def _on_registered(self) -> None:
         self.publisher.request()

@@ -691,7 +691,7 @@ async def test_a_pod_joining_a_prepared_claim_is_named_and_becomes_its_evidence(
             pod_resources.users[("pod-2", "main")] = ["claim-u-shared"]
             await eventually(lambda: named() == ("pod-1,pod-2", "main"), 15, "pod-2 named")
             assert daemon.dra is not None
-            owners = {(o.pod_uid, o.container) for o in daemon.dra.claim_owners()}
+            owners = {(o.pod_uid, o.container) for o in daemon.dra.evidence().entries}
             assert owners == {("uid-pod-1", "main"), ("uid-pod-2", "main")}
     finally:
         await server.stop(None)
