@@ -396,3 +396,17 @@ def allocation_book(
     if not keep:
         return AllocationBook()
     return AllocationBook(GrantStore(state_dir, lambda: inventory.value))
+
+
+class HeldGrants:
+    """A reload's part: running allocations keep what they were given (their grants); a
+    WARNING says where the new plan would have given them something else."""
+
+    def __init__(self, book: AllocationBook, inventory: Published[Inventory]) -> None:
+        self._book = book
+        self._inventory = inventory
+
+    async def reconfigure(self, old: Config, new: Config) -> None:
+        gpus = [plan.gpu for plan in self._inventory.value.plans]
+        for line in held_changes(self._book, gpus, new):
+            log.warning("config reload: %s", line)

@@ -35,11 +35,11 @@ from deviceplugin import statefiles
 from deviceplugin.config import Config
 from deviceplugin.dra import cdi
 from deviceplugin.dra.claims import ClaimError, PreparedClaim, claim_edits, read_claim
-from deviceplugin.dra.grpcserver import ClaimRef, PreparedDevice, PrepareResult
 from deviceplugin.dra.kubeapi import ApiCallError, KubeApi
 from deviceplugin.dra.refs import escaped, ref_problem, shown, uid_problem
 from deviceplugin.dra.settings import DraSettings, GpuCdi
 from deviceplugin.dra.store import ClaimStore
+from deviceplugin.kubelet.draplugin import ClaimRef, PreparedDevice, PrepareResult
 from deviceplugin.model import GpuPlan
 
 log = logging.getLogger("deviceplugin.dra.driver")

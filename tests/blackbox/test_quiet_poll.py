@@ -44,6 +44,7 @@ from tests.blackbox.daemon_harness import (
     Workloads,
     eventually,
     gpu,
+    plugins,
     registered,
     running_daemon,
     with_processes,
@@ -395,7 +396,7 @@ async def test_pod_resources_is_asked_while_allocations_are_held_and_not_while_n
     monkeypatch.setattr(PodResourcesClient, "list_container_devices", counting_ask)
     async with running_daemon(node, pod_resources_interval_s=0.2) as daemon:
         await registered(node, 8)
-        await eventually(lambda: daemon.tracker.refreshes >= 1, what="the first ask")
+        await eventually(lambda: plugins(daemon).tracker.refreshes >= 1, what="the first ask")
         await asyncio.sleep(1.0)
         # Nothing allocated: asked once at the start, not every 200 ms.
         assert len(asked) == 1
