@@ -110,11 +110,12 @@ class OptionalParts:
     def close(self) -> None:
         """Close every part, whatever ends the daemon (each part's failure is logged, and the
         others are closed all the same)."""
-        errors: list[BaseException] = []
+        errors: list[Exception] = []
         for part in self.parts:
             try:
                 part.close()
             except Exception as e:  # noqa: BLE001 (the others are closed first; raised below)
+                log.error("closing an optional part failed part=%s error=%r", part.name, e)
                 errors.append(e)
         if errors:
             raise errors[0]
