@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deviceplugin import statefiles
 from deviceplugin.enforcer.control import boot_id
 from deviceplugin.safefs import RefusedFileError, read_bounded
 from deviceplugin.statefiles import write_file
@@ -123,15 +124,12 @@ def write_stopped_record(
 
 
 def move_aside(path: Path, wall_s: float) -> Path | None:
-    """Rename an unreadable record so that nothing overwrites it; its new path, None if that
-    failed (logged)."""
-    aside = path.with_name(f"{path.name}.unreadable-{int(wall_s)}")
-    n = 0
-    while aside.exists():
-        n += 1
-        aside = path.with_name(f"{path.name}.unreadable-{int(wall_s)}.{n}")
+    """Rename an unreadable record so that nothing overwrites it (`statefiles.move_aside`); its
+    new path, None if that failed (logged)."""
     try:
-        path.rename(aside)
+        aside = path.with_name(
+            statefiles.move_aside(path.parent, path.name, f"unreadable-{int(wall_s)}")
+        )
     except OSError as e:
         log.error(
             "cannot move the unreadable stopped-process record aside path=%s error=%s",

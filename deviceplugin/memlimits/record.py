@@ -213,9 +213,10 @@ class LimitRecord:
         log.info("memory-limit record read path=%s leaves=%d", self.path, len(self._leaves))
 
     def _move_aside(self, why: str) -> None:
-        aside = f"{RECORD_NAME}.unreadable-{int(self._wall_clock())}"
         try:
-            self.path.rename(self.state_dir / aside)
+            aside = statefiles.move_aside(
+                self.state_dir, RECORD_NAME, f"unreadable-{int(self._wall_clock())}"
+            )
         except OSError as e:
             log.error("memory-limit record unreadable path=%s error=%s; %s", self.path, why, e)
             return
