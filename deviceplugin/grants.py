@@ -29,7 +29,6 @@ import concurrent.futures
 import json
 import logging
 import math
-import os
 import queue
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -37,6 +36,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from deviceplugin import statefiles
 from deviceplugin.allocation import slice_grants
 from deviceplugin.config import Config
 from deviceplugin.model import (
@@ -48,7 +48,7 @@ from deviceplugin.model import (
     Inventory,
     SliceId,
 )
-from deviceplugin.safefs import read_bounded, replace_file
+from deviceplugin.safefs import read_bounded
 from deviceplugin.slicing import format_bytes, plan_gpus
 from deviceplugin.state import AllocationBook, Published
 
@@ -263,12 +263,7 @@ class GrantStore:
     def _write(self, data: bytes) -> bool:
         """Replace the file with `data` (the writer's thread); whether it was replaced."""
         try:
-            self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            dir_fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                replace_file(dir_fd, GRANTS_FILE, data, 0o600, sync=False)
-            finally:
-                os.close(dir_fd)
+            statefiles.write_file(self._dir, GRANTS_FILE, data, sync=False)
         except OSError as e:
             log.error(
                 "cannot keep the allocation grants; after a restart of the daemon its "
@@ -282,15 +277,7 @@ class GrantStore:
     def _sync(self) -> None:
         """The file and its directory to disk (the writer's thread, after Allocate answered)."""
         try:
-            for path, flags in (
-                (self.path, os.O_RDONLY),
-                (self._dir, os.O_RDONLY | os.O_DIRECTORY),
-            ):
-                fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+            statefiles.sync_file(self._dir, GRANTS_FILE)
         except OSError as e:
             log.warning("cannot sync the allocation grants to disk path=%s error=%s", self.path, e)
 
@@ -409,3 +396,17 @@ def allocation_book(
     if not keep:
         return AllocationBook()
     return AllocationBook(GrantStore(state_dir, lambda: inventory.value))
+
+
+class HeldGrants:
+    """A reload's part: running allocations keep what they were given (their grants); a
+    WARNING says where the new plan would have given them something else."""
+
+    def __init__(self, book: AllocationBook, inventory: Published[Inventory]) -> None:
+        self._book = book
+        self._inventory = inventory
+
+    async def reconfigure(self, old: Config, new: Config) -> None:
+        gpus = [plan.gpu for plan in self._inventory.value.plans]
+        for line in held_changes(self._book, gpus, new):
+            log.warning("config reload: %s", line)

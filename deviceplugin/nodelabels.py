@@ -31,8 +31,9 @@ import re
 from pathlib import Path
 
 from deviceplugin.model import Inventory
-from deviceplugin.safefs import RefusedFileError, open_directory, read_bounded, replace_file
+from deviceplugin.safefs import RefusedFileError, open_directory, read_bounded
 from deviceplugin.state import Published
+from deviceplugin.statefiles import replace_file
 
 log = logging.getLogger(__name__)
 

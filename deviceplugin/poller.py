@@ -21,16 +21,17 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from deviceplugin.config import Config
 from deviceplugin.dra.slices import device_name
 from deviceplugin.errors import BackendError
+from deviceplugin.frontend import KubeletFrontend
 from deviceplugin.gpu.backend import GpuBackend, no_wake
 from deviceplugin.incremental import InventoryCache
-from deviceplugin.kubelet.checkpoint import DeviceCheckpoint
 from deviceplugin.kubelet.limits import DeviceListTooLargeError, device_list_problem
 from deviceplugin.model import (
+    SOURCE_DRA,
     AllocationRecord,
     ContainerUsage,
     DaemonHealth,
@@ -177,13 +178,6 @@ def _set_exception(future: asyncio.Future[Any], error: BaseException) -> None:
         future.set_exception(error)
 
 
-class CheckpointSource(Protocol):
-    """Who holds which allocation, as attribution evidence: the kubelet's device checkpoint
-    (`CheckpointReader`), or in DRA mode the prepared claims and their pods."""
-
-    def read(self) -> DeviceCheckpoint: ...
-
-
 @dataclass(frozen=True, slots=True)
 class Tick:
     """What one poll produced, off the event loop."""
@@ -209,15 +203,14 @@ class Poller:
         book: AllocationBook,
         *,
         node_name: str = "",
+        frontend: KubeletFrontend,
         health: Callable[[], DaemonHealth] = DaemonHealth,
         resolver: AllocationResolver | None = None,
-        checkpoint: CheckpointSource | None = None,
         enforce: Callable[[NodeSnapshot], NodeSnapshot] = lambda snapshot: snapshot,
         on_poll_duration: Callable[[float], None] = lambda seconds: None,
         timeout_s: float | None = None,
-        on_inventory: Callable[[Inventory], None] = lambda inventory: None,
         trust_host_processes: bool = False,
-        inventory_view: Callable[[Inventory], Inventory] | None = None,
+        names_wanted: asyncio.Event | None = None,
     ) -> None:
         self._backend = backend
         self._config = config
@@ -237,16 +230,17 @@ class Poller:
         # The device list's size check, kept with what it was computed from.
         self._list_check_key: object = None
         self._list_check_problem: str | None = None
-        self._checkpoint = checkpoint
+        # The kubelet's side: what the poll publishes of the inventory it built, who holds which
+        # allocation (the kubelet's device checkpoint, or in DRA mode the prepared claims and
+        # their pods), and where the published inventory goes.
+        self._frontend = frontend
+        self._dra = frontend.kind == SOURCE_DRA
         self._checkpoint_reason: str | None = None
         # Each GPU's health at the last poll, by UUID: a change is logged once.
         self._healthy: dict[str, bool] = {}
         self._trust_host_processes = trust_host_processes
         self._enforce = enforce
         self._on_poll_duration = on_poll_duration
-        self._on_inventory = on_inventory
-        # DRA mode (given only there): the built inventory as the DRA driver serves it.
-        self._inventory_view = inventory_view
         self._interval_s = config.enforcement.poll_interval_s
         self._idle_interval_s = idle_interval_s(config)
         # True after a poll that saw no GPU process while no slice was allocated: the next one
@@ -260,7 +254,8 @@ class Poller:
         self._pending: asyncio.Future[Tick] | None = None
         self._previous_reading_s: float | None = None
         self.snapshot: NodeSnapshot | None = None
-        self.names_wanted = asyncio.Event()
+        # Set when pod-resources should be asked at once (the frontend waits on it).
+        self.names_wanted = names_wanted if names_wanted is not None else asyncio.Event()
         # Set to poll at once rather than at the next tick.
         self.wake = asyncio.Event()
         self.failures = 0
@@ -288,8 +283,7 @@ class Poller:
         built = self._inventories.build(
             reading, cfg.slicing, mig=cfg.mig, resource_name=cfg.resource_name
         )
-        if self._inventory_view is not None:
-            built = self._inventory_view(built)
+        built = self._frontend.view(built)
         inventory = keep_held(
             self._inventory.value,
             built,
@@ -308,15 +302,24 @@ class Poller:
             previous_reading_s=self._previous_reading_s,
             evidence=self._evidence(),
             # DRA mode: the snapshot speaks devices and claims, with the current policies.
-            dra=None if self._inventory_view is None else cfg.dra,
+            dra=cfg.dra if self._dra else None,
         )
         self._previous_reading_s = now_s
         duration_s = time.perf_counter() - started
         return Tick(inventory, self._enforce(snapshot), unknown, duration_s)
 
-    def reconfigure(self, config: Config) -> None:
-        """Poll with a new config from the next tick on (a live reload)."""
-        old, self._config = self._config, config
+    def refuses(self, config: Config) -> list[str]:
+        """Why `config`'s slicing plan cannot be polled on this node's GPUs (its device list
+        would not fit in one kubelet message); empty when it fits or no GPU is known yet."""
+        gpus = [plan.gpu for plan in self._inventory.value.plans]
+        plans = plan_gpus(gpus, config.slicing, mig=config.mig, resource_name=config.resource_name)
+        problem = device_list_problem(plans, config.slicing)
+        return [] if problem is None else [problem]
+
+    async def reconfigure(self, old: Config, config: Config) -> None:
+        """Poll with a new config from the next tick on, at once (a live reload): the new plan
+        reaches the kubelet now, and the poll reconciles the resource set with it."""
+        self._config = config
         self._interval_s = config.enforcement.poll_interval_s
         self._idle_interval_s = idle_interval_s(config)
         self.timeout_s = max(5.0, 4 * self._interval_s)
@@ -329,15 +332,12 @@ class Poller:
         checkpoint (which pod holds which allocation) and the process's pod and container
         cgroups. A claim from a process in no pod cgroup is refused unless the settings trust
         host processes (demo, tests). Without a readable checkpoint, claims stand as they are."""
-        if self._checkpoint is None:
-            return None
-        checkpoint = self._checkpoint.read()
+        checkpoint = self._frontend.evidence()
         if checkpoint.reason != self._checkpoint_reason:
             first = self._checkpoint_reason is None
             self._checkpoint_reason = checkpoint.reason
             if checkpoint.readable:
-                dra = self._inventory_view is not None
-                log.info("verifying attribution against %s", EVIDENCE[dra])
+                log.info("verifying attribution against %s", EVIDENCE[self._dra])
             else:
                 # On a fresh node the kubelet writes it only after our first device list.
                 fresh = first and checkpoint.reason.startswith("no checkpoint")
@@ -393,14 +393,13 @@ class Poller:
         self._pending = None
         old = self._inventory.value
         if self._inventory.set(tick.inventory):
-            dra = self._inventory_view is not None
-            for line in describe_inventory_change(old, tick.inventory, dra=dra):
+            for line in describe_inventory_change(old, tick.inventory, dra=self._dra):
                 (log.warning if "removed" in line else log.info)(line)
         readings = [gpu.reading for gpu in tick.snapshot.gpus]
         for line in describe_health_change(self._healthy, readings):
             (log.warning if "unhealthy" in line else log.info)(line)
         self._healthy = {r.info.uuid: r.healthy for r in readings}
-        self._on_inventory(tick.inventory)
+        self._frontend.publish(tick.inventory)
         self.last_success_wall_s = tick.snapshot.taken_at_s
         self.failures = 0
         # The book as it is now: an Allocate answered while the tick ran counts (its wake-up

@@ -22,8 +22,9 @@ config whose `dra` policy makes a ResourceSlice the API server would refuse on t
 devices is refused the same way, before it is applied; one that the API server itself refuses
 once applied (where it took the slice before) is undone and counted refused.
 
-One that passes is applied by `apply_config`, the one entry point (`Daemon.apply_config` calls
-it):
+One that passes is applied by `live.LiveConfig.apply`, the one entry point: each part of the
+running daemon follows it through `reconfigure(old, new)`, in the order the composition root
+lists them (neither this module nor `live` knows the parts but by that method):
 
 - slicing: the next poll builds the inventory from the new plan. A running allocation keeps
   what it was given (its grants: the memory and compute its environment states), whatever the
@@ -61,18 +62,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deviceplugin.config import Config, config_from_bytes, is_empty_document
-from deviceplugin.dra.settings import device_ids_ignored
-from deviceplugin.dra.slices import build_devices, build_slice, slice_problems
 from deviceplugin.errors import ConfigError
-from deviceplugin.grants import held_changes
 from deviceplugin.kubelet.dirwatch import DirectoryWatch
-from deviceplugin.model import Inventory
-from deviceplugin.slicing import plan_gpus
+from deviceplugin.live import LiveConfig
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
-
-    from deviceplugin.app import Daemon
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +78,6 @@ RESULTS = ("applied", "refused")
 # still changing after SETTLE_TRIES reads waits for its next change.
 SETTLE_S = 0.5
 SETTLE_TRIES = 20
-# How long a reload in DRA mode waits for the API server's answer to the new slice.
-VERDICT_TIMEOUT_S = 30.0
 EMPTY = (
     "is empty: while the daemon runs, an empty file is taken for one being written, not for the "
     "built-in defaults; write {} (or version: v1) to run on the defaults"
@@ -174,53 +167,6 @@ def describe_changes(old: Config, new: Config) -> list[str]:
     ]
 
 
-async def apply_config(daemon: Daemon, new: Config) -> None:
-    """Apply `new` to the running daemon (see the module's docstring)."""
-    new = daemon.settings.configured(new)
-    old = daemon.settings.config
-    daemon.settings = dataclasses.replace(daemon.settings, config=new)
-    # Every resource's endpoint answers Allocate with the new settings; endpoints made from now
-    # on take them from the daemon's settings.
-    for endpoint in daemon.resources:
-        endpoint.service.reconfigure(new)
-    if new.enforcement != old.enforcement:
-        await daemon.replace_enforcer()
-    if new.resource_name != old.resource_name:
-        log.warning(
-            "config reload: resource renamed; registering again old=%s new=%s",
-            old.resource_name,
-            new.resource_name,
-        )
-        daemon.resources.set_primary(new.resource_name)
-        daemon.reconcile_resources()
-    # Running allocations keep what they were given (their grants); say where the new plan
-    # would have given them something else.
-    for line in held_changes(daemon.book, [p.gpu for p in daemon.inventory.value.plans], new):
-        log.warning("config reload: %s", line)
-    # And polls at once: the new plan reaches the kubelet now. The poll reconciles the resource
-    # set with it: a new MIG strategy or slicing rule registers the resources it names, and
-    # those it drops go once no allocation holds their slices.
-    daemon.poller.reconfigure(new)
-    if new.mps != old.mps:
-        await daemon.reconfigure_mps(new.mps)
-    if (
-        new.node_labels != old.node_labels
-        or new.mig.strategy != old.mig.strategy
-        or new.resource_name != old.resource_name
-    ):
-        await daemon.reconfigure_node_labels(new)
-    if new.health != old.health:
-        log.warning(
-            "config reload: the health settings take effect at the next restart of the daemon"
-        )
-    if daemon.dra is not None and new.allocation != old.allocation:
-        ignored = device_ids_ignored(new)
-        if ignored:
-            log.warning("config reload: %s", ignored)
-    for warning in new.warnings:
-        log.warning("config: %s", warning)
-
-
 async def report_hangups_without_a_config(stop: asyncio.Event, hangup: asyncio.Event) -> None:
     """Without --config there is nothing to reload: say so on each SIGHUP."""
     while True:
@@ -241,7 +187,7 @@ class ConfigReloader:
 
     def __init__(
         self,
-        daemon: Daemon,
+        live: LiveConfig,
         path: Path | None,
         metrics: ReloadMetrics,
         running_hash: str,
@@ -252,7 +198,7 @@ class ConfigReloader:
     ) -> None:
         # path None: the built-in defaults (a per-node config's `empty` choice), in watch_dir's
         # set of named configs.
-        self._daemon = daemon
+        self._live = live
         self._path = path
         self._metrics = metrics
         self.running_hash = running_hash
@@ -379,19 +325,17 @@ class ConfigReloader:
         if loaded.hash == self.running_hash:
             self._seen(loaded.hash, trigger)
             return "unchanged"
-        # Valid on its own, but its device list must also fit in one kubelet message here.
-        too_large = self._daemon.plan_problem(loaded.config)
-        if too_large is not None:
-            return self._refuse(source, [too_large], trigger, key=loaded.hash)
-        refused_slice = dra_slice_problems(self._daemon, loaded.config)
-        if refused_slice:
-            return self._refuse(source, refused_slice, trigger, key=loaded.hash)
-        old = self._daemon.settings.config
-        changes = describe_changes(old, self._daemon.settings.configured(loaded.config))
-        await self._daemon.apply_config(loaded.config)
-        refusal = await self._api_verdict()
+        # Valid on its own, but it must also be servable here (its device list must fit in one
+        # kubelet message; in DRA mode the API server must take its ResourceSlice).
+        problems = self._live.refuses(loaded.config)
+        if problems:
+            return self._refuse(source, problems, trigger, key=loaded.hash)
+        old = self._live.config
+        changes = describe_changes(old, self._live.configured(loaded.config))
+        await self._live.apply(loaded.config)
+        refusal = await self._live.verdict()
         if refusal:
-            await self._daemon.apply_config(old)
+            await self._live.apply(old)
             problem = f"the API server refuses the ResourceSlice this config makes: {refusal}"
             return self._refuse(source, [problem], trigger, key=loaded.hash)
         log.info(
@@ -406,16 +350,6 @@ class ConfigReloader:
         self._metrics.counted("applied")
         self._metrics.running(loaded.hash)
         return "applied"
-
-    async def _api_verdict(self) -> str:
-        """DRA mode: why the API server refuses the slice the config just applied makes, where
-        it took the slice before ("" when it takes it, does not answer, or refused it already:
-        then the new config is not what it refuses)."""
-        dra = self._daemon.dra
-        if dra is None or dra.publisher.refusal:
-            return ""
-        request = dra.publisher.request()
-        return await dra.publisher.verdict(request, VERDICT_TIMEOUT_S)
 
     def _refuse(
         self, source: str, problems: list[str], trigger: str, key: str | None = None
@@ -437,16 +371,3 @@ class ConfigReloader:
         )
         self._metrics.counted("refused")
         return "refused"
-
-
-def dra_slice_problems(daemon: Daemon, config: Config) -> list[str]:
-    """DRA mode: why the API server would refuse the ResourceSlice `config` makes for this
-    node's devices (its slicing and its `dra` policy); empty when it would take it, or outside
-    DRA mode."""
-    if daemon.dra is None:
-        return []
-    gpus = [plan.gpu for plan in daemon.inventory.value.plans]
-    plans = plan_gpus(gpus, config.slicing, mig=config.mig, resource_name=config.resource_name)
-    settings = daemon.dra.settings
-    devices = build_devices(Inventory(plans=tuple(plans)), config.dra, settings.driver_name)
-    return slice_problems(build_slice(settings.node_name, settings.driver_name, devices, 1))

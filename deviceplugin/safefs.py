@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -90,44 +89,6 @@ def _open_child(name: str, parent: int, walked: PurePosixPath) -> int:
         if e.errno in (errno.ELOOP, errno.ENOTDIR):
             raise UnsafePathError(e.errno, f"{walked} is a symbolic link or not a directory") from e
         raise
-
-
-def replace_file(
-    dir_fd: int, name: str, data: bytes, mode: int, *, sync: bool = True
-) -> os.stat_result:
-    """Replace the file `name` in the open directory `dir_fd` with `data`, mode `mode` exactly
-    (whatever the umask); the new file's stat. `sync=False` skips the fsync, for a file that
-    need not outlive the machine (a reader still sees the old file or the new one).
-
-    The data goes to a new hidden file of a random name, created with O_EXCL | O_NOFOLLOW in
-    that directory, which is then renamed over `name`: whatever was at `name` (a symlink
-    included) is replaced, never written through, and a failure leaves no temporary behind.
-    With `sync` (the default) the data is on disk before the rename; without, the caller syncs
-    the file and the directory itself when it can wait for the disk."""
-    temporary = f".{name}.{secrets.token_hex(8)}.tmp"
-    fd = os.open(
-        temporary,
-        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-        mode,
-        dir_fd=dir_fd,
-    )
-    try:
-        try:
-            os.fchmod(fd, mode)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            if sync:
-                os.fsync(fd)
-            written = os.fstat(fd)
-        finally:
-            os.close(fd)
-        os.rename(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary, dir_fd=dir_fd)
-        raise
-    return written
 
 
 class RefusedFileError(OSError):

@@ -231,3 +231,13 @@ class AllocationBook:
     def slice_ids(self) -> Iterable[str]:
         for record in self._records.values():
             yield from record.slice_ids
+
+
+async def until_set(stop: asyncio.Event, event: asyncio.Event, timeout_s: float) -> None:
+    """Wait until `stop` or `event` is set, or `timeout_s` passed."""
+    waiters = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(event.wait())}
+    try:
+        await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()

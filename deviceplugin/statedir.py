@@ -43,6 +43,18 @@ class StateDirLock:
             self._fd = None
 
 
+def make_state_dir(state_dir: Path) -> Path:
+    """`state_dir`, made if missing; StartupError saying what to do when it cannot be."""
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StartupError(
+            f"cannot create the state directory {state_dir}: {e.strerror or e}; "
+            "set --state-dir to a writable directory"
+        ) from e
+    return state_dir
+
+
 def claim_state_dir(state_dir: Path) -> StateDirLock:
     """Create the state directory (owner-only) if needed, check that no other user can write
     it, and lock it for this daemon. Raises StartupError saying what to do."""

@@ -41,8 +41,8 @@ import time
 from pathlib import Path
 
 from deviceplugin.gpu.fake import FakeGpu, FakeState, write_state_file
-from deviceplugin.kubelet.lifecycle import endpoint_name
 from deviceplugin.model import allocation_id
+from deviceplugin.plugin.lifecycle import endpoint_name
 from deviceplugin.sim.kubelet import ContainerGrant, KubeletSimulator
 
 log = logging.getLogger("image_test")

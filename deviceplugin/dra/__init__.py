@@ -11,6 +11,10 @@ through Dynamic Resource Allocation instead of the device-plugin API.
 - `prepare`: NodePrepareResources/NodeUnprepareResources, ordered per claim, and the
   reconcile of the prepared claims against the API server.
 - `kubeapi`: the API server, through lightkube's async client.
-- `grpcserver`: the plugin-registration and dra.v1/v1beta1 gRPC services.
-- `driver`: the parts put together, run by the daemon in `--kubelet-api dra` mode.
+- `publisher`: the node's ResourceSlice kept on the API server.
+- `users`: who uses a prepared claim, from the kubelet's pod-resources DRA entries.
+- `driver`: the prepared claims and the kubelet's calls on them; it owns no socket (the shared
+  `kubelet.draplugin` helper serves and registers it).
+- `frontend`: the parts put together as the daemon's kubelet frontend in `--kubelet-api dra`
+  mode.
 """

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from deviceplugin.dra import files
+from deviceplugin import statefiles
 from deviceplugin.dra.claims import ContainerEdits, PreparedClaim
 
 CDI_VERSION = "0.6.0"
@@ -66,12 +66,12 @@ def write_spec(
     """Write (or replace) the claim's spec file; returns its path."""
     name = spec_file_name(driver_name, claim.uid)
     spec = build_spec(driver_name, claim, edits)
-    files.write_file(cdi_dir, name, json.dumps(spec, indent=2, sort_keys=True).encode())
+    statefiles.write_file(cdi_dir, name, json.dumps(spec, indent=2, sort_keys=True).encode())
     return cdi_dir / name
 
 
 def remove_spec(cdi_dir: Path, driver_name: str, claim_uid: str) -> bool:
-    return files.remove_file(cdi_dir, spec_file_name(driver_name, claim_uid))
+    return statefiles.remove_file(cdi_dir, spec_file_name(driver_name, claim_uid))
 
 
 def spec_claim_uids(cdi_dir: Path, driver_name: str) -> list[str]:
@@ -79,6 +79,6 @@ def spec_claim_uids(cdi_dir: Path, driver_name: str) -> list[str]:
     prefix = f"{driver_name}-{CLAIM_CLASS}_"
     return [
         n.removeprefix(prefix).removesuffix(".json")
-        for n in files.list_files(cdi_dir, prefix)
+        for n in statefiles.list_files(cdi_dir, prefix)
         if n.endswith(".json")
     ]

@@ -42,6 +42,7 @@ from deviceplugin.model import (
     Inventory,
     allocation_id,
 )
+from deviceplugin.owners import AllocationOwners, OwnerEntry, normalize_pod_uid
 
 MIB = 1 << 20
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
@@ -316,33 +317,23 @@ def claim_record(claim: PreparedClaim, container: str = "") -> AllocationRecord:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class ClaimOwner:
-    """One container holding a prepared claim: attribution's evidence in DRA mode, one entry
-    of the kubelet's device checkpoint in device-plugin mode. `container` is "" for a pod whose
-    containers pod-resources has not named (yet)."""
-
-    pod_uid: str
-    container: str
-    allocation_id: str
-    gpu_uuids: frozenset[str]
-
-
 def claim_owners(
     claims: Iterable[PreparedClaim], users: Mapping[str, Sequence[tuple[str, str]]]
-) -> list[ClaimOwner]:
+) -> AllocationOwners:
     """For each prepared claim, each pod it is reserved for, and each of that pod's containers
     the kubelet's pod-resources DRA entries list with the claim (`users`: claim UID ->
     [(pod name, container name)]), the claim's allocation held by that container. A pod whose
     containers are not named gets one owner without a container: its processes' claims stand
-    only where the kubelet's container names cannot be read at all."""
-    owners: list[ClaimOwner] = []
+    only where the kubelet's container names cannot be read at all. A claim holds no slice:
+    its owners name no device."""
+    owners: list[OwnerEntry] = []
     for claim in claims:
         allocation = claim.allocation_id
         gpus = frozenset(claim.gpu_uuids)
         for pod_name, pod_uid in claim.pods:
             containers = sorted({c for p, c in users.get(claim.uid, ()) if p == pod_name})
             owners.extend(
-                ClaimOwner(pod_uid, container, allocation, gpus) for container in containers or [""]
+                OwnerEntry(normalize_pod_uid(pod_uid), container, allocation, (), gpus)
+                for container in containers or [""]
             )
-    return owners
+    return AllocationOwners.of(tuple(owners))

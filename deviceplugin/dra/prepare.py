@@ -31,14 +31,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from deviceplugin import statefiles
 from deviceplugin.config import Config
-from deviceplugin.dra import cdi, files
+from deviceplugin.dra import cdi
 from deviceplugin.dra.claims import ClaimError, PreparedClaim, claim_edits, read_claim
-from deviceplugin.dra.grpcserver import ClaimRef, PreparedDevice, PrepareResult
 from deviceplugin.dra.kubeapi import ApiCallError, KubeApi
 from deviceplugin.dra.refs import escaped, ref_problem, shown, uid_problem
 from deviceplugin.dra.settings import DraSettings, GpuCdi
 from deviceplugin.dra.store import ClaimStore
+from deviceplugin.kubelet.draplugin import ClaimRef, PreparedDevice, PrepareResult
 from deviceplugin.model import GpuPlan
 
 log = logging.getLogger("deviceplugin.dra.driver")
@@ -405,7 +406,7 @@ class ClaimPreparer:
         if uid_problem(uid):
             return None
         try:
-            raw = files.read_file(
+            raw = statefiles.read_file(
                 self.settings.cdi_dir,
                 cdi.spec_file_name(self.settings.driver_name, uid),
                 MAX_SPEC_BYTES,

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from deviceplugin.dra.kubeapi import ApiCallError, KubeApi
 from deviceplugin.dra.settings import DraSettings
 from deviceplugin.dra.slices import build_slice, slice_name, slice_problems
+from deviceplugin.state import until_set
 
 if TYPE_CHECKING:
     from prometheus_client import Metric
@@ -292,13 +293,3 @@ def _check(desired: dict[str, Any]) -> None:
     problems = slice_problems(desired)
     if problems:
         raise SliceRefusedError(problems)
-
-
-async def until_set(stop: asyncio.Event, event: asyncio.Event, timeout_s: float) -> None:
-    """Wait until `stop` or `event` is set, or `timeout_s` passed."""
-    waiters = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(event.wait())}
-    try:
-        await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for waiter in waiters:
-            waiter.cancel()

@@ -20,9 +20,6 @@ DEFAULT_RECONCILE_S = 300.0
 # The kubelet plugin registry watches this directory for registration sockets.
 PLUGINS_REGISTRY = "plugins_registry"
 PLUGINS = "plugins"
-# The plugin service versions this driver serves, as the kubelet names them.
-SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
-PLUGIN_TYPE = "DRAPlugin"
 
 
 def device_ids_ignored(config: Config) -> str:

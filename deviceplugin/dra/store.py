@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from deviceplugin.dra import files
+from deviceplugin import statefiles
 from deviceplugin.dra.claims import ClaimDevice, PreparedClaim
 from deviceplugin.dra.refs import ref_problem, shown
 
@@ -61,7 +61,7 @@ class ClaimStore:
         moved aside and logged, and no claim is recovered; OSError only when it cannot even be
         moved aside (it would be replaced at the first change)."""
         try:
-            raw = files.read_file(self._dir, CHECKPOINT_FILE, MAX_CHECKPOINT_BYTES)
+            raw = statefiles.read_file(self._dir, CHECKPOINT_FILE, MAX_CHECKPOINT_BYTES)
             if raw is None:
                 return
             claims = parse_checkpoint(raw)
@@ -74,7 +74,7 @@ class ClaimStore:
 
     def _move_aside(self, why: str) -> None:
         try:
-            aside = files.move_aside(
+            aside = statefiles.move_aside(
                 self._dir, CHECKPOINT_FILE, f"unreadable-{int(self._wall_clock())}"
             )
         except OSError as e:
@@ -94,7 +94,7 @@ class ClaimStore:
 
     def _save(self) -> None:
         doc = {"version": VERSION, "claims": claims_to_json(list(self._claims.values()))}
-        files.write_file(self._dir, CHECKPOINT_FILE, json.dumps(doc, sort_keys=True).encode())
+        statefiles.write_file(self._dir, CHECKPOINT_FILE, json.dumps(doc, sort_keys=True).encode())
 
     def get(self, uid: str) -> PreparedClaim | None:
         return self._claims.get(uid)

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deviceplugin import statefiles
 from deviceplugin.enforcer.control import boot_id
 from deviceplugin.safefs import RefusedFileError, read_bounded
+from deviceplugin.statefiles import write_file
 
 log = logging.getLogger("deviceplugin.enforcer.enforcer")
 
@@ -106,13 +106,12 @@ def read_stopped_record(path: Path) -> list[tuple[int, float]]:
 def write_stopped_record(
     path: Path, entries: Iterable[tuple[int, float]], *, boot: str | None = None
 ) -> None:
-    """Replace the record atomically (a temporary file, fsync, rename); no entries removes it.
+    """Replace the record atomically and durably (`statefiles`); no entries removes it.
     `boot` is the boot ID the identities belong to (default: this boot's)."""
     items = sorted(entries)
     if not items:
         path.unlink(missing_ok=True)
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
     content = json.dumps(
         {
             "version": _RECORD_VERSION,
@@ -121,28 +120,16 @@ def write_stopped_record(
         },
         indent=1,
     )
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(content + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_file(path.parent, path.name, (content + "\n").encode())
 
 
 def move_aside(path: Path, wall_s: float) -> Path | None:
-    """Rename an unreadable record so that nothing overwrites it; its new path, None if that
-    failed (logged)."""
-    aside = path.with_name(f"{path.name}.unreadable-{int(wall_s)}")
-    n = 0
-    while aside.exists():
-        n += 1
-        aside = path.with_name(f"{path.name}.unreadable-{int(wall_s)}.{n}")
+    """Rename an unreadable record so that nothing overwrites it (`statefiles.move_aside`); its
+    new path, None if that failed (logged)."""
     try:
-        path.rename(aside)
+        aside = path.with_name(
+            statefiles.move_aside(path.parent, path.name, f"unreadable-{int(wall_s)}")
+        )
     except OSError as e:
         log.error(
             "cannot move the unreadable stopped-process record aside path=%s error=%s",

@@ -39,10 +39,10 @@ import errno
 import json
 import os
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from deviceplugin.model import SliceId, allocation_id
+from deviceplugin.owners import AllocationOwners, OwnerEntry, normalize_pod_uid
 from deviceplugin.safefs import RefusedFileError, open_regular, read_open
 
 CHECKPOINT_FILE = "kubelet_internal_checkpoint"
@@ -53,71 +53,9 @@ MAX_CHECKPOINT_BYTES = 16 << 20
 _UNUSED_KEYS = frozenset({"AllocResp", "RegisteredDevices"})
 
 
-def normalize_pod_uid(uid: str) -> str:
-    """A pod UID as compared here: lowercase, with dashes (systemd slice names use underscores)."""
-    return uid.strip().lower().replace("_", "-")
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointEntry:
-    """One container's devices of our resource, as the kubelet recorded them."""
-
-    pod_uid: str  # normalised
-    container: str
-    allocation_id: str
-    device_ids: tuple[str, ...]  # sorted, distinct
-    gpu_uuids: frozenset[str]
-    resource_name: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceCheckpoint:
-    """What the checkpoint says about one resource. `reason` is "" when the file was read, and
-    otherwise why it could not be (the checkpoint is then empty: no evidence either way)."""
-
-    entries: tuple[CheckpointEntry, ...] = ()
-    reason: str = "not read"
-    # Indexes over `entries`: allocation ID -> pod UIDs; pod UID -> allocation IDs;
-    # (pod UID, GPU UUID) -> the allocation IDs of that pod with slices of that GPU.
-    owners: Mapping[str, frozenset[str]] = field(default_factory=dict, repr=False)
-    pod_allocations: Mapping[str, frozenset[str]] = field(default_factory=dict, repr=False)
-    pod_gpu_allocations: Mapping[tuple[str, str], frozenset[str]] = field(
-        default_factory=dict, repr=False
-    )
-
-    @property
-    def readable(self) -> bool:
-        return not self.reason
-
-    @classmethod
-    def of(cls, entries: tuple[CheckpointEntry, ...]) -> DeviceCheckpoint:
-        owners: dict[str, set[str]] = {}
-        pods: dict[str, set[str]] = {}
-        pod_gpus: dict[tuple[str, str], set[str]] = {}
-        for e in entries:
-            owners.setdefault(e.allocation_id, set()).add(e.pod_uid)
-            pods.setdefault(e.pod_uid, set()).add(e.allocation_id)
-            for uuid in e.gpu_uuids:
-                pod_gpus.setdefault((e.pod_uid, uuid), set()).add(e.allocation_id)
-        return cls(
-            entries,
-            "",
-            {k: frozenset(v) for k, v in owners.items()},
-            {k: frozenset(v) for k, v in pods.items()},
-            {k: frozenset(v) for k, v in pod_gpus.items()},
-        )
-
-    @classmethod
-    def unreadable(cls, reason: str) -> DeviceCheckpoint:
-        return cls((), reason or "unreadable")
-
-    def pod_of(self, allocation: str) -> tuple[tuple[str, str], ...]:
-        """The (pod UID, container name) pairs that hold `allocation`: one, normally; none for an
-        allocation the kubelet did not record; more where it reused an init container's devices
-        for a later container of the same pod."""
-        return tuple(
-            (e.pod_uid, e.container) for e in self.entries if e.allocation_id == allocation
-        )
+# The checkpoint's entries and what they say: the owners of the allocations of our resources.
+CheckpointEntry = OwnerEntry
+DeviceCheckpoint = AllocationOwners
 
 
 class CheckpointError(ValueError):

@@ -1,4 +1,6 @@
-"""Client of the kubelet's pod-resources API (v1): which container holds which device IDs."""
+"""The one client of the kubelet's pod-resources API (v1), for both frontends: which container
+holds which device IDs (device plugins' entries), and which containers use which resource claim
+(the DRA entries, `KubeletPodResourcesDynamicResources`, beta and on in 1.36)."""
 
 from __future__ import annotations
 
@@ -36,31 +38,31 @@ class PodResourcesClient:
     async def list_container_devices(self) -> list[ContainerDevices]:
         """Every container's device IDs, per resource. Raises grpc.aio.AioRpcError when the
         kubelet does not answer within the timeout."""
+        return _merged(await self._list())
+
+    async def claim_users(self, driver_name: str) -> dict[tuple[str, str], list[tuple[str, str]]]:
+        """(claim namespace, claim name) -> [(pod, container)] for every claim with a device of
+        `driver_name`. Raises grpc.aio.AioRpcError when the kubelet does not answer."""
+        return _claim_users(await self._list(), driver_name)
+
+    async def _list(self) -> podres.ListPodResourcesResponse:
         if self._channel is None or self._stub is None:
             self._channel = local_channel(self.socket)
             self._stub = podres_grpc.PodResourcesListerStub(self._channel)
             self.channels_opened += 1
         try:
-            reply = await self._stub.List(podres.ListPodResourcesRequest(), timeout=self._timeout_s)
+            reply: podres.ListPodResourcesResponse = await self._stub.List(
+                podres.ListPodResourcesRequest(), timeout=self._timeout_s
+            )
         except grpc.aio.AioRpcError:
             await self.close()
             raise
-        return _merged(reply)
+        return reply
 
     async def close(self) -> None:
         channel, self._channel, self._stub = self._channel, None, None
         if channel is not None:
             await channel.close()
-
-
-async def list_container_devices(socket: Path, *, timeout_s: float = 2.0) -> list[ContainerDevices]:
-    """Every container's device IDs, per resource, from `List`, over a channel of its own. Raises
-    grpc.aio.AioRpcError when the kubelet does not answer within the timeout."""
-    client = PodResourcesClient(socket, timeout_s=timeout_s)
-    try:
-        return await client.list_container_devices()
-    finally:
-        await client.close()
 
 
 def _merged(reply: podres.ListPodResourcesResponse) -> list[ContainerDevices]:
@@ -77,3 +79,16 @@ def _merged(reply: podres.ListPodResourcesResponse) -> list[ContainerDevices]:
         for (namespace, pod_name, container, resource), ids in merged.items()
         if ids
     ]
+
+
+def _claim_users(
+    reply: podres.ListPodResourcesResponse, driver_name: str
+) -> dict[tuple[str, str], list[tuple[str, str]]]:
+    found: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for pod in reply.pod_resources:
+        for container in pod.containers:
+            for dynamic in container.dynamic_resources:
+                if any(r.driver_name == driver_name for r in dynamic.claim_resources):
+                    key = (dynamic.claim_namespace or pod.namespace, dynamic.claim_name)
+                    found.setdefault(key, []).append((pod.name, container.name))
+    return {key: sorted(set(users)) for key, users in found.items()}

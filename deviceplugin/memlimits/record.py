@@ -25,17 +25,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from deviceplugin.dra import files
+from deviceplugin import statefiles
 from deviceplugin.enforcer.control import boot_id
 from deviceplugin.partitions import GpuLimit, PartitionMode, rfc3339
-from deviceplugin.safefs import replace_file
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +176,7 @@ class LimitRecord:
     def load(self) -> None:
         """Read the record left by an earlier daemon of this boot (see the module docstring)."""
         try:
-            raw = files.read_file(self.state_dir, RECORD_NAME, MAX_RECORD_BYTES)
+            raw = statefiles.read_file(self.state_dir, RECORD_NAME, MAX_RECORD_BYTES)
         except OSError as e:
             log.error("memory-limit record unreadable path=%s error=%s", self.path, e)
             return
@@ -215,9 +213,10 @@ class LimitRecord:
         log.info("memory-limit record read path=%s leaves=%d", self.path, len(self._leaves))
 
     def _move_aside(self, why: str) -> None:
-        aside = f"{RECORD_NAME}.unreadable-{int(self._wall_clock())}"
         try:
-            self.path.rename(self.state_dir / aside)
+            aside = statefiles.move_aside(
+                self.state_dir, RECORD_NAME, f"unreadable-{int(self._wall_clock())}"
+            )
         except OSError as e:
             log.error("memory-limit record unreadable path=%s error=%s; %s", self.path, why, e)
             return
@@ -238,11 +237,7 @@ class LimitRecord:
         # Atomic, not synced: the record is void after a reboot, and a daemon's death does not
         # take the page cache with it. Compact: it is rewritten at every container start.
         content = json.dumps(doc, separators=(",", ":")).encode()
-        dir_fd = files.open_dir(self.state_dir)
-        try:
-            replace_file(dir_fd, RECORD_NAME, content, 0o600, sync=False)
-        finally:
-            os.close(dir_fd)
+        statefiles.write_file(self.state_dir, RECORD_NAME, content, sync=False)
 
     def get(self, cgroup: str) -> LeafRecord | None:
         return self._leaves.get(cgroup)

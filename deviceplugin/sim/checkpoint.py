@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import os
 import zlib
 from typing import Any
 
@@ -24,6 +23,7 @@ from deviceplugin.sim.records import (
     _response_from_grant,
 )
 from deviceplugin.sim.state import KubeletState
+from deviceplugin.statefiles import write_file
 
 logger = logging.getLogger("deviceplugin.sim.kubelet")  # one name for the whole simulator
 
@@ -80,9 +80,8 @@ class CheckpointedState(KubeletState):
         }
         document = {"Data": data, "Checksum": _checksum(data)}
         path = self.checkpoint_path
-        temporary = path.with_name(path.name + ".tmp")
-        temporary.write_text(json.dumps(document, indent=1))
-        os.replace(temporary, path)
+        content = json.dumps(document, indent=1).encode()
+        write_file(path.parent, path.name, content, mode=0o644, sync=False, create=False)
 
     def _read_checkpoint(self) -> None:
         """Reset the in-memory state to what a fresh kubelet knows: the checkpoint's pods, and its

@@ -23,6 +23,7 @@ module's name, `deviceplugin.sim.kubelet`, so one filter on it still catches the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -35,6 +36,7 @@ from deviceplugin.kubelet.proto import (
     dp_grpc,
     podres_grpc,
 )
+from deviceplugin.kubelet.sockets import remove_socket, serve_unix
 from deviceplugin.sim.admission import Admission, choose_devices
 from deviceplugin.sim.podresources import _PodResourcesServicer
 from deviceplugin.sim.records import (
@@ -74,10 +76,6 @@ __all__ = [
 ]
 
 
-def _owner_only(path: Path) -> None:
-    path.chmod(0o600)
-
-
 class KubeletSimulator(Registration, Admission):
     """A kubelet for one node: registration, device lists, admission and pod-resources."""
 
@@ -108,8 +106,6 @@ class KubeletSimulator(Registration, Admission):
             dp_grpc.add_RegistrationServicer_to_server(_RegistrationServicer(self), server)
             await self._serve(server, self._socket)
             if self._pod_resources_socket is not None:
-                self._pod_resources_socket.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-                self._pod_resources_socket.unlink(missing_ok=True)
                 server = grpc.aio.server()
                 podres_grpc.add_PodResourcesListerServicer_to_server(
                     _PodResourcesServicer(self), server
@@ -159,10 +155,8 @@ class KubeletSimulator(Registration, Admission):
 
     async def _serve(self, server: Any, socket_path: Path) -> None:
         self._servers.append(server)
-        server.add_insecure_port(f"unix://{socket_path}")
-        await server.start()
+        await serve_unix(server, socket_path)
         self._created_sockets.append(socket_path)
-        _owner_only(socket_path)
 
     async def _stop_servers(self) -> None:
         servers, self._servers = self._servers, []
@@ -170,7 +164,8 @@ class KubeletSimulator(Registration, Admission):
             await server.stop(grace=None)
         sockets, self._created_sockets = self._created_sockets, []
         for path in sockets:
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                remove_socket(path)
 
     def _cleanup_plugin_directory(self) -> None:
         """CleanupPluginDirectory: remove every non-directory entry except the checkpoint."""

@@ -25,7 +25,6 @@ import dataclasses
 from collections.abc import Hashable, Mapping, Sequence
 
 from deviceplugin.config import DraConfig
-from deviceplugin.kubelet.checkpoint import DeviceCheckpoint
 from deviceplugin.model import (
     SOURCE_DEVICE_PLUGIN,
     SOURCE_DRA,
@@ -38,6 +37,7 @@ from deviceplugin.model import (
     NodeReading,
     NodeSnapshot,
 )
+from deviceplugin.owners import AllocationOwners
 from deviceplugin.usage.charges import (
     UNCONFIRMED_AFTER_S,
     AttributionEvidence,
@@ -71,7 +71,7 @@ class _Memo:
 
     key: tuple[object, ...]
     inventory: Inventory
-    checkpoint: DeviceCheckpoint | None
+    checkpoint: AllocationOwners | None
     charges: Charges
 
 

@@ -15,11 +15,13 @@ from pathlib import Path
 
 from deviceplugin.app import Daemon, DaemonSettings
 from deviceplugin.config import Config, DeviceIdStrategy, EnforcementConfig
+from deviceplugin.dra.frontend import DraFrontend
 from deviceplugin.gpu.backend import GpuBackend
 from deviceplugin.gpu.fake import FakeBackend, FakeGpu, FakeProcess, FakeState, write_state_file
-from deviceplugin.kubelet.lifecycle import endpoint_name
 from deviceplugin.model import NodeReading
 from deviceplugin.partitions import MemoryLimits, PartitionSupport
+from deviceplugin.plugin.frontend import DevicePluginFrontend
+from deviceplugin.plugin.lifecycle import endpoint_name
 from deviceplugin.sim.kubelet import KubeletSimulator
 
 GiB = 1024**3
@@ -140,6 +142,20 @@ async def running_daemon(
         stop.set()
         await asyncio.wait_for(task, 10)
         backend.close()
+
+
+def plugins(daemon: Daemon) -> DevicePluginFrontend:
+    """The daemon's device-plugin frontend (its endpoints, life cycles, tracker)."""
+    frontend = daemon.frontend
+    assert isinstance(frontend, DevicePluginFrontend), "not in device-plugin mode"
+    return frontend
+
+
+def dra_frontend(daemon: Daemon) -> DraFrontend:
+    """The daemon's DRA frontend (its driver, store, publisher, registration)."""
+    frontend = daemon.frontend
+    assert isinstance(frontend, DraFrontend), "not in DRA mode"
+    return frontend
 
 
 def serve_args(node: Node) -> list[str]:

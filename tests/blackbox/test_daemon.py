@@ -32,6 +32,7 @@ from tests.blackbox.daemon_harness import (
     Node,
     eventually,
     gpu,
+    plugins,
     registered,
     running_daemon,
 )
@@ -222,7 +223,7 @@ async def test_the_device_id_flag_wins_over_the_config_file_and_its_reloads(node
         first = (await node.sim.admit_pod("a", [("c", 1)])).containers[0]
         assert first.envs["NVIDIA_VISIBLE_DEVICES"] in ("0", "1")
         await daemon.apply_config(dataclasses.replace(by_uuid, enforcement=FAST))
-        assert daemon.settings.config.allocation.device_id_strategy is DeviceIdStrategy.INDEX
+        assert daemon.config.allocation.device_id_strategy is DeviceIdStrategy.INDEX
         second = (await node.sim.admit_pod("b", [("c", 1)])).containers[0]
         assert second.envs["NVIDIA_VISIBLE_DEVICES"] in ("0", "1")
 
@@ -315,7 +316,7 @@ async def test_kubelet_restart_reregisters_with_allocations_intact(node: Node) -
         sim = node.sim
         await sim.wait_for(lambda: len(sim.registrations) > before and sim.is_registered(RESOURCE))
         await registered(node, 8)
-        assert daemon.lifecycle.stats.last_restart_reason
+        assert plugins(daemon).lifecycle.stats.last_restart_reason
         # The pod admitted before the restart still holds its slices ...
         assert [p.name for p in sim.pods()] == ["before"]
         assert sim.pods()[0].containers[0].device_ids == held.device_ids
@@ -336,7 +337,7 @@ async def test_broken_stream_makes_the_plugin_register_again(node: Node) -> None
         sim = node.sim
         await sim.wait_for(lambda: len(sim.registrations) > before and sim.is_registered(RESOURCE))
         await sim.wait_for(lambda: len(sim.healthy_ids(RESOURCE)) == 8)
-        assert daemon.lifecycle.stats.last_restart_reason == "ListAndWatch stream ended"
+        assert plugins(daemon).lifecycle.stats.last_restart_reason == "ListAndWatch stream ended"
         assert sim.pods()[0].containers[0].device_ids == held.device_ids
 
 
@@ -362,8 +363,8 @@ async def test_daemon_waits_for_a_kubelet_that_is_not_there_yet(short_tmp: Path)
     node = Node(short_tmp, TWO_GPUS)
     async with running_daemon(node) as daemon:
         await asyncio.sleep(0.3)
-        assert not daemon.lifecycle.registered
-        assert daemon.lifecycle.stats.registration_failures >= 1
+        assert not plugins(daemon).lifecycle.registered
+        assert plugins(daemon).lifecycle.stats.registration_failures >= 1
         await node.sim.start()
         try:
             await registered(node, 8)
@@ -381,6 +382,6 @@ async def test_kubelet_restarts_in_quick_succession_never_stop_the_daemon(node: 
             await asyncio.sleep(0.003)
         # It may register once more than needed (it saw kubelet.sock of the restart before the
         # one that answered), never once too few.
-        await eventually(lambda: daemon.lifecycle.registered)
+        await eventually(lambda: plugins(daemon).lifecycle.registered)
         await registered(node, 8)
         assert len(node.sim.healthy_ids(RESOURCE)) == 8

@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import stat
 import time
+import types
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -35,13 +37,21 @@ from deviceplugin.app import Daemon
 from deviceplugin.config import DeviceIdStrategy
 from deviceplugin.dra.settings import DraSettings
 from deviceplugin.gpu.fake import FakeBackend, FakeProcess
+from deviceplugin.kubelet.checkpoint import CheckpointReader
+from deviceplugin.plugin.frontend import DevicePluginFrontend
+from deviceplugin.plugin.lifecycle import PluginLifecycle
+from deviceplugin.plugin.resources import ResourcePlugins
+from deviceplugin.plugin.server import DevicePluginService
+from deviceplugin.plugin.tracker import AllocationTracker
 from tests.blackbox.daemon_harness import (
     FAST,
     GiB,
     Node,
     Workloads,
+    dra_frontend,
     eventually,
     gpu,
+    running_daemon,
     with_processes,
 )
 from tests.support.fake_apiserver import FakeApiServer, allocated_claim
@@ -170,7 +180,7 @@ async def test_registers_publishes_its_slice_and_prepares_a_claim(
         assert info.endpoint == str(settings.service_socket)
         for sock in (settings.service_socket, settings.registration_socket):
             assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
-        await eventually(lambda: daemon.dra is not None and daemon.dra.registered)
+        await eventually(lambda: dra_frontend(daemon).registered)
 
         await eventually(lambda: len(api.slice_list()) == 1, timeout_s=10)
         published = api.slice_list()[0]
@@ -227,6 +237,46 @@ async def test_registers_publishes_its_slice_and_prepares_a_claim(
         # Unprepared twice: still fine.
         assert await _unprepare(settings.service_socket, "u-15") == ""
         await eventually(lambda: container_limits() is None, what="the claim gone")
+
+
+def _reachable(root: object) -> list[object]:
+    """Every object reachable from `root` through references (the daemon's parts, theirs...)."""
+    seen: dict[int, object] = {}
+    todo = [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, type | types.ModuleType | types.FunctionType):
+            continue
+        seen[id(obj)] = obj
+        todo.extend(gc.get_referents(obj))
+    return list(seen.values())
+
+
+async def test_dra_mode_builds_no_device_plugin_part(node: Node, api: FakeApiServer) -> None:
+    """In DRA mode the daemon serves the kubelet through its DRA sockets alone: no device-plugin
+    socket or registration, no pod-resources tracker of the device-plugin kind, no reader of
+    the kubelet's device checkpoint."""
+    settings = _dra(node, api)
+    async with dra_daemon(node, api) as daemon:
+        await _register(settings)
+        await eventually(lambda: dra_frontend(daemon).registered)
+        await eventually(lambda: len(api.slice_list()) == 1, timeout_s=10)
+        assert list(node.plugin_dir.iterdir()) == []  # no plugin socket
+        device_plugin_parts = (
+            DevicePluginFrontend,
+            ResourcePlugins,
+            PluginLifecycle,
+            DevicePluginService,
+            AllocationTracker,
+            CheckpointReader,
+        )
+        built = [type(o).__name__ for o in _reachable(daemon) if isinstance(o, device_plugin_parts)]
+        assert built == []
+        # The check can fail: the same walk finds them in a device-plugin daemon.
+    async with running_daemon(node) as plugins:
+        await eventually(lambda: plugins.poller.snapshot is not None, what="the first poll")
+        found = {type(o) for o in _reachable(plugins) if isinstance(o, device_plugin_parts)}
+        assert found == set(device_plugin_parts)
 
 
 def _allocation_info(daemon: Daemon) -> dict[str, dict[str, str]]:
@@ -690,8 +740,7 @@ async def test_a_pod_joining_a_prepared_claim_is_named_and_becomes_its_evidence(
             api.put_claim(claim)
             pod_resources.users[("pod-2", "main")] = ["claim-u-shared"]
             await eventually(lambda: named() == ("pod-1,pod-2", "main"), 15, "pod-2 named")
-            assert daemon.dra is not None
-            owners = {(o.pod_uid, o.container) for o in daemon.dra.claim_owners()}
+            owners = {(o.pod_uid, o.container) for o in dra_frontend(daemon).evidence().entries}
             assert owners == {("uid-pod-1", "main"), ("uid-pod-2", "main")}
     finally:
         await server.stop(None)
@@ -704,7 +753,7 @@ async def test_a_reload_asking_for_device_ids_by_index_says_the_dra_driver_ignor
     async with dra_daemon(node, api) as daemon:
         await _register(settings)
         assert "deviceIDStrategy index is ignored" not in caplog.text
-        config = daemon.settings.config
+        config = daemon.config
         by_index = dataclasses.replace(
             config,
             allocation=dataclasses.replace(

@@ -17,10 +17,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deviceplugin.app import Daemon
-from deviceplugin.dra import driver, publisher
+from deviceplugin.dra import publisher
 from deviceplugin.gpu.fake import FakeBackend
+from deviceplugin.kubelet import draplugin
 from deviceplugin.reload import read_config
-from tests.blackbox.daemon_harness import FAST, Node, eventually, gpu
+from tests.blackbox.daemon_harness import FAST, Node, dra_frontend, eventually, gpu
 from tests.blackbox.test_dra import NODE, _dra, _register, dra_daemon
 from tests.blackbox.test_usage import get
 from tests.support.fake_apiserver import FakeApiServer
@@ -155,8 +156,7 @@ async def test_a_health_change_publishes_at_once_whatever_the_backoff(
     api.fail_writes = True
     async with dra_daemon(node, api) as daemon:
         await _register(_dra(node, api))
-        assert daemon.dra is not None
-        dra = daemon.dra
+        dra = dra_frontend(daemon)
         await eventually(lambda: dra.publisher.failures >= 1, 10, "a failed write")
         api.fail_writes = False
         node.write_gpus([dataclasses.replace(GPU0, healthy=False), L4])
@@ -174,8 +174,7 @@ async def test_a_reload_publishes_at_once_whatever_the_backoff(
     monkeypatch.setattr(publisher, "RETRY_FIRST_S", 3600.0)
     api.fail_writes = True
     async with reloading_daemon(node, api, "dra: {compute: {default: 10}}\n") as daemon:
-        assert daemon.dra is not None
-        dra = daemon.dra
+        dra = dra_frontend(daemon)
         await eventually(lambda: dra.publisher.failures >= 1, 10, "a failed write")
         api.fail_writes = False
         (node.root / "config.yaml").write_text("dra: {compute: {default: 20}}\n")
@@ -196,8 +195,8 @@ async def test_a_driver_the_kubelet_never_registers_is_a_warning_and_fails_healt
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(driver, "REGISTRATION_WARN_S", 0.3)
-    monkeypatch.setattr(driver, "UNREGISTERED_UNHEALTHY_S", 0.6)
+    monkeypatch.setattr(draplugin, "REGISTRATION_WARN_S", 0.3)
+    monkeypatch.setattr(draplugin, "UNREGISTERED_UNHEALTHY_S", 0.6)
     settings = _dra(node, api)
     async with dra_daemon(node, api) as daemon:
         # No kubelet finds the registration socket (a wrong --kubelet-root-dir).
@@ -245,7 +244,7 @@ async def test_a_reload_whose_slice_would_be_refused_is_refused_before_it_is_app
         )
         await eventually(lambda: _config_reloads(daemon, "refused") == 1, 10, "the refusal")
         assert _config_reloads(daemon, "applied") == 0
-        assert daemon.settings.config.dra.compute_default == 10
+        assert daemon.config.dra.compute_default == 10
         line = next(m for m in _errors(caplog) if MEMORY_MIN in m)
         assert line.startswith("config reload refused: ")
         assert "dra.memory" in line
@@ -265,7 +264,7 @@ async def test_a_reload_the_api_server_refuses_is_undone_and_not_counted_applied
         (node.root / "config.yaml").write_text("dra: {compute: {default: 20}}\n")
         await eventually(lambda: _config_reloads(daemon, "refused") == 1, 15, "the refusal")
         assert _config_reloads(daemon, "applied") == 0
-        assert daemon.settings.config.dra.compute_default == 10
+        assert daemon.config.dra.compute_default == 10
         assert any(
             "the API server refuses the ResourceSlice this config makes" in m
             and "refused by the test" in m

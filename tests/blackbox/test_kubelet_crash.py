@@ -14,7 +14,14 @@ import pytest
 from deviceplugin._proto.deviceplugin.v1beta1.api_pb2 import RegisterRequest
 from deviceplugin._proto.deviceplugin.v1beta1.api_pb2_grpc import RegistrationStub
 from deviceplugin.localgrpc import local_channel
-from tests.blackbox.daemon_harness import RESOURCE, Node, eventually, registered, running_daemon
+from tests.blackbox.daemon_harness import (
+    RESOURCE,
+    Node,
+    eventually,
+    plugins,
+    registered,
+    running_daemon,
+)
 
 
 async def test_a_new_kubelet_that_replaces_the_old_ones_socket_mid_registration_is_a_restart(
@@ -23,7 +30,7 @@ async def test_a_new_kubelet_that_replaces_the_old_ones_socket_mid_registration_
     async with running_daemon(node) as daemon:
         await registered(node, 8)
         await eventually(lambda: daemon.health().registered, 10, "registered")
-        lifecycle = daemon.lifecycle
+        lifecycle = plugins(daemon).lifecycle
 
         # The same kubelet drops the stream and takes the plugin back: that is a failing
         # stream, and health says so until one has been held for a while.
@@ -73,7 +80,7 @@ async def test_registration_with_a_restarted_kubelet_is_not_failed_by_an_earlier
 ) -> None:
     async with running_daemon(node) as daemon:
         await registered(node, 8)
-        lifecycle = daemon.lifecycle
+        lifecycle = plugins(daemon).lifecycle
         await node.sim.stop()
         # A channel with the plugin's settings that failed to reach the missing kubelet.sock: its
         # subchannel waits out gRPC's reconnect backoff, as a Register channel closed while the

@@ -32,6 +32,7 @@ from tests.blackbox.daemon_harness import (
     Workloads,
     eventually,
     gpu,
+    plugins,
     registered,
     running_daemon,
 )
@@ -340,7 +341,7 @@ async def test_one_resource_s_broken_stream_leaves_the_others_alone(mig_node: No
         assert again == [MIG_1G]
         assert sim.is_registered(RESOURCE)
         assert sim.is_registered(MIG_3G)
-        endpoint = daemon.resources.get(MIG_1G)
+        endpoint = plugins(daemon).resources.get(MIG_1G)
         assert endpoint is not None
         assert endpoint.lifecycle.stats.last_restart_reason == "ListAndWatch stream ended"
-        assert daemon.lifecycle.stats.registrations == 1
+        assert plugins(daemon).lifecycle.stats.registrations == 1

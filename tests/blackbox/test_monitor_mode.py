@@ -118,13 +118,13 @@ async def test_a_reload_between_the_formats_switches_the_mode(
         await eventually(lambda: not alive(first), 10, "the first over-limit process killed")
 
         await daemon.apply_config(quick(NVIDIA))
-        assert daemon.settings.config.enforcement.dry_run
+        assert daemon.config.enforcement.dry_run
         second = await over_its_limit(node, workloads, "second")
         await eventually(lambda: counted(daemon, "would_kill") == 1, 10, "a would_kill")
         assert alive(second)
 
         await daemon.apply_config(quick(VGPU))
-        assert not daemon.settings.config.enforcement.dry_run
+        assert not daemon.config.enforcement.dry_run
         await eventually(lambda: not alive(second), 10, "the second killed once enforced")
     reloads = [
         r.getMessage()

@@ -108,7 +108,7 @@ async def test_mixed_gpus_leave_replicas_out_and_give_the_smallest_slice(node: N
 async def test_no_path_writes_no_file(node: Node) -> None:
     async with running_daemon(node, Config(enforcement=FAST)) as daemon:
         await registered(node, 8)
-        assert daemon.node_labels is None
+        assert not any(p.active for p in daemon.optional.parts if p.name == "node-labels")
     assert sorted(p.name for p in node.root.iterdir()) == ["dp", "gpus.json", "pr", "state"]
 
 

@@ -25,7 +25,6 @@ from deviceplugin.config import (
     SliceRule,
     SlicingConfig,
 )
-from deviceplugin.dra import podresources as dra_podresources
 from deviceplugin.gpu.fake import FakeBackend, FakeProcess
 from deviceplugin.kubelet.limits import device_list_problem
 from deviceplugin.kubelet.podresources import (
@@ -45,6 +44,7 @@ from tests.blackbox.daemon_harness import (
     Workloads,
     eventually,
     gpu,
+    plugins,
     registered,
     running_daemon,
     with_processes,
@@ -226,9 +226,11 @@ async def test_the_dra_claim_lookup_after_the_kubelet_is_back_is_not_failed_by_a
     stale = await _channel_in_reconnect_backoff(socket)
     sim = KubeletSimulator(short_tmp / "dp", socket)
     await sim.start()
+    client = PodResourcesClient(socket, timeout_s=2.0)
     try:
-        assert await dra_podresources.claim_containers(socket, "vgpu.dev") == {}
+        assert await client.claim_users("vgpu.dev") == {}
     finally:
+        await client.close()
         await stale.close()
         await sim.stop()
 
@@ -394,7 +396,7 @@ async def test_pod_resources_is_asked_while_allocations_are_held_and_not_while_n
     monkeypatch.setattr(PodResourcesClient, "list_container_devices", counting_ask)
     async with running_daemon(node, pod_resources_interval_s=0.2) as daemon:
         await registered(node, 8)
-        await eventually(lambda: daemon.tracker.refreshes >= 1, what="the first ask")
+        await eventually(lambda: plugins(daemon).tracker.refreshes >= 1, what="the first ask")
         await asyncio.sleep(1.0)
         # Nothing allocated: asked once at the start, not every 200 ms.
         assert len(asked) == 1

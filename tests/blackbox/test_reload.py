@@ -21,7 +21,7 @@ import pytest
 from deviceplugin.app import Daemon
 from deviceplugin.check import check_config
 from deviceplugin.gpu.fake import FakeBackend
-from deviceplugin.kubelet.lifecycle import PluginLifecycle
+from deviceplugin.plugin.lifecycle import PluginLifecycle
 from deviceplugin.reload import config_hash, read_config
 from deviceplugin.sim.kubelet import AdmissionError
 from tests.blackbox.daemon_harness import (
@@ -29,6 +29,7 @@ from tests.blackbox.daemon_harness import (
     Node,
     eventually,
     gpu,
+    plugins,
     registered,
     serve_args,
 )
@@ -119,7 +120,8 @@ async def test_a_configmap_update_reslices_with_a_pod_holding_slices_across_it(
         # GPU 0's slices ::2 and ::3 are gone from the plan but held: advertised Unhealthy.
         await sim.wait_for(lambda: sim.unhealthy_ids(RESOURCE) == {f"{GPU0}::2", f"{GPU0}::3"})
         assert len(sim.healthy_ids(RESOURCE)) == 4  # two per GPU
-        assert reloads(daemon, "applied") == 1
+        # Counted once every part has followed (the kubelet may see the new plan before).
+        await eventually(lambda: reloads(daemon, "applied") == 1, what="the reload counted")
         assert running_hash(daemon) == read_config(path).hash
         # The allocation is still known (by its pod, from pod-resources), and the pod still
         # holds what it was given.
@@ -231,13 +233,13 @@ async def test_a_renamed_resource_registers_again_under_its_new_name(node: Node)
     path = configmap(node.root / "cfg", 1, FAST)
     async with daemon_with_config(node, path) as (daemon, _):
         await registered(node, 8)
-        registrations = daemon.lifecycle.stats.registrations
+        registrations = plugins(daemon).lifecycle.stats.registrations
         configmap(node.root / "cfg", 2, FAST + "resourceName: example.com/gpu-share\n")
         await registered(node, 8, resource="example.com/gpu-share")
         assert not node.plugin_socket(RESOURCE).exists()
         assert node.plugin_socket("example.com/gpu-share").exists()
         # The registration counter carries on; it does not start again from zero.
-        assert daemon.lifecycle.stats.registrations == registrations + 1
+        assert plugins(daemon).lifecycle.stats.registrations == registrations + 1
         pod = await node.sim.admit_pod("p", [("c", 1)], resource_name="example.com/gpu-share")
         assert pod.containers[0].envs["VGPU_ALLOCATION_ID"]
 
@@ -268,8 +270,8 @@ async def test_a_rename_keeps_held_slices_known_and_offers_them_under_no_name(
         others = (await node.sim.admit_pod("others", [("c", 6)], resource_name=renamed)).containers
         assert not set(others[0].device_ids) & set(held.device_ids)
         # Still known, with the name it was made under, after pod-resources was asked again.
-        seen = daemon.tracker.refreshes
-        await eventually(lambda: daemon.tracker.refreshes >= seen + 2, what="refreshes")
+        seen = plugins(daemon).tracker.refreshes
+        await eventually(lambda: plugins(daemon).tracker.refreshes >= seen + 2, what="refreshes")
         record = daemon.book.get(allocation)
         assert record is not None
         assert record.resource_name == RESOURCE
@@ -294,7 +296,7 @@ async def test_sighup_with_unchanged_content_applies_nothing(node: Node) -> None
         await asyncio.sleep(0.2)
         assert reloads(daemon, "applied") == 0
         assert reloads(daemon, "refused") == 0
-        assert daemon.lifecycle.stats.registrations == 1
+        assert plugins(daemon).lifecycle.stats.registrations == 1
 
 
 async def test_enforcement_settings_are_applied_to_a_new_enforcer(node: Node) -> None:
@@ -313,7 +315,7 @@ async def test_enforcement_settings_are_applied_to_a_new_enforcer(node: Node) ->
             ),
             what="the new enforcer",
         )
-        assert daemon.settings.config.enforcement.compute.period_s == 0.1
+        assert daemon.config.enforcement.compute.period_s == 0.1
 
 
 # --- the process, as `serve` runs it --------------------------------------------------------
@@ -374,8 +376,8 @@ async def test_the_plugin_notices_every_kubelet_event_without_inotify(node: Node
     path = configmap(node.root / "cfg", 1, FAST)
 
     def polling(daemon: Daemon) -> None:
-        daemon.lifecycle = PluginLifecycle(
-            daemon.service,
+        plugins(daemon).lifecycle = PluginLifecycle(
+            plugins(daemon).service,
             plugin_dir=node.plugin_dir,
             resource_name=RESOURCE,
             watch_interval_s=0.05,
@@ -385,16 +387,17 @@ async def test_the_plugin_notices_every_kubelet_event_without_inotify(node: Node
     async with daemon_with_config(node, path, prepare=polling) as (daemon, _):
         sim = node.sim
         await registered(node, 8)
-        assert daemon.lifecycle.watch_mode == "poll"
+        assert plugins(daemon).lifecycle.watch_mode == "poll"
 
         async def registers_again(event: Callable[[], object], reason: str) -> None:
-            before = daemon.lifecycle.stats.registrations
+            before = plugins(daemon).lifecycle.stats.registrations
             result = event()
             if asyncio.iscoroutine(result):
                 await result
             await eventually(
                 lambda: (
-                    daemon.lifecycle.stats.registrations > before and sim.is_registered(RESOURCE)
+                    plugins(daemon).lifecycle.stats.registrations > before
+                    and sim.is_registered(RESOURCE)
                 ),
                 what=f"a registration after: {reason}",
             )
@@ -403,7 +406,8 @@ async def test_the_plugin_notices_every_kubelet_event_without_inotify(node: Node
         await registers_again(sim.restart, "kubelet restart")
         await registers_again(node.plugin_socket().unlink, "our socket deleted")
         assert (
-            daemon.lifecycle.stats.last_restart_reason == "plugin socket removed (kubelet restart)"
+            plugins(daemon).lifecycle.stats.last_restart_reason
+            == "plugin socket removed (kubelet restart)"
         )
 
         def replace_socket() -> None:
@@ -470,7 +474,8 @@ async def test_a_reload_to_the_mixed_mig_strategy_registers_the_profiles_and_mov
         await registered(node, 1, MIG_3G)
         assert set(sim.devices(MIG_1G)) == {f"{d.uuid}::0" for d in LAYOUT[1:]}
         assert len(sim.devices(RESOURCE)) == 4  # the full GPU's slices, as before
-        assert reloads(daemon, "applied") == 1
+        # Counted once every part has followed (the kubelet may see the new plan before).
+        await eventually(lambda: reloads(daemon, "applied") == 1, what="the reload counted")
         want = {
             "nvidia.com/vgpu.count": "4",  # resourceName's slices, not the MIG profiles'
             "nvidia.com/vgpu.replicas": "4",

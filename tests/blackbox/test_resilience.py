@@ -25,6 +25,7 @@ from tests.blackbox.daemon_harness import (
     HangingBackend,
     Node,
     eventually,
+    plugins,
     registered,
     running_daemon,
 )
@@ -114,12 +115,12 @@ async def test_registration_without_a_stream_is_tried_again(short_tmp: Path) -> 
     await server.start()
     backend = FakeBackend(node.state_file)
     daemon = Daemon(node.settings(), backend)
-    daemon.lifecycle.stream_open_timeout_s = 0.3
+    plugins(daemon).lifecycle.stream_open_timeout_s = 0.3
     stop = asyncio.Event()
     task = asyncio.create_task(daemon.run(stop))
     try:
         await eventually(lambda: kubelet.registrations >= 3, 10, "registering again")
-        assert "no ListAndWatch stream" in daemon.lifecycle.stats.last_restart_reason
+        assert "no ListAndWatch stream" in plugins(daemon).lifecycle.stats.last_restart_reason
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
@@ -194,14 +195,14 @@ async def test_a_restarted_kubelet_that_lists_no_pods_yet_takes_no_allocation_aw
         await eventually(lambda: _named(daemon, held) == "train", 10, "the pod named")
         await node.sim.restart(pods_synced=False)
         await registered(node, 8)
-        seen = daemon.tracker.refreshes
-        await eventually(lambda: daemon.tracker.refreshes >= seen + 4, 10, "refreshes")
+        seen = plugins(daemon).tracker.refreshes
+        await eventually(lambda: plugins(daemon).tracker.refreshes >= seen + 4, 10, "refreshes")
         assert daemon.book.get(held) is not None, "dropped on an answer that listed no pod"
         await asyncio.sleep(0.2)  # a poll or two
         assert await asyncio.to_thread(_allocated_slices, daemon) == 2
         node.sim.sync_pods()
-        seen = daemon.tracker.refreshes
-        await eventually(lambda: daemon.tracker.refreshes >= seen + 2, 10, "refreshes")
+        seen = plugins(daemon).tracker.refreshes
+        await eventually(lambda: plugins(daemon).tracker.refreshes >= seen + 2, 10, "refreshes")
         assert _named(daemon, held) == "train"
         await node.sim.delete_pod("default", "train")
         await eventually(lambda: daemon.book.get(held) is None, 10, "the deleted pod's slices")
@@ -226,7 +227,9 @@ async def test_a_stream_that_ends_just_before_a_kubelet_restart_is_not_a_failure
         waits = []
         for _ in range(3):
             await node.sim.break_stream(RESOURCE)
-            await eventually(lambda: daemon.lifecycle.unstable_since_s > 0, 10, "a failure")
+            await eventually(
+                lambda: plugins(daemon).lifecycle.unstable_since_s > 0, 10, "a failure"
+            )
             await node.sim.restart()
             started = time.monotonic()
             await eventually(

@@ -18,8 +18,8 @@ from deviceplugin.kubelet.limits import (
     device_list_bytes,
     device_list_problem,
 )
-from deviceplugin.kubelet.server import device_list
 from deviceplugin.model import GpuInfo, GpuPlan, GpuReading, NodeReading
+from deviceplugin.plugin.server import device_list
 from deviceplugin.slicing import build_inventory, plan_gpus
 
 CLI = [sys.executable, "-m", "deviceplugin"]

@@ -16,6 +16,7 @@ from tests.blackbox.daemon_harness import (
     Node,
     Workloads,
     eventually,
+    plugins,
     registered,
     running_daemon,
     with_processes,
@@ -52,7 +53,7 @@ async def test_a_daemon_restarted_without_pod_resources_enforces_what_the_checkp
     gone = node.root / "no-pod-resources.sock"
     async with running_daemon(node, KILL_FAST, pod_resources_socket=gone) as daemon:
         await eventually(lambda: daemon.book.get(held) is not None, 10, "the held allocation")
-        assert not daemon.tracker.ok
+        assert not plugins(daemon).tracker.ok
         await eventually(lambda: not alive(hog), 10, "the over-limit process killed")
         record = daemon.book.get(held)
         assert record is not None

@@ -8,17 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import cast
 
-from deviceplugin.app import _ClaimEvidence
-from deviceplugin.dra.claims import (
-    ClaimDevice,
-    ClaimOwner,
-    PreparedClaim,
-    claim_owners,
-    claim_record,
-)
-from deviceplugin.dra.driver import DraDriver
+from deviceplugin.dra.claims import ClaimDevice, PreparedClaim, claim_owners, claim_record
 from deviceplugin.model import Inventory, NodeSnapshot, ProcessSample
 from deviceplugin.usage.containerlogs import ContainerLogIndex
 from deviceplugin.usage.procs import AllocationResolver
@@ -37,22 +28,13 @@ CLAIM = PreparedClaim(
 )
 
 
-class _Claims:
-    """The driver as the evidence reads it: its prepared claims and pod-resources' names."""
-
-    def __init__(self, users: Mapping[str, Sequence[tuple[str, str]]]) -> None:
-        self._users = users
-
-    def claim_owners(self) -> list[ClaimOwner]:
-        return claim_owners([CLAIM], self._users)
-
-
 def snapshot_of(
     resolver: AllocationResolver,
     users: Mapping[str, Sequence[tuple[str, str]]],
     processes: list[ProcessSample],
 ) -> NodeSnapshot:
-    checkpoint = _ClaimEvidence(cast(DraDriver, _Claims(users))).read()
+    # The DRA driver's evidence: its prepared claims and pod-resources' names.
+    checkpoint = claim_owners([CLAIM], users)
     return snapshot_with(
         resolver,
         processes,

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from deviceplugin.dra.kubeapi import ApiCallError, LightkubeApi, load_config
-from tests.blackbox.daemon_harness import Node, eventually
+from tests.blackbox.daemon_harness import Node, dra_frontend, eventually
 from tests.blackbox.test_dra import _claim, _dra, _register, _spec, dra_daemon
 from tests.security.dra_support import prepare_all, ref, unprepare_all
 from tests.support.fake_apiserver import SLICES, FakeApiServer
@@ -155,8 +155,7 @@ async def test_a_claim_written_for_a_call_the_kubelet_gave_up_on_is_undone(
         with pytest.raises(grpc.aio.AioRpcError) as gave_up:
             await call
         assert gave_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert daemon.dra is not None
-        store = daemon.dra.store
+        store = dra_frontend(daemon).store
         await eventually(lambda: store.get("u-first") is None, 10, "u-first undone")
         assert not _spec(dra_node, "u-first").exists()
         assert not _spec(dra_node, "u-second").exists()

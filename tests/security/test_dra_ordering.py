@@ -19,7 +19,7 @@ import pytest
 
 from deviceplugin._proto.dra.v1 import api_pb2 as dra_v1
 from deviceplugin._proto.dra.v1 import api_pb2_grpc as dra_v1_grpc
-from tests.blackbox.daemon_harness import Node, eventually
+from tests.blackbox.daemon_harness import Node, dra_frontend, eventually
 from tests.blackbox.test_dra import (
     RPC_TIMEOUT_S,
     _claim,
@@ -59,8 +59,7 @@ async def test_an_unprepare_during_a_prepare_wins_and_nothing_stays(
             answer = (await call).claims["u-late"]
         assert "unprepared while it was being prepared" in answer.error, answer
         assert not _spec(dra_node, "u-late").exists()
-        assert daemon.dra is not None
-        assert daemon.dra.store.get("u-late") is None
+        assert dra_frontend(daemon).store.get("u-late") is None
         assert not [r for r in daemon.book if r.claim == "default/claim-u-late"]
         # The mark is for that Prepare only: the kubelet's next Prepare of the claim works.
         del dra_api.hold_claims[("default", "claim-u-late")]
@@ -89,8 +88,7 @@ async def test_a_prepared_claim_the_api_server_no_longer_has_is_unprepared(
             del dra_api.claims[("default", "claim-u-gone")]
             dra_api.claims[("default", "claim-u-again")]["metadata"]["uid"] = "u-again-2"
         dra_api.stall_claims.add(("default", "claim-u-quiet"))
-        assert daemon.dra is not None
-        store = daemon.dra.store
+        store = dra_frontend(daemon).store
         await eventually(
             lambda: store.get("u-gone") is None and store.get("u-again") is None,
             10,
@@ -130,8 +128,7 @@ async def test_claims_of_a_lost_checkpoint_are_taken_back_from_their_specs(
     with dra_api.locked():
         del dra_api.claims[("default", "claim-u-dead")]
     async with dra_daemon(dra_node, dra_api, dra=settings) as daemon:
-        assert daemon.dra is not None
-        store = daemon.dra.store
+        store = dra_frontend(daemon).store
         await eventually(
             lambda: store.get("u-back") is not None and not _spec(dra_node, "u-dead").exists(),
             10,

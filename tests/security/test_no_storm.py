@@ -9,18 +9,20 @@ import time
 import grpc
 import pytest
 
-import deviceplugin.kubelet.lifecycle as lifecycle_module
-import deviceplugin.kubelet.server as server_module
+import deviceplugin.plugin.lifecycle as lifecycle_module
+import deviceplugin.plugin.server as server_module
 from deviceplugin.kubelet.proto import dp, dp_grpc
 from deviceplugin.model import Inventory
-from tests.blackbox.daemon_harness import Node, eventually, registered, running_daemon
+from tests.blackbox.daemon_harness import Node, eventually, plugins, registered, running_daemon
 
 
 async def test_a_debugging_stream_that_ends_triggers_no_reregistration(node: Node) -> None:
     async with running_daemon(node) as daemon:
         await registered(node, 8)
-        await eventually(lambda: daemon.service.open_streams == 1, 5, "the kubelet's stream")
-        before = daemon.lifecycle.stats.registrations
+        await eventually(
+            lambda: plugins(daemon).service.open_streams == 1, 5, "the kubelet's stream"
+        )
+        before = plugins(daemon).lifecycle.stats.registrations
         for _ in range(3):
             async with grpc.aio.insecure_channel(f"unix:{node.plugin_socket()}") as channel:
                 stream = dp_grpc.DevicePluginStub(channel).ListAndWatch(dp.Empty())
@@ -29,8 +31,8 @@ async def test_a_debugging_stream_that_ends_triggers_no_reregistration(node: Nod
                 assert len(first.devices) == 8
                 stream.cancel()
         await asyncio.sleep(0.5)
-        assert daemon.lifecycle.stats.registrations == before
-        assert daemon.lifecycle.registered
+        assert plugins(daemon).lifecycle.stats.registrations == before
+        assert plugins(daemon).lifecycle.registered
         assert node.sim.is_registered("nvidia.com/vgpu")
 
 
@@ -48,11 +50,13 @@ async def test_a_listandwatch_that_always_fails_backs_off_and_fails_health(
 
     monkeypatch.setattr(server_module, "device_list", device_list)
     async with running_daemon(node) as daemon:
-        await eventually(lambda: daemon.lifecycle.stats.registrations >= 1, 10, "a registration")
+        await eventually(
+            lambda: plugins(daemon).lifecycle.stats.registrations >= 1, 10, "a registration"
+        )
         started = time.monotonic()
         await asyncio.sleep(2.0)
         elapsed = time.monotonic() - started
-        made = daemon.lifecycle.stats.registrations
+        made = plugins(daemon).lifecycle.stats.registrations
         # Backing off from 0.1 s and doubling: a handful in 2 s, not hundreds.
         assert made <= 6, f"{made} registrations in {elapsed:.1f}s"
         health = daemon.health()

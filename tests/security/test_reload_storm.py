@@ -16,7 +16,7 @@ import pytest
 from deviceplugin.app import Daemon
 from deviceplugin.gpu.fake import FakeBackend
 from deviceplugin.reload import read_config
-from tests.blackbox.daemon_harness import RESOURCE, Node, eventually, registered
+from tests.blackbox.daemon_harness import RESOURCE, Node, dra_frontend, eventually, registered
 from tests.blackbox.test_dra import _claim, _dra, _prepare, _register, _spec
 from tests.blackbox.test_reload import FAST, configmap, daemon_with_config, reloads, running_hash
 from tests.support.fake_apiserver import FakeApiServer
@@ -139,8 +139,7 @@ async def test_a_reload_storm_in_dra_mode_keeps_prepared_claims_and_publishes_th
         await eventually(lambda: compute_default() == "35", 20, "the last policy published")
         assert not task.done()
         assert spec.read_text() == before
-        assert daemon.dra is not None
-        assert daemon.dra.store.get("u-held") is not None
+        assert dra_frontend(daemon).store.get("u-held") is not None
         assert any(r.claim == "default/claim-u-held" for r in daemon.book)
         checkpoint = json.loads((dra_node.root / "state" / "dra-claims.json").read_text())
         assert [c["uid"] for c in checkpoint["claims"]] == ["u-held"]

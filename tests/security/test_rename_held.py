@@ -26,6 +26,7 @@ from tests.blackbox.daemon_harness import (
     Node,
     Workloads,
     eventually,
+    plugins,
     registered,
     running_daemon,
     with_processes,
@@ -68,8 +69,8 @@ async def test_a_renamed_resource_keeps_enforcing_what_is_held_under_the_old_nam
         await daemon.apply_config(dataclasses.replace(KILL_FAST, resource_name=RENAMED))
         await registered(node, 8, resource=RENAMED)
         # pod-resources is asked a few times under the new name: the allocation stays.
-        seen = daemon.tracker.refreshes
-        await eventually(lambda: daemon.tracker.refreshes >= seen + 3, 10, "refreshes")
+        seen = plugins(daemon).tracker.refreshes
+        await eventually(lambda: plugins(daemon).tracker.refreshes >= seen + 3, 10, "refreshes")
         shown = await status_of(daemon, allocation)
         assert shown is not None, "the allocation held under the old name was forgotten"
         assert shown["resource_name"] == RESOURCE

@@ -13,10 +13,10 @@ from deviceplugin.kubelet.checkpoint import (
     CHECKPOINT_FILE,
     CheckpointReader,
     DeviceCheckpoint,
-    normalize_pod_uid,
     parse_checkpoint,
 )
 from deviceplugin.model import SliceId, allocation_id
+from deviceplugin.owners import normalize_pod_uid
 
 RESOURCE = "nvidia.com/vgpu"
 UUID0 = "GPU-00000000-0000-0000-0000-000000000000"

@@ -9,10 +9,10 @@ from typing import cast
 
 import pytest
 
-from deviceplugin.kubelet.lifecycle import LifecycleStats, PluginLifecycle
-from deviceplugin.kubelet.resources import ResourceEndpoint, ResourcePlugins
-from deviceplugin.kubelet.server import DevicePluginService
 from deviceplugin.model import GpuInfo, GpuPlan, Inventory, Slice, SliceId
+from deviceplugin.plugin.lifecycle import LifecycleStats, PluginLifecycle
+from deviceplugin.plugin.resources import ResourceEndpoint, ResourcePlugins
+from deviceplugin.plugin.server import DevicePluginService
 from deviceplugin.state import Published
 
 PRIMARY = "nvidia.com/vgpu"

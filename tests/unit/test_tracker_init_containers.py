@@ -9,8 +9,8 @@ from pathlib import Path
 
 from deviceplugin.kubelet.checkpoint import DeviceCheckpoint, parse_checkpoint
 from deviceplugin.kubelet.podresources import ContainerDevices
-from deviceplugin.kubelet.tracker import AllocationTracker
 from deviceplugin.model import AllocationRecord, allocation_id
+from deviceplugin.plugin.tracker import AllocationTracker
 from deviceplugin.state import AllocationBook
 
 RESOURCE = "nvidia.com/gpu"

@@ -41,8 +41,8 @@ import grpc
 from deviceplugin.app import Daemon, DaemonSettings
 from deviceplugin.config import Config, EnforcementConfig, SliceRule, SlicingConfig
 from deviceplugin.gpu.fake import FakeBackend, FakeState, write_state_file
-from deviceplugin.kubelet.lifecycle import endpoint_name
 from deviceplugin.kubelet.proto import DEVICE_PLUGIN_VERSION, KUBELET_SOCKET, dp, dp_grpc
+from deviceplugin.plugin.lifecycle import endpoint_name
 from deviceplugin.sim.kubelet import KubeletSimulator
 from tools.bench.fake_node import fake_gpu
 from tools.bench.minimal_plugin import MinimalPlugin

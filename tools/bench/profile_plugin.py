@@ -26,8 +26,8 @@ from typing import Any
 
 from deviceplugin.config import Config, SliceRule, SlicingConfig
 from deviceplugin.kubelet.proto import dp
-from deviceplugin.kubelet.server import DevicePluginService
 from deviceplugin.model import GpuInfo, GpuReading, NodeReading
+from deviceplugin.plugin.server import DevicePluginService
 from deviceplugin.slicing import build_inventory
 from deviceplugin.state import AllocationBook, Published
 

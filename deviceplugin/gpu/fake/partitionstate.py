@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -40,6 +38,7 @@ from deviceplugin.gpu.fake.partitionrules import (
     Store,
 )
 from deviceplugin.partitions import LIMIT_MAX, rfc3339
+from deviceplugin.statefiles import write_file
 
 logger = logging.getLogger(__name__)
 
@@ -174,15 +173,8 @@ class FakePartitions:
 
     def _save(self) -> None:
         content = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")) + "\n"
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
-        try:
-            # Atomic, not durable: the limits a driver holds do not outlive the machine either.
-            with os.fdopen(fd, "w") as f:
-                f.write(content)
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        # Atomic, not durable: the limits a driver holds do not outlive the machine either.
+        write_file(self.path.parent, self.path.name, content.encode(), sync=False, create=False)
 
 
 def _limits_json(limits: dict[str, Limit]) -> dict[str, Any]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from deviceplugin.errors import StateFileError
 from deviceplugin.gpu.fake.checks import _MAX_VALUE_CHARS, MAX_STATE_BYTES, bounds_problem
 from deviceplugin.gpu.fake.parse import parse_state
 from deviceplugin.gpu.fake.state import FakeState
+from deviceplugin.statefiles import write_file
 
 
 def _short_text(text: str) -> str:
@@ -78,7 +78,7 @@ def read_state_file(path: Path) -> FakeState:
 def write_state_file(
     path: Path, state: FakeState | Mapping[str, Any], *, validate: bool = True
 ) -> None:
-    """Write a state file atomically (a temporary file in the same directory, then os.replace),
+    """Write a state file atomically (`statefiles`: a temporary file, then a rename),
     so that a reader never sees half a file. A FakeState or mapping is validated first unless
     `validate` is False, which lets tests write a malformed state on purpose."""
     data = state.to_json() if isinstance(state, FakeState) else dict(state)
@@ -86,15 +86,5 @@ def write_state_file(
         parse_state(data)
     content = json.dumps(data, indent=2).encode() + b"\n"
     path = Path(path)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(content)
-            f.flush()
-            os.fsync(f.fileno())
-            # mkstemp creates 0600; a state file is not secret, and readers may be other users.
-            os.fchmod(f.fileno(), 0o644)
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    # Not secret, and readers may be other users; atomic, not durable (a test's GPUs).
+    write_file(path.parent, path.name, content, mode=0o644, sync=False, create=False)

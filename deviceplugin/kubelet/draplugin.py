@@ -1,10 +1,16 @@
-"""The DRA kubelet plugin's gRPC side: the registration socket the kubelet's plugin watcher
-finds in plugins_registry/, and the driver's own socket serving dra.v1 and dra.v1beta1
-NodePrepareResources/NodeUnprepareResources (and the optional dra-health stream).
+"""The DRA kubelet-plugin helper: everything between a DRA driver and the kubelet, so that the
+driver owns no socket (as kubernetes' own kubeletplugin helper does for the drivers built on it).
 
-The servicers only translate: protobuf in, `ClaimRef`s to the driver, its answers back out. Both
-sockets are owner-only and removed on stop; a stale socket from a daemon killed outright is
-replaced at start.
+It serves the registration socket the kubelet's plugin watcher finds in plugins_registry/, and
+the driver's own socket with dra.v1 and dra.v1beta1 NodePrepareResources/NodeUnprepareResources
+(and the optional dra-health stream); it follows the registration: a driver the kubelet has not
+registered within `REGISTRATION_WARN_S` (a wrong --kubelet-root-dir: the kubelet never finds its
+socket) is said so in a WARNING, again every `REGISTRATION_WARN_S`, and fails /healthz after
+`UNREGISTERED_UNHEALTHY_S`.
+
+The servicers only translate: protobuf in, `ClaimRef`s to the driver (a `Preparer`), its answers
+back out. Both sockets are served by `kubelet.sockets` (owner-only, a stale socket replaced,
+anything else refused) and removed on stop.
 """
 
 from __future__ import annotations
@@ -12,8 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import stat
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +34,18 @@ from deviceplugin._proto.drahealth.v1alpha1 import api_pb2 as health_pb
 from deviceplugin._proto.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from deviceplugin._proto.pluginregistration.v1 import api_pb2 as reg_pb
 from deviceplugin._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from deviceplugin.dra.settings import PLUGIN_TYPE, SUPPORTED_VERSIONS
+from deviceplugin.kubelet.sockets import remove_socket, serve_unix
+from deviceplugin.state import until_set
 
 log = logging.getLogger(__name__)
+
+# The plugin service versions this helper serves, as the kubelet names them.
+SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+PLUGIN_TYPE = "DRAPlugin"
+# A driver the kubelet has not registered this long is warned about (and every as long again);
+# /healthz fails after UNREGISTERED_UNHEALTHY_S.
+REGISTRATION_WARN_S = 30.0
+UNREGISTERED_UNHEALTHY_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,28 +204,14 @@ class _RegistrationService:
         return reg_pb.RegistrationStatusResponse()
 
 
-def _remove_socket(path: Path) -> None:
-    """Remove a stale socket (never a directory or a regular file someone put there)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise OSError(f"{path} exists and is not a socket; remove it")
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
+async def _serve(server: grpc.aio.Server, path: Path) -> None:
+    if not await serve_unix(server, path):
+        raise FileNotFoundError(f"{path} was removed as soon as it was made")
 
 
-async def _serve_unix(server: grpc.aio.Server, path: Path) -> None:
-    path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-    _remove_socket(path)
-    server.add_insecure_port(f"unix://{path}")
-    await server.start()
-    os.chmod(path, 0o600)
-
-
-class PluginServers:
-    """The driver's service socket and its registration socket, served until `stop`."""
+class KubeletPlugin:
+    """A driver's service socket and its registration socket, served until `stop`, and its
+    registration with the kubelet followed."""
 
     def __init__(
         self,
@@ -219,17 +219,29 @@ class PluginServers:
         driver_name: str,
         service_socket: Path,
         registration_socket: Path,
+        *,
         on_registered: Callable[[], None] = lambda: None,
+        hint: str = "",
     ) -> None:
         self._on_registered = on_registered
         self.preparer = preparer
         self.driver_name = driver_name
         self.service_socket = service_socket
         self.registration_socket = registration_socket
+        # What to check when the kubelet never asks for the driver's info (where its root is).
+        self._hint = hint
         self.registration = RegistrationState()
         self._servers: list[grpc.aio.Server] = []
+        # Since when (monotonic) the kubelet has not registered the driver; 0 while it has.
+        self.unregistered_since_s = 0.0
+
+    @property
+    def registered(self) -> bool:
+        return self.registration.registered
 
     async def start(self) -> None:
+        """Serve both sockets (then `follow` the registration until the daemon stops, and
+        `stop`)."""
         service = grpc.aio.server()
         dra_v1_grpc.add_DRAPluginServicer_to_server(
             _DraService(self.preparer, dra_v1, "v1"),  # type: ignore[arg-type]
@@ -244,8 +256,8 @@ class PluginServers:
             service,
         )
         # The service socket first: the kubelet dials it as soon as it has our registration.
-        await _serve_unix(service, self.service_socket)
         self._servers.append(service)
+        await _serve(service, self.service_socket)
         registration = grpc.aio.server()
         reg_grpc.add_RegistrationServicer_to_server(
             _RegistrationService(  # type: ignore[arg-type]
@@ -253,8 +265,8 @@ class PluginServers:
             ),
             registration,
         )
-        await _serve_unix(registration, self.registration_socket)
         self._servers.append(registration)
+        await _serve(registration, self.registration_socket)
         log.info(
             "serving the DRA plugin driver=%s socket=%s registration=%s",
             self.driver_name,
@@ -269,4 +281,51 @@ class PluginServers:
         self._servers.clear()
         for path in (self.registration_socket, self.service_socket):
             with contextlib.suppress(OSError):
-                _remove_socket(path)
+                remove_socket(path)
+
+    def unhealthy(self, now_mono_s: float) -> str:
+        """Why /healthz fails on the registration's account ("" when it does not): the kubelet
+        has not registered the driver for UNREGISTERED_UNHEALTHY_S."""
+        since = self.unregistered_since_s
+        if not self.registered and since > 0 and now_mono_s - since > UNREGISTERED_UNHEALTHY_S:
+            return (
+                f"the kubelet has not registered the DRA driver for {now_mono_s - since:.1f}s "
+                f"(limit {UNREGISTERED_UNHEALTHY_S:g}s): {self._unregistered_hint()}"
+            )
+        return ""
+
+    def _unregistered_hint(self) -> str:
+        registration = self.registration
+        socket = self.registration_socket
+        if registration.error:
+            return f"it refused the registration: {registration.error}"
+        if registration.info_requests == 0:
+            return f"it never asked for the driver's info at {socket}" + (
+                f"; {self._hint}" if self._hint else ""
+            )
+        return f"it asked for the driver's info at {socket} but never confirmed the registration"
+
+    async def follow(self, stop: asyncio.Event) -> None:
+        """A WARNING every REGISTRATION_WARN_S while the kubelet has not registered the driver,
+        and `unregistered_since_s` kept for /healthz and /status."""
+        self.unregistered_since_s = time.monotonic()
+        state = self.registration
+        while not stop.is_set():
+            await until_set(stop, state.changed, REGISTRATION_WARN_S)
+            if stop.is_set():
+                return
+            if state.registered:
+                self.unregistered_since_s = 0.0
+                continue
+            now = time.monotonic()
+            if self.unregistered_since_s == 0.0:
+                self.unregistered_since_s = now
+            if now - self.unregistered_since_s >= REGISTRATION_WARN_S:
+                log.warning(
+                    "the kubelet has not registered the DRA driver for %.0fs; claims cannot be "
+                    "prepared on this node driver=%s registration_socket=%s reason=%s",
+                    now - self.unregistered_since_s,
+                    self.driver_name,
+                    self.registration_socket,
+                    self._unregistered_hint(),
+                )

@@ -29,9 +29,9 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from deviceplugin.kubelet.lifecycle import PluginLifecycle
-from deviceplugin.kubelet.server import DevicePluginService
 from deviceplugin.model import Inventory
+from deviceplugin.plugin.lifecycle import PluginLifecycle
+from deviceplugin.plugin.server import DevicePluginService
 from deviceplugin.state import Published
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -36,8 +35,9 @@ import grpc
 
 from deviceplugin.kubelet.dirwatch import DEFAULT_FALLBACK_INTERVAL_S, DirectoryWatch
 from deviceplugin.kubelet.proto import DEVICE_PLUGIN_VERSION, KUBELET_SOCKET, dp, dp_grpc
-from deviceplugin.kubelet.server import DevicePluginService
+from deviceplugin.kubelet.sockets import remove_socket, serve_unix
 from deviceplugin.localgrpc import local_channel
+from deviceplugin.plugin.server import DevicePluginService
 
 log = logging.getLogger(__name__)
 
@@ -231,21 +231,15 @@ class PluginLifecycle:
         await self._sleep_or_change(stop, delay, self._kubelet_inode, _inode(self._socket))
 
     async def _serve(self) -> grpc.aio.Server:
-        self._dir.mkdir(parents=True, exist_ok=True)
-        self._remove_socket()
         server = grpc.aio.server()
         dp_grpc.add_DevicePluginServicer_to_server(self._service, server)
-        server.add_insecure_port(f"unix://{self._socket}")
         self._service.stopping = False
-        await server.start()
-        try:
-            os.chmod(self._socket, 0o600)
-        except FileNotFoundError:
+        if await serve_unix(server, self._socket):
+            log.info("serving device plugin socket=%s", self._socket)
+        else:
             # A restarting kubelet cleaned the directory between the bind and here; registration
             # notices that the socket is gone and serves again.
             log.info("plugin socket removed right after it was created socket=%s", self._socket)
-        else:
-            log.info("serving device plugin socket=%s", self._socket)
         return server
 
     async def _close(self, server: grpc.aio.Server) -> None:
@@ -255,8 +249,10 @@ class PluginLifecycle:
         await server.stop(grace=None)
 
     def _remove_socket(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self._socket.unlink()
+        try:
+            remove_socket(self._socket)
+        except OSError as e:
+            log.error("plugin socket not removed socket=%s error=%s", self._socket, e)
 
     async def _register(self, stop: asyncio.Event) -> str:
         """Register, retrying with backoff until accepted. Returns _REGISTERED, _STOPPED, or
