@@ -14,14 +14,6 @@ MAX_FUNCTION_LINES = 120
 CHECKED = ("deviceplugin", "tools")
 GENERATED = ROOT / "deviceplugin" / "_proto"
 
-# Offenders being split on branches of their own. This list must be empty once those branches
-# have merged; it names only current offenders (a test below fails for an entry that is not).
-ALLOWED = frozenset(
-    {
-        "deviceplugin/app.py",
-    }
-)
-
 
 def modules() -> list[Path]:
     """Every hand-written Python module of the package and the tools."""
@@ -79,14 +71,8 @@ def test_the_check_covers_the_package_and_the_tools_but_not_generated_code() -> 
 
 
 def test_no_module_or_function_is_too_long() -> None:
-    found = offenders()
-    too_long = {name: n for name, n in found.items() if name not in ALLOWED}
+    too_long = offenders()
     assert not too_long, (
         f"over {MAX_MODULE_LINES} lines a module or {MAX_FUNCTION_LINES} a function: "
         f"{too_long}; split it by what its parts mean"
     )
-
-
-def test_the_allowed_offenders_are_current() -> None:
-    stale = sorted(ALLOWED - offenders().keys())
-    assert not stale, f"no longer too long, take them off ALLOWED: {stale}"
