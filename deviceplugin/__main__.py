@@ -178,6 +178,7 @@ def _daemon_settings(args: argparse.Namespace) -> DaemonSettings:
     (gRPC and the kubelet need absolute ones). Raises ConfigError, StartupError."""
     from deviceplugin.app import DaemonSettings  # noqa: PLC0415
     from deviceplugin.reload import config_hash, read_config  # noqa: PLC0415
+    from deviceplugin.settings import MemoryLimitSettings  # noqa: PLC0415
 
     backend = args.backend
     if backend.startswith("fake:") and backend != "fake:":
@@ -210,6 +211,17 @@ def _daemon_settings(args: argparse.Namespace) -> DaemonSettings:
             DeviceIdStrategy(args.device_id_strategy) if args.device_id_strategy else None
         ),
         enforce_nvidia_config=args.enforce_nvidia_config == "true",
+        memory_limits=(
+            MemoryLimitSettings(
+                socket=Path(args.memory_limit_socket).absolute(),
+                hook_path=args.memory_limit_hook,
+                cdi_dir=Path(args.cdi_dir).absolute(),
+            )
+            if args.memory_limits == "on"
+            else None
+        ),
+        cgroup_mount=Path(args.cgroup_mount).absolute(),
+        memory_limit_probe_root=args.memory_limit_probe_root,
     )
 
 

@@ -241,14 +241,22 @@ class DeviceGrant:
     `slices` 1). Never recomputed from a later plan: a reload changes only what new allocations
     get.
 
-    `memory_request_bytes` is what it is guaranteed, at most the limit; None: the limit (every
-    grant today; a request below the limit is room for request/limit sharing)."""
+    `memory_request_bytes` is what it is guaranteed, at most the limit; None: the limit. A
+    request below the limit (burst, docs/design.md §15) is a device-plugin resource's with a
+    limit per slice, or a DRA claim's with a memory limit in its parameters."""
 
     gpu_uuid: str
     memory_limit_bytes: int
     compute_share_ratio: float
     slices: int = 1
     memory_request_bytes: int | None = None
+
+    @property
+    def request_bytes(self) -> int:
+        """What it is guaranteed: its request, or its limit where it has none."""
+        if self.memory_request_bytes is None:
+            return self.memory_limit_bytes
+        return self.memory_request_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +313,9 @@ class ContainerUsage:
     namespace: str = ""
     pod: str = ""
     container: str = ""
+    # What it is guaranteed of the GPU's memory (its request, docs/design.md §15): at most its
+    # limit; None where it is the limit.
+    memory_request_bytes: int | None = None
     # Enforcement state (the enforcer fills these): the fraction of each duty cycle its processes
     # may run (None when not throttled), and the total time they have spent stopped.
     duty_cycle_ratio: float | None = None
@@ -455,6 +466,65 @@ class DaemonHealth:
 
 
 @dataclass(frozen=True, slots=True)
+class GpuMemoryEnforcement:
+    """How a GPU's memory is enforced (docs/design.md §15): `driver-dmem` or `driver-misc` (its
+    driver holds each container's cgroup to its limit), or `poll` with the cause and the reason
+    (the poller holds it, §4)."""
+
+    gpu_uuid: str
+    mode: str
+    cause: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerMemoryLimit:
+    """What the driver holds for one container's own cgroup on one GPU: the sum of the grants
+    its hooks named (`grants`: allocation IDs), as soft (request) and hard (limit) bytes, since
+    when (`set_at_s`, wall clock; None while the set is in flight), and what the driver counts
+    as used by the cgroup (None where not read)."""
+
+    gpu_uuid: str
+    cgroup: str
+    pod_uid: str
+    container_id: str
+    grants: tuple[str, ...]
+    mode: str
+    soft_bytes: int
+    hard_bytes: int
+    set_at_s: float | None
+    driver_used_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryLimitsView:
+    """The memory limits the driver enforces, as /status and the metrics show them: per GPU how
+    its memory is enforced, per container cgroup and GPU its limit, and the count of each
+    action on a limit (set, cleared, kept, repaired, refused, failed). `served`: whether the
+    runtime hook's socket is served; `why_not` says why not."""
+
+    gpus: tuple[GpuMemoryEnforcement, ...] = ()
+    limits: tuple[ContainerMemoryLimit, ...] = ()
+    actions: tuple[tuple[str, int], ...] = ()
+    served: bool = False
+    why_not: str = "the daemon does not apply memory limits"
+
+    def gpu(self, uuid: str) -> GpuMemoryEnforcement:
+        for g in self.gpus:
+            if g.gpu_uuid == uuid:
+                return g
+        return GpuMemoryEnforcement(uuid, "poll", "", self.why_not or "not known")
+
+    def of_allocation(self, allocation_id: str, gpu_uuid: str) -> tuple[ContainerMemoryLimit, ...]:
+        """The container cgroups limited on the GPU under this allocation."""
+        return tuple(
+            limit
+            for limit in self.limits
+            if limit.gpu_uuid == gpu_uuid and allocation_id in limit.grants
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class NodeSnapshot:
     """Everything the exporter, /status and the enforcer read, replaced whole after every poll.
 
@@ -472,3 +542,5 @@ class NodeSnapshot:
     signals_not_sent: tuple[tuple[str, int], ...] = ()
     # How the kubelet is served: SOURCE_DEVICE_PLUGIN (slices) or SOURCE_DRA (devices, claims).
     kubelet_api: str = SOURCE_DEVICE_PLUGIN
+    # The memory limits the driver enforces (docs/design.md §15).
+    memory_limits: MemoryLimitsView = field(default_factory=MemoryLimitsView)

@@ -26,6 +26,7 @@ from deviceplugin.config.keys import (
     required,
     section,
 )
+from deviceplugin.config.memory import MemoryLimitsConfig
 from deviceplugin.config.values import (
     FEATURE_FILE_PATTERN,
     MAX_POLL_INTERVAL_S,
@@ -51,6 +52,8 @@ DEFAULT_REPLICAS = 4
 DEFAULT_CONTEXT_RESERVE_BYTES = 512 * 1024**2
 DEFAULT_MPS_ROOT = "/run/vgpu/mps"
 DEFAULT_MPS_CONTROL_COMMAND = "nvidia-cuda-mps-control"
+# Below this much free memory a GPU is under memory pressure (enforcement.memory).
+DEFAULT_PRESSURE_FREE_BELOW_BYTES = 1024**3
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +212,15 @@ class MemoryEnforcement:
     )
     grace_period_s: float = key(
         "gracePeriod", 2.0, Duration(), "How long a container may stay above its memory limit."
+    )
+    pressure_free_below_bytes: int = key(
+        "pressureFreeBelow",
+        DEFAULT_PRESSURE_FREE_BELOW_BYTES,
+        Size(zero=True),
+        "A GPU whose free memory is below this, or too little for its containers below their"
+        " request to reach it, is under memory pressure: the container furthest above its"
+        " request (one whose limit is above its request) loses its largest process, as action"
+        " says; never one within its request. 0: only the second rule.",
     )
 
 
@@ -378,6 +390,12 @@ class Config:
         "Node labels through a node feature discovery feature file.",
     )
     mig: MigConfig = section("mig", MigConfig, "GPUs in MIG mode.")
+    memory_limits: MemoryLimitsConfig = section(
+        "memoryLimits",
+        MemoryLimitsConfig,
+        "Memory limits above the request (burst) per resource; the limits the GPU's driver"
+        " enforces (docs/design.md §15).",
+    )
     dra: DraConfig = section(
         "dra",
         DraConfig,
