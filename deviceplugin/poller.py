@@ -30,6 +30,7 @@ from deviceplugin.frontend import KubeletFrontend
 from deviceplugin.gpu.backend import GpuBackend, no_wake
 from deviceplugin.incremental import InventoryCache
 from deviceplugin.kubelet.limits import DeviceListTooLargeError, device_list_problem
+from deviceplugin.limitsview import MemoryLimitsView
 from deviceplugin.model import (
     SOURCE_DRA,
     AllocationRecord,
@@ -37,7 +38,6 @@ from deviceplugin.model import (
     DaemonHealth,
     GpuReading,
     Inventory,
-    MemoryLimitsView,
     NodeSnapshot,
 )
 from deviceplugin.slicing import format_bytes, keep_held, plan_gpus

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from deviceplugin.limitsview import ContainerMemoryLimit, GpuMemoryEnforcement, MemoryLimitsView
 from deviceplugin.memlimits.record import LeafRecord
 from deviceplugin.model import (
-    ContainerMemoryLimit,
-    GpuMemoryEnforcement,
     GpuReading,
-    MemoryLimitsView,
 )
 from deviceplugin.partitions import PartitionSupport, PollCause, polled
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from deviceplugin.config import Config
 from deviceplugin.errors import MemoryLimitError
 from deviceplugin.gpu.backend import PartitionBackend
+from deviceplugin.limitsview import MemoryLimitsView
 from deviceplugin.memlimits.apply import LimitApplier
 from deviceplugin.memlimits.book import LimitBook
 from deviceplugin.memlimits.cdihook import AllocationSpecs, LimitHooks
@@ -32,7 +33,7 @@ from deviceplugin.memlimits.record import LimitRecord
 from deviceplugin.memlimits.settings import MemoryLimitSettings
 from deviceplugin.memlimits.source import LimitSource
 from deviceplugin.memlimits.view import effective_support, enforced_gpus, limits_view
-from deviceplugin.model import MemoryLimitsView, NodeSnapshot
+from deviceplugin.model import NodeSnapshot
 from deviceplugin.partitions import PartitionSupport
 from deviceplugin.usage.cgroups import KubeletTree
 

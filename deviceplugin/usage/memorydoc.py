@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from deviceplugin.model import ContainerMemoryLimit, ContainerUsage, MemoryLimitsView
+from deviceplugin.limitsview import ContainerMemoryLimit, MemoryLimitsView
+from deviceplugin.model import ContainerUsage
 from deviceplugin.partitions import rfc3339
 
 POLL = "poll"

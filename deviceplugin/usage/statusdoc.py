@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
+from deviceplugin.limitsview import MemoryLimitsView
 from deviceplugin.model import (
     SOURCE_DRA,
     AllocationRecord,
@@ -18,7 +19,6 @@ from deviceplugin.model import (
     DraDevice,
     EnforcementCount,
     GpuUsage,
-    MemoryLimitsView,
     NodeSnapshot,
     ProcessSample,
 )
