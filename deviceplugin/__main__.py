@@ -188,6 +188,16 @@ def _daemon_settings(args: argparse.Namespace) -> DaemonSettings:
     if node_config is not None:
         config_path = asyncio.run(node_config.initial())
     loaded = read_config(config_path) if config_path else None
+    probe_root = args.memory_limit_probe_root or ""
+    if probe_root and (
+        not probe_root.startswith("/")
+        or {".", ".."} & set(probe_root.split("/"))
+        or "\0" in probe_root
+    ):
+        raise StartupError(
+            f"--memory-limit-probe-root {probe_root!r} is not a cgroup path from the hierarchy's "
+            "root: give an absolute path without . or .. components (e.g. / or /vgpu)"
+        )
     return DaemonSettings(
         config=loaded.config if loaded else Config(),
         config_path=config_path,
@@ -221,7 +231,7 @@ def _daemon_settings(args: argparse.Namespace) -> DaemonSettings:
             else None
         ),
         cgroup_mount=Path(args.cgroup_mount).absolute(),
-        memory_limit_probe_root=args.memory_limit_probe_root,
+        memory_limit_probe_root=probe_root,
     )
 
 
