@@ -140,6 +140,7 @@ class Daemon:
                     self.inventory,
                     directory=settings.node_features_dir,
                     default_file=settings.node_features_file,
+                    memory=self.memory_limits.enforcement,
                 ),
             ]
         )

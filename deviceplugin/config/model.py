@@ -340,8 +340,9 @@ class NodeLabelsConfig:
         "Keep a node feature discovery feature file of this name in the directory the daemon"
         " was started with, --node-features-dir: NFD v0.15 or newer turns"
         " its lines into node labels nvidia.com/vgpu.count, .replicas, .memory-per-slice-mib,"
-        ' .product, .mig-strategy; all but the last describe resourceName\'s slices. "" keeps'
-        " none; the DaemonSet mounts NFD's features.d directory and names it.",
+        " .product (these four describe resourceName's slices), .mig-strategy and"
+        " .memory-enforcement (driver, poll or mixed: whether the GPUs' drivers enforce memory"
+        ' limits). "" keeps none; the DaemonSet mounts NFD\'s features.d directory and names it.',
     )
     legacy_directory: str = key(
         "path",

@@ -34,7 +34,8 @@ from deviceplugin.memlimits.settings import MemoryLimitSettings
 from deviceplugin.memlimits.source import LimitSource
 from deviceplugin.memlimits.view import effective_support, enforced_gpus, limits_view
 from deviceplugin.model import NodeSnapshot
-from deviceplugin.partitions import PartitionSupport
+from deviceplugin.partitions import PartitionMode, PartitionSupport
+from deviceplugin.state import Published
 from deviceplugin.usage.cgroups import KubeletTree
 
 log = logging.getLogger("deviceplugin.memlimits")
@@ -42,6 +43,16 @@ log = logging.getLogger("deviceplugin.memlimits")
 REFRESH_S = 2.0
 OFF = "memory limits are off (serve --memory-limits off): every GPU's memory is polled"
 NO_GPU = "no GPU's driver partitions memory: every GPU's memory is polled"
+POLL = "poll"
+
+
+def node_enforcement(support: Mapping[str, PartitionSupport]) -> str:
+    """`driver` when every GPU's driver enforces memory, `poll` when none does (or there is no
+    GPU), `mixed` between."""
+    enforced = [s.mode is not PartitionMode.POLL for s in support.values()]
+    if enforced and all(enforced):
+        return "driver"
+    return "mixed" if any(enforced) else POLL
 
 
 class MemoryLimitsPart:
@@ -80,6 +91,8 @@ class MemoryLimitsPart:
         self.server: HookServer | None = None
         self.support: Mapping[str, PartitionSupport] = {}
         self.view = MemoryLimitsView(why_not=OFF if settings is None else NO_GPU)
+        # The node's summary for its node label: driver, poll or mixed (node_enforcement).
+        self.enforcement: Published[str] = Published(POLL)
         self._used: dict[tuple[str, str], int] = {}
 
     @property
@@ -135,6 +148,7 @@ class MemoryLimitsPart:
         effective = effective_support(support, readings) if readings else dict(support)
         self._log_changes(effective)
         self.support = effective
+        self.enforcement.set(node_enforcement(effective))
         self.hooks.enforced = enforced_gpus(effective)
         await self._read_use()
         if self.specs is not None:
