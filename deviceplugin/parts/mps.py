@@ -86,6 +86,7 @@ class MpsPart:
         # When each owner's namespace was provisioned last (monotonic).
         self._provisioned: dict[str, float] = {}
         self._refused: set[str] = set()
+        self.release_grace_s = RELEASE_GRACE_S
 
     @property
     def active(self) -> bool:
@@ -259,7 +260,7 @@ class MpsPart:
         now = time.monotonic()
         for ns in daemon.status.namespaces:
             made = self._provisioned.get(ns.owner, 0.0)
-            if ns.owner in live or now - made < RELEASE_GRACE_S:
+            if ns.owner in live or now - made < self.release_grace_s:
                 continue
             log.info("allocation gone; deleting its MPS namespace allocation=%s", ns.owner)
             await asyncio.to_thread(daemon.release, ns.owner)
