@@ -86,7 +86,6 @@ class Daemon:
             allocations=lambda: tuple(self.book),
             # NVML's (the fake backend has none): MPS v3 needs R615.
             driver_version=lambda: getattr(backend, "driver_version", None),
-            canary=settings.mps_canary,
         )
         names_wanted = asyncio.Event()
         self.frontend = self._frontend(cfg, names_wanted, pod_resources_interval_s)

@@ -60,10 +60,6 @@ class DaemonSettings:
     # --enforce-nvidia-config: an NVIDIA-format config is enforced; else it runs in monitor
     # mode, a dry run (deviceplugin/enforcement_mode.py).
     enforce_nvidia_config: bool = False
-    # The MPS canary's command under MPS v3 (a bounded CUDA client through a server's pipe
-    # directory); None: a CUDA context through libcuda (deviceplugin.gpu.mps.default_canary).
-    # Not a flag: tests give the fake control command's.
-    mps_canary: tuple[str, ...] | None = None
 
     def configured(self, config: Config) -> Config:
         """`config` with the flags that win over the config file applied, and in monitor mode

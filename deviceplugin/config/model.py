@@ -312,6 +312,16 @@ class MpsConfig:
         " memory) where the driver (R615 and later) and the control command offer it, else v2"
         " (one slice's limits per client process); v2 always v2; v3 v3, or the start fails.",
     )
+    canary_command: str | None = key(
+        "canaryCommand",
+        None,
+        Text("a command line", min_length=1),
+        "Under MPS v3, the canary run through each MPS server after a client left without a"
+        " drain and every 5 minutes, to tell a wedged GPU from a healthy one: a CUDA client that"
+        " must exit within 15 s (one that hangs is a wedge: MPS is restarted). Unset: the"
+        " built-in one, a CUDA context made through libcuda.",
+        example="/usr/local/bin/cuda-canary --device 0",
+    )
 
 
 # Where node feature discovery's local source reads feature files (the DaemonSet gives the daemon

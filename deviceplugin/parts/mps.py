@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shlex
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, TypeVar
@@ -69,7 +70,6 @@ class MpsPart:
         *,
         allocations: Callable[[], Iterable[AllocationRecord]] = tuple,
         driver_version: Callable[[], str | None] = lambda: None,
-        canary: Sequence[str] | None = None,
     ) -> None:
         self._config = config
         self._inventory = inventory
@@ -77,8 +77,6 @@ class MpsPart:
         self._allocations = allocations
         # The GPU driver's version (NVML's), for the protocol's detection; None where unknown.
         self._driver_version = driver_version
-        # The canary under MPS v3; None: a CUDA context through libcuda (default_canary).
-        self._canary = tuple(canary) if canary is not None else None
         self.daemon: MpsControlDaemon | None = None
         self.detection: Detection | None = None
         # Clear while a control daemon is being started (a reload): provisions wait for it.
@@ -164,7 +162,8 @@ class MpsPart:
         log.info("MPS protocol chosen protocol=%d reason=%s", detection.protocol, detection.reason)
         canary = None
         if detection.protocol == V3:
-            canary = self._canary if self._canary is not None else default_canary()
+            # mps.canaryCommand, else a CUDA context through libcuda.
+            canary = tuple(shlex.split(config.canary_command or "")) or default_canary()
         return MpsControlDaemon(
             config, options=MpsOptions(protocol=detection.protocol, canary=canary)
         )

@@ -115,7 +115,6 @@ async def running_daemon(
     kubelet_cgroup_root: str = "",
     device_id_strategy: DeviceIdStrategy | None = None,
     enforce_nvidia_config: bool = False,
-    mps_canary: Sequence[str] | None = None,
 ) -> AsyncIterator[Daemon]:
     """Run a daemon until the block ends (on `backend`, default: the node's fake GPUs, closed at
     the end either way); fail the test if it died on its own. `kubelet_cgroup_root`: the
@@ -131,8 +130,6 @@ async def running_daemon(
         settings = dataclasses.replace(settings, device_id_strategy=device_id_strategy)
     if enforce_nvidia_config:  # --enforce-nvidia-config true
         settings = dataclasses.replace(settings, enforce_nvidia_config=True)
-    if mps_canary is not None:  # the fake control command's canary
-        settings = dataclasses.replace(settings, mps_canary=tuple(mps_canary))
     if backend is None:
         backend = FakeBackend(node.state_file)
     daemon = Daemon(settings, backend, pod_resources_interval_s=pod_resources_interval_s)

@@ -153,6 +153,14 @@ async def test_starts_the_control_daemon_with_one_slice_per_gpu(node: Node) -> N
             "restarts_total": 0,
             "pipe_directory": str(mps_root(node) / "pipe"),
             "error": "",
+            "protocol": 2,
+            "drains_total": 0,
+            "undrained_total": 0,
+            "wedges_total": 0,
+            "canary_error": "",
+            "drift_total": {},
+            "root_clients": [],
+            "namespaces": [],
         }
         _, metrics = await asyncio.to_thread(get, f"{base}/metrics")
         assert 'vgpu_mps_daemon_up{node="test-node"} 1.0' in metrics

@@ -51,7 +51,8 @@ from tests.blackbox.test_mps import get, mps_root, no_stray_control_daemon  # no
 from tests.support.fake_mps.client import FAKE_CONTROL, FakeClient
 from tests.support.fake_mps.harness import events, eventually_events, fake_env, records
 
-CANARY = (sys.executable, str(FAKE_CONTROL), "canary")
+# The fake's canary: hangs on a wedged GPU, as a CUDA init does.
+CANARY = f"{sys.executable} {FAKE_CONTROL} canary"
 A100, L4 = TWO_GPUS  # 80 GiB and 24 GiB, four slices each
 
 
@@ -68,7 +69,12 @@ def v3_config(node: Node, *, memory_grace_s: float = 0.2, work_conserving: bool 
                 work_conserving=work_conserving,
             ),
         ),
-        mps=MpsConfig(enabled=True, root=str(mps_root(node)), control_command=str(FAKE_CONTROL)),
+        mps=MpsConfig(
+            enabled=True,
+            root=str(mps_root(node)),
+            control_command=str(FAKE_CONTROL),
+            canary_command=CANARY,
+        ),
     )
 
 
@@ -156,7 +162,7 @@ async def status_of(daemon: Daemon) -> dict[str, Any]:
 async def test_each_container_gets_its_own_namespace_capped_at_its_share_and_memory(
     node: Node,
 ) -> None:
-    async with running_daemon(node, v3_config(node), mps_canary=CANARY) as daemon:
+    async with running_daemon(node, v3_config(node)) as daemon:
         await registered(node, 8)
         assert mps_of(daemon).protocol == 3
         two = (await node.sim.admit_pod("two", [("c", 2)])).containers[0]
@@ -186,7 +192,7 @@ async def test_each_container_gets_its_own_namespace_capped_at_its_share_and_mem
 
 
 async def test_a_container_cannot_start_without_its_namespace(node: Node) -> None:
-    async with running_daemon(node, v3_config(node), mps_canary=CANARY):
+    async with running_daemon(node, v3_config(node)):
         await registered(node, 8)
         (mps_root(node) / "fake-fail-commands").touch()
         with pytest.raises(Exception, match="MPS namespace"):
@@ -199,9 +205,7 @@ async def test_a_container_cannot_start_without_its_namespace(node: Node) -> Non
 async def test_the_namespace_is_deleted_once_the_pod_is_gone(
     node: Node, clients: list[FakeClient]
 ) -> None:
-    async with running_daemon(
-        node, v3_config(node), mps_canary=CANARY, pod_resources_interval_s=0.2
-    ) as daemon:
+    async with running_daemon(node, v3_config(node), pod_resources_interval_s=0.2) as daemon:
         await registered(node, 8)
         fast(daemon)
         daemon.mps_part.release_grace_s = 0.0
@@ -226,12 +230,12 @@ async def test_the_namespace_is_deleted_once_the_pod_is_gone(
 async def test_a_restarted_daemon_makes_the_namespaces_of_running_containers_again(
     node: Node,
 ) -> None:
-    async with running_daemon(node, v3_config(node), mps_canary=CANARY):
+    async with running_daemon(node, v3_config(node)):
         await registered(node, 8)
         grant = (await node.sim.admit_pod("p", [("c", 3)])).containers[0]
         directory = grant.envs["CUDA_MPS_PIPE_DIRECTORY"]
     # The daemon's exit sent its control daemon quit: every namespace is gone with it.
-    async with running_daemon(node, v3_config(node), mps_canary=CANARY) as daemon:
+    async with running_daemon(node, v3_config(node)) as daemon:
         await registered(node, 8)
         await eventually(
             lambda: any(ns.pipe_directory == directory for ns in mps_of(daemon).status.namespaces),
@@ -241,7 +245,7 @@ async def test_a_restarted_daemon_makes_the_namespaces_of_running_containers_aga
 
 
 async def test_a_reload_of_mps_settings_keeps_running_containers_namespaces(node: Node) -> None:
-    async with running_daemon(node, v3_config(node), mps_canary=CANARY) as daemon:
+    async with running_daemon(node, v3_config(node)) as daemon:
         await registered(node, 8)
         grant = (await node.sim.admit_pod("p", [("c", 2)])).containers[0]
         directory = grant.envs["CUDA_MPS_PIPE_DIRECTORY"]
@@ -267,7 +271,7 @@ async def test_a_reload_of_mps_settings_keeps_running_containers_namespaces(node
 async def test_without_protocol_3_the_daemon_runs_mps_v2(node: Node) -> None:
     mps_root(node).mkdir()
     (mps_root(node) / "fake-v2-only").touch()  # an older driver's control command
-    async with running_daemon(node, v3_config(node), mps_canary=CANARY) as daemon:
+    async with running_daemon(node, v3_config(node)) as daemon:
         await registered(node, 8)
         assert mps_of(daemon).protocol == 2
         grant = (await node.sim.admit_pod("p", [("c", 1)])).containers[0]
@@ -298,7 +302,7 @@ async def test_protocol_3_asked_for_where_it_is_not_offered_fails_the_start(node
 async def test_a_memory_kill_drains_the_client_through_the_control_daemon_first(
     node: Node, clients: list[FakeClient]
 ) -> None:
-    async with running_daemon(node, v3_config(node), mps_canary=CANARY) as daemon:
+    async with running_daemon(node, v3_config(node)) as daemon:
         await registered(node, 8)
         fast(daemon)
         grant = (await node.sim.admit_pod("hog", [("c", 1)])).containers[0]
@@ -314,7 +318,7 @@ async def test_a_throttled_client_is_resumed_drained_then_killed(
     node: Node, clients: list[FakeClient]
 ) -> None:
     config = v3_config(node, memory_grace_s=0.2, work_conserving=False)
-    async with running_daemon(node, config, mps_canary=CANARY) as daemon:
+    async with running_daemon(node, config) as daemon:
         await registered(node, 8)
         fast(daemon)
         grant = (await node.sim.admit_pod("busy", [("c", 1)])).containers[0]
@@ -332,7 +336,7 @@ async def test_shutdown_resumes_a_throttled_client_and_stops_none(
     node: Node, clients: list[FakeClient]
 ) -> None:
     config = v3_config(node, work_conserving=False)
-    async with running_daemon(node, config, mps_canary=CANARY) as daemon:
+    async with running_daemon(node, config) as daemon:
         await registered(node, 8)
         fast(daemon)
         grant = (await node.sim.admit_pod("busy", [("c", 1)])).containers[0]
@@ -347,7 +351,7 @@ async def test_shutdown_resumes_a_throttled_client_and_stops_none(
 async def test_the_kubelets_kill_of_a_client_is_seen_by_the_canary_and_mps_restarts(
     node: Node, clients: list[FakeClient]
 ) -> None:
-    async with running_daemon(node, v3_config(node), mps_canary=CANARY) as daemon:
+    async with running_daemon(node, v3_config(node)) as daemon:
         await registered(node, 8)
         mps = fast(daemon)
         grant = (await node.sim.admit_pod("p", [("c", 1)])).containers[0]
@@ -377,7 +381,7 @@ async def test_the_kubelets_kill_of_a_client_is_seen_by_the_canary_and_mps_resta
 async def test_status_shows_each_containers_namespace_and_flags_root_clients(
     node: Node, clients: list[FakeClient]
 ) -> None:
-    async with running_daemon(node, v3_config(node), mps_canary=CANARY) as daemon:
+    async with running_daemon(node, v3_config(node)) as daemon:
         await registered(node, 8)
         fast(daemon)
         grant = (await node.sim.admit_pod("p", [("c", 2)])).containers[0]
