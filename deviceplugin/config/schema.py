@@ -2,7 +2,7 @@
 
 `vgpu-device-plugin config-schema` prints it. It is written from the keys' declarations (`keys`,
 `model`), the parser's too: each key's type, choices, default, bounds and description. Only the
-rules across keys are written here by hand (`_RULES`). tests/unit/test_configschema.py checks
+rules across keys are written here by hand (`_RULES`). tests/unit/test_config_schema.py checks
 schema and parser against each other in both directions: every key the parser reads is here with
 the same type, choices and bounds, every key here is one the parser reads, unknown keys are
 refused by both, and the example configs validate.

@@ -111,11 +111,15 @@ def _name_and_tail(indent: int, name: str, tail: str, width: int) -> str:
 
 def container_name(c: Mapping[str, Any], room: int = 10_000) -> str:
     """namespace/pod/container in at most `room` characters, or the allocation ID while
-    pod-resources has not named it. The pod name (usually the longest, with generated suffixes)
-    is cut first, so that the namespace and container stay readable."""
+    pod-resources has not named it (the pod alone while only its container is unnamed). The pod
+    name (usually the longest, with generated suffixes) is cut first, so that the namespace and
+    container stay readable."""
     parts = [_text(c.get(k) or "") for k in ("namespace", "pod", "container")]
     if not any(parts):
         return _clip(f"allocation {_text(c.get('allocation_id', '?'))} (unnamed)", room)
+    if not parts[2] and parts[0] and parts[1]:
+        # A DRA claim's pod is known from its reservation before pod-resources names the container.
+        return _clip(f"{parts[0]}/{parts[1]} (container not named yet)", room)
     full = "/".join(parts)
     excess = len(full) - room
     if excess <= 0:

@@ -76,3 +76,44 @@ def test_no_module_or_function_is_too_long() -> None:
         f"over {MAX_MODULE_LINES} lines a module or {MAX_FUNCTION_LINES} a function: "
         f"{too_long}; split it by what its parts mean"
     )
+
+
+def module_names() -> set[str]:
+    """Every name a unit test file may take after its module: the module's dotted path below
+    `deviceplugin/` (or its path in `tools/`) with `_` for `.`, and each shorter tail of it
+    (`usage/cgroups.py` -> `usage_cgroups`, `cgroups`); packages count as modules."""
+    names: set[str] = set()
+    for path in modules():
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[0] == "deviceplugin":
+            parts = parts[1:]
+        if parts and parts[-1] == "__init__":
+            parts = parts[:-1]
+        names.update("_".join(parts[i:]) for i in range(len(parts)))
+    return names
+
+
+def unnamed_unit_tests(names: set[str], directory: Path = ROOT / "tests" / "unit") -> list[str]:
+    """Unit test files not named `test_<module>.py` or `test_<module>_<topic>.py`."""
+    return [
+        path.name
+        for path in sorted(directory.glob("test_*.py"))
+        if not any(path.stem[5:] == n or path.stem[5:].startswith(n + "_") for n in names)
+    ]
+
+
+def test_the_unit_test_naming_check_sees_a_file_named_after_nothing(tmp_path: Path) -> None:
+    for stem in ("usage_cgroups", "cgroups_leaf", "slicing_mig", "cgroup_leaf", "usagecgroups"):
+        (tmp_path / f"test_{stem}.py").touch()
+    names = {"usage_cgroups", "cgroups", "usage", "slicing"}
+    assert unnamed_unit_tests(names, tmp_path) == ["test_cgroup_leaf.py", "test_usagecgroups.py"]
+    assert {"usage_cgroups", "cgroups", "usage", "kubelet_proto"} <= module_names()
+
+
+def test_each_unit_test_file_is_named_after_the_module_it_tests() -> None:
+    # docs/development.md, "Shape": a module's unit tests are found from its name.
+    stray = unnamed_unit_tests(module_names())
+    assert not stray, (
+        f"unit test files named after no module of deviceplugin/ or tools/: {stray}; name each "
+        "test_<module>.py (or test_<module>_<topic>.py) after the module it tests"
+    )

@@ -208,8 +208,18 @@ def test_try_dra_by_hand(cluster: Cluster, shell: Shell) -> None:
     assert [r["name"] for r in claim["status"]["reservedFor"]] == ["trainer"]
     (listed,) = ours(yaml.safe_load(shell.run(slices_line))["items"])
     assert listed["spec"]["devices"][0]["capacity"]["memory"]["value"] == str(40 * GiB)
-    status = shell.run(status_line)
-    assert "default/trainer/main" in status, status
+
+    # pod-resources names the container within a second or so of its start (docs/dra.md).
+    def named() -> str | None:
+        out = shell.run(status_line)
+        return out if "default/trainer/main" in out else None
+
+    status = wait_until(
+        named,
+        timeout_s=15,
+        interval_s=0.5,
+        what="vgpu status naming the trainer's container",
+    )
     assert f"claim default/{claim['metadata']['name']}" in status, status
 
     # What is left on gpu-0, as the section says: 25Gi; 26Gi more does not fit, 25Gi does.

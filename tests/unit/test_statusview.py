@@ -245,6 +245,14 @@ def test_view_unnamed_container_shows_its_allocation_id() -> None:
     assert container_name({"allocation_id": UNNAMED}).startswith(f"allocation {UNNAMED}")
 
 
+def test_view_claim_pod_known_before_its_container_reads_as_such() -> None:
+    # A DRA claim names its pod at prepare; pod-resources names the container a moment later.
+    named_pod = {"allocation_id": UNNAMED, "namespace": "default", "pod": "trainer"}
+    named_pod["container"] = ""
+    assert container_name(named_pod) == "default/trainer (container not named yet)"
+    assert container_name(named_pod | {"container": "main"}) == "default/trainer/main"
+
+
 def test_view_unattributed_per_gpu() -> None:
     lines = render_status(doc_of(sample_snapshot()))
     stray = [line.strip() for line in lines if "unattributed" in line]
