@@ -299,12 +299,16 @@ async def test_protocol_3_asked_for_where_it_is_not_offered_fails_the_start(node
 # --- every stop of an MPS client is drained first -------------------------------------------
 
 
+@pytest.mark.parametrize("protocol", [2, 3])
 async def test_a_memory_kill_drains_the_client_through_the_control_daemon_first(
-    node: Node, clients: list[FakeClient]
+    node: Node, clients: list[FakeClient], protocol: int
 ) -> None:
+    if protocol == 2:
+        mps_root(node).mkdir()
+        (mps_root(node) / "fake-v2-only").touch()  # an older driver: v2's terminate_client
     async with running_daemon(node, v3_config(node)) as daemon:
         await registered(node, 8)
-        fast(daemon)
+        assert fast(daemon).protocol == protocol
         grant = (await node.sim.admit_pod("hog", [("c", 1)])).containers[0]
         client = client_of(grant, clients)
         using(node, A100.uuid, FakeProcess(client.pid, 25 * GiB, 10))  # one slice: 20 GiB
@@ -356,6 +360,8 @@ async def test_the_kubelets_kill_of_a_client_is_seen_by_the_canary_and_mps_resta
         mps = fast(daemon)
         grant = (await node.sim.admit_pod("p", [("c", 1)])).containers[0]
         client = client_of(grant, clients)
+        # A neighbour on the same GPU, whose namespace outlives the restart.
+        stays = (await node.sim.admit_pod("stays", [("c", 2)])).containers[0]
         await eventually(lambda: seen(mps, client.pid), what="the client seen by the supervisor")
         first = mps.pid()
         # Pod deletion: the runtime kills the client with work in flight, no drain first.
@@ -366,7 +372,10 @@ async def test_the_kubelets_kill_of_a_client_is_seen_by_the_canary_and_mps_resta
         assert mps.pid() not in (None, first)
         lost = [e for e in events(mps_root(node), "client-lost") if e["client"] == client.pid]
         assert lost[0]["wedged"] is True
-        # Started again, the GPU serves a new client.
+        # Started again with the running containers' namespaces made again at their caps ...
+        assert caps(node, stays.envs["CUDA_MPS_PIPE_DIRECTORY"])["active-thread-percentage"] == "50"
+        assert client_of(stays, clients).attached
+        # ... the GPU serves a new client.
         again = (await node.sim.admit_pod("q", [("c", 1)])).containers[0]
         assert client_of(again, clients).attached
         doc = await status_of(daemon)
