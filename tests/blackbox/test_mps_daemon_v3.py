@@ -15,7 +15,6 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,7 +48,13 @@ from tests.blackbox.daemon_harness import (
 )
 from tests.blackbox.test_mps import get, mps_root, no_stray_control_daemon  # noqa: F401
 from tests.support.fake_mps.client import FAKE_CONTROL, FakeClient
-from tests.support.fake_mps.harness import events, eventually_events, fake_env, records
+from tests.support.fake_mps.harness import (
+    events,
+    eventually_events,
+    namespace_caps,
+    records,
+)
+from tests.support.fake_mps.harness import namespaces as fake_namespaces
 
 # The fake's canary: hangs on a wedged GPU, as a CUDA init does.
 CANARY = f"{sys.executable} {FAKE_CONTROL} canary"
@@ -86,36 +91,14 @@ def clients() -> Iterator[list[FakeClient]]:
         client.kill()
 
 
-def control(node: Node, command: str) -> str:
-    """One command to the running fake control daemon; its answer."""
-    done = subprocess.run(
-        [str(FAKE_CONTROL)],
-        input=command + "\n",
-        env=fake_env(mps_root(node)),
-        capture_output=True,
-        text=True,
-        timeout=10,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
-
-
 def caps(node: Node, pipe_directory: str) -> dict[str, str]:
     """What the control daemon says of the namespace whose directory is `pipe_directory`."""
-    server, name = Path(pipe_directory).parts[-2:]
-    answer = control(node, f"namespace get {name} --server={server}")
-    return dict(line.split("=", 1) for line in answer.splitlines() if "=" in line)
+    return namespace_caps(mps_root(node), pipe_directory)
 
 
 def namespaces(node: Node) -> set[str]:
     """Every `<server>/<namespace>` the control daemon has."""
-    found = set()
-    for server in control(node, "server list").split():
-        found |= {
-            f"{server}/{n}" for n in control(node, f"namespace list --server={server}").split()
-        }
-    return found
+    return fake_namespaces(mps_root(node))
 
 
 def mps_of(daemon: Daemon) -> MpsControlDaemon:

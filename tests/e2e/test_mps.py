@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +33,8 @@ from deviceplugin.gpu.fake import FakeProcess, FakeState
 from tests.blackbox.daemon_harness import gpu
 from tests.e2e.harness import REPO, Cluster, Daemon, container, pod_manifest, wait_until
 from tests.e2e.test_dra import DRIVER, _install, start_dra
-from tests.support.fake_mps.harness import fake_env, records
+from tests.support.fake_mps.harness import namespace_caps as caps
+from tests.support.fake_mps.harness import namespaces, records
 
 RUNTIME = "containerd"
 GiB = 1024**3
@@ -125,30 +125,6 @@ def start(node: Cluster, daemons: list[Daemon], root: Path, protocol: str = "aut
     daemons.append(daemon)
     daemon.wait_registered(count=4)
     return daemon
-
-
-def control(root: Path, command: str) -> str:
-    """One command to the fake control daemon; its answer."""
-    done = subprocess.run(
-        [str(FAKE_CONTROL)], input=command + "\n", env=fake_env(root),
-        capture_output=True, text=True, timeout=10, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
-
-
-def caps(root: Path, directory: str) -> dict[str, str]:
-    server, name = Path(directory).parts[-2:]
-    answer = control(root, f"namespace get {name} --server={server}")
-    return dict(line.split("=", 1) for line in answer.splitlines() if "=" in line)
-
-
-def namespaces(root: Path) -> set[str]:
-    found = set()
-    for server in control(root, "server list").split():
-        listed = control(root, f"namespace list --server={server}").split()
-        found |= {f"{server}/{name}" for name in listed}
-    return found
 
 
 def mounts(pid: int) -> dict[str, str]:
