@@ -4,9 +4,7 @@ which mounts only that namespace's directory; NodeUnprepareResources lets it go.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,7 +14,6 @@ import pytest
 
 from deviceplugin.app import Daemon
 from deviceplugin.config import Config, MpsConfig
-from deviceplugin.gpu.fake import FakeBackend
 from tests.blackbox.daemon_harness import FAST, Node, dra_frontend, eventually
 from tests.blackbox.test_dra import (
     GPU0,
@@ -28,6 +25,7 @@ from tests.blackbox.test_dra import (
     _register,
     _spec,
     _unprepare,
+    dra_daemon,
 )
 from tests.blackbox.test_mps import mps_root, no_stray_control_daemon  # noqa: F401
 from tests.blackbox.test_mps_daemon_v3 import CANARY, caps, mps_of, namespaces
@@ -52,22 +50,12 @@ async def dra_mps_daemon(node: Node, api: FakeApiServer) -> AsyncIterator[Daemon
         ),
     )
     dra = _dra(node, api)
-    settings = dataclasses.replace(node.settings(config), dra=dra)
-    backend = FakeBackend(node.state_file)
-    daemon = Daemon(settings, backend)
-    stop = asyncio.Event()
-    task = asyncio.create_task(daemon.run(stop))
-    try:
+    async with dra_daemon(node, api, dra=dra, config=config) as daemon:
         await _register(dra)
         await eventually(lambda: dra_frontend(daemon).registered, what="the registration")
         mps_of(daemon).check_interval_s = 0.05
         daemon.mps_part.release_grace_s = 0.0
         yield daemon
-        assert not task.done(), f"daemon exited early: {task}"
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
-        backend.close()
 
 
 def mounts(spec: Path) -> list[dict[str, Any]]:
