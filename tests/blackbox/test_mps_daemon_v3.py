@@ -336,7 +336,7 @@ async def test_shutdown_resumes_a_throttled_client_and_stops_none(
 
 
 async def test_the_kubelets_kill_of_a_client_is_seen_by_the_canary_and_mps_restarts(
-    node: Node, clients: list[FakeClient]
+    node: Node, clients: list[FakeClient], caplog: pytest.LogCaptureFixture
 ) -> None:
     async with running_daemon(node, v3_config(node)) as daemon:
         await registered(node, 8)
@@ -355,6 +355,7 @@ async def test_the_kubelets_kill_of_a_client_is_seen_by_the_canary_and_mps_resta
         assert mps.pid() not in (None, first)
         lost = [e for e in events(mps_root(node), "client-lost") if e["client"] == client.pid]
         assert lost[0]["wedged"] is True
+        assert "MPS is wedged; restarting it" in caplog.text
         # Started again with the running containers' namespaces made again at their caps ...
         assert caps(node, stays.envs["CUDA_MPS_PIPE_DIRECTORY"])["active-thread-percentage"] == "50"
         assert client_of(stays, clients).attached
