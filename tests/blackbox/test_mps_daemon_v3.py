@@ -168,8 +168,12 @@ async def test_each_container_gets_its_own_namespace_capped_at_its_share_and_mem
         # A framework may reserve the container's memory, not one slice's: (40Gi - 512Mi)/80Gi.
         assert two.envs["VGPU_MEMORY_FRACTION_0"] == "0.49"
 
-        doc = await status_of(daemon)
-        mps = doc["health"]["mps"]
+        # /status is the last poll's: both namespaces once a poll has come after them.
+        for _ in range(250):
+            mps = (await status_of(daemon))["health"]["mps"]
+            if len(mps["namespaces"]) == 2:
+                break
+            await asyncio.sleep(0.04)
         assert mps["protocol"] == 3
         assert {ns["pipe_directory"] for ns in mps["namespaces"]} == set(dirs)
 
