@@ -78,6 +78,15 @@ class Daemon:
             lambda: self.poller.snapshot,
             register=lambda registry: self.frontend.register_metrics(registry, settings.node_name),
         )
+        # The MPS control daemon (the frontends ask it for MPS v3 namespaces, the enforcer
+        # drains its clients through it).
+        self.mps_part = MpsPart(
+            cfg.mps,
+            self.inventory,
+            allocations=lambda: tuple(self.book),
+            # NVML's (the fake backend has none): MPS v3 needs R615.
+            driver_version=lambda: getattr(backend, "driver_version", None),
+        )
         names_wanted = asyncio.Event()
         self.frontend = self._frontend(cfg, names_wanted, pod_resources_interval_s)
         self.poller = Poller(
@@ -101,10 +110,10 @@ class Daemon:
             settings.state_dir,
             container_now=self.poller.container_now,
             between_polls=self.poller.submit,
+            # A process stopped for good is drained first while MPS is on.
+            stop_process=self.mps_part.stop_client,
         )
-        # The optional supervised parts: a new one (a memory-limit hook, MPS v3's servers)
-        # plugs in here.
-        self.mps_part = MpsPart(cfg.mps, self.inventory)
+        # The optional supervised parts: a new one (a memory-limit hook) plugs in here.
         self.optional = OptionalParts(
             [
                 self.mps_part,
@@ -153,6 +162,7 @@ class Daemon:
                 pod_resources_interval_s=pod_resources_interval_s,
                 on_allocate_duration=self.metrics.observe_allocate,
                 on_allocated=lambda: self.poller.allocated(),  # noqa: PLW0108 (made later)
+                mps_namespaces=self.mps_part,
             )
         else:
             # Here, not above: the Kubernetes API client (lightkube, httpx) only in DRA mode.
@@ -167,6 +177,7 @@ class Daemon:
                 snapshot=lambda: self.poller.snapshot,
                 on_claims_changed=lambda: self.poller.allocated(),  # noqa: PLW0108 (made later)
                 pod_resources_socket=settings.pod_resources_socket,
+                mps_namespaces=self.mps_part,
             )
         return frontend
 

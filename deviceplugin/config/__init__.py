@@ -79,6 +79,7 @@ from deviceplugin.config.values import (
     DeviceListStrategy,
     MemoryAction,
     MigStrategy,
+    MpsProtocol,
     RecoveryPolicy,
 )
 
@@ -120,6 +121,7 @@ __all__ = [
     "MigConfig",
     "MigStrategy",
     "MpsConfig",
+    "MpsProtocol",
     "NodeLabelsConfig",
     "RecoveryPolicy",
     "SliceOverride",

@@ -41,6 +41,7 @@ from deviceplugin.dra.users import ClaimUsers, Users
 from deviceplugin.kubelet.draplugin import ClaimRef, HealthReport, PrepareResult
 from deviceplugin.kubelet.podresources import PodResourcesClient
 from deviceplugin.model import AllocationRecord, Inventory, NodeSnapshot
+from deviceplugin.mpsnamespaces import NO_NAMESPACES, ContainerNamespaces
 from deviceplugin.owners import AllocationOwners
 from deviceplugin.state import AllocationBook
 
@@ -61,6 +62,7 @@ class DraDriver:
         snapshot: Callable[[], NodeSnapshot | None] = lambda: None,
         on_claims_changed: Callable[[], None] = lambda: None,
         pod_resources: PodResourcesClient | None = None,
+        mps_namespaces: ContainerNamespaces = NO_NAMESPACES,
     ) -> None:
         self.settings = settings
         # The daemon's current config (a reload replaces it): new claims get its env settings.
@@ -79,6 +81,7 @@ class DraDriver:
             lock=self._lock,
             plans=lambda: plans_by_device(self._built),
             on_change=self._claims_changed,
+            mps_namespaces=mps_namespaces,
         )
         # Read by the poll worker: replaced whole, never changed in place.
         self._claims: tuple[PreparedClaim, ...] = ()

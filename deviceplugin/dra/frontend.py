@@ -27,6 +27,7 @@ from deviceplugin.frontend import FrontendHealth
 from deviceplugin.kubelet.draplugin import KubeletPlugin
 from deviceplugin.kubelet.podresources import PodResourcesClient
 from deviceplugin.model import SOURCE_DRA, Inventory, NodeSnapshot
+from deviceplugin.mpsnamespaces import NO_NAMESPACES, ContainerNamespaces
 from deviceplugin.owners import AllocationOwners
 from deviceplugin.slicing import plan_gpus
 from deviceplugin.state import AllocationBook, Published
@@ -59,6 +60,7 @@ class DraFrontend:
         snapshot: Callable[[], NodeSnapshot | None] = lambda: None,
         on_claims_changed: Callable[[], None] = lambda: None,
         pod_resources_socket: Path | None = None,
+        mps_namespaces: ContainerNamespaces = NO_NAMESPACES,
     ) -> None:
         self.settings = settings
         # The running config (a reload replaces it): new claims get its env settings, the
@@ -77,6 +79,7 @@ class DraFrontend:
             pod_resources=(
                 None if pod_resources_socket is None else PodResourcesClient(pod_resources_socket)
             ),
+            mps_namespaces=mps_namespaces,
         )
         self.publisher = SlicePublisher(settings, api, self.driver.devices)
         self.plugin = KubeletPlugin(
@@ -211,6 +214,7 @@ def open_dra_frontend(
     snapshot: Callable[[], NodeSnapshot | None],
     on_claims_changed: Callable[[], None],
     pod_resources_socket: Path,
+    mps_namespaces: ContainerNamespaces = NO_NAMESPACES,
 ) -> DraFrontend:
     """The DRA frontend with its API server client; the driver's name is the config's at start
     (it names the kubelet sockets). Raises StartupError."""
@@ -231,4 +235,5 @@ def open_dra_frontend(
         snapshot=snapshot,
         on_claims_changed=on_claims_changed,
         pod_resources_socket=pod_resources_socket,
+        mps_namespaces=mps_namespaces,
     )

@@ -18,6 +18,7 @@ from deviceplugin.config import Config
 from deviceplugin.frontend import FrontendHealth
 from deviceplugin.kubelet.checkpoint import CHECKPOINT_FILE, CheckpointReader
 from deviceplugin.model import SOURCE_DEVICE_PLUGIN, Inventory
+from deviceplugin.mpsnamespaces import NO_NAMESPACES, ContainerNamespaces
 from deviceplugin.owners import AllocationOwners
 from deviceplugin.plugin.lifecycle import PluginLifecycle
 from deviceplugin.plugin.resources import ResourceEndpoint, ResourcePlugins
@@ -48,9 +49,11 @@ class DevicePluginFrontend:
         pod_resources_interval_s: float = POD_RESOURCES_INTERVAL_S,
         on_allocate_duration: Callable[[float], None] = lambda seconds: None,
         on_allocated: Callable[[], None] = lambda: None,
+        mps_namespaces: ContainerNamespaces = NO_NAMESPACES,
     ) -> None:
         # The running config: endpoints made from now on answer Allocate with it.
         self._config = config
+        self._mps_namespaces = mps_namespaces
         self._book = book
         self._inventory = inventory
         self._plugin_dir = plugin_dir
@@ -117,6 +120,7 @@ class DevicePluginFrontend:
             # so that the container's series and any action on it carry its pod's name.
             on_allocated=self._on_allocated,
             resource_name=resource_name,
+            mps_namespaces=self._mps_namespaces,
         )
         lifecycle = PluginLifecycle(
             service, plugin_dir=self._plugin_dir, resource_name=resource_name

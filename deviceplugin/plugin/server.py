@@ -18,6 +18,12 @@ from deviceplugin.errors import AllocationError
 from deviceplugin.kubelet.proto import HEALTHY, UNHEALTHY, dp, dp_grpc
 from deviceplugin.logs import brief, brief_list
 from deviceplugin.model import AllocationRecord, ContainerAllocation, Inventory
+from deviceplugin.mpsnamespaces import (
+    NO_NAMESPACES,
+    ContainerNamespaces,
+    NamespaceRefusedError,
+    provision_all,
+)
 from deviceplugin.preferred import preferred_allocation
 from deviceplugin.state import AllocationBook, Published
 
@@ -81,8 +87,11 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         on_allocate_duration: Callable[[float], None] = lambda seconds: None,
         on_allocated: Callable[[], None] = lambda: None,
         resource_name: str = "",
+        mps_namespaces: ContainerNamespaces = NO_NAMESPACES,
     ) -> None:
         self._config = config
+        # Under MPS v3, each container's namespace, made before Allocate answers.
+        self._mps_namespaces = mps_namespaces
         self._resource_name = resource_name
         self._inventory = inventory
         self._book = book
@@ -198,6 +207,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"container request {i}: {brief(str(e), MAX_ABORT_CHARS)}",
                 )
+        allocations = await self._with_mps_namespaces(allocations, inventory, context)
         now = self._clock()
         for allocation in allocations:
             self._book.allocated(
@@ -223,6 +233,24 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         self._on_allocate_duration(time.perf_counter() - started)
         self._on_allocated()
         return response
+
+    async def _with_mps_namespaces(
+        self,
+        allocations: list[ContainerAllocation],
+        inventory: Inventory,
+        context: grpc.aio.ServicerContext,
+    ) -> list[ContainerAllocation]:
+        """Under MPS v3, each container's answer with its own namespace (deviceplugin.
+        mpsnamespaces); a container that cannot have one is refused, with the whole call."""
+        config = self._config
+        try:
+            return await provision_all(
+                allocations, self._mps_namespaces, inventory, config.allocation, config.mps
+            )
+        except NamespaceRefusedError as e:
+            log.warning("allocate refused: no MPS namespace error=%s", brief(str(e)))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, brief(str(e), MAX_ABORT_CHARS))
+            raise  # abort raises; for the type checker
 
     async def PreStartContainer(  # noqa: N802
         self, request: dp.PreStartContainerRequest, context: grpc.aio.ServicerContext
