@@ -80,6 +80,15 @@ class Daemon:
             lambda: self.poller.snapshot,
             register=lambda registry: self.frontend.register_metrics(registry, settings.node_name),
         )
+        # The MPS control daemon (the frontends ask it for MPS v3 namespaces, the enforcer
+        # drains its clients through it).
+        self.mps_part = MpsPart(
+            cfg.mps,
+            self.inventory,
+            allocations=lambda: tuple(self.book),
+            # NVML's (the fake backend has none): MPS v3 needs R615.
+            driver_version=lambda: getattr(backend, "driver_version", None),
+        )
         names_wanted = asyncio.Event()
         # Which grants' CDI specs carry the memory-limit hook (docs/design.md §15).
         memory = settings.memory_limits
@@ -113,12 +122,12 @@ class Daemon:
             settings.state_dir,
             container_now=self.poller.container_now,
             between_polls=self.poller.submit,
+            # A process stopped for good is drained first while MPS is on.
+            stop_process=self.mps_part.stop_client,
         )
-        # The optional supervised parts: a new one (MPS v3's servers) plugs in here. The
-        # memory limits the driver enforces (docs/design.md §15) are on unless
-        # --memory-limits off; they serve the hook from the first GPU whose driver partitions
-        # memory.
-        self.mps_part = MpsPart(cfg.mps, self.inventory)
+        # The optional supervised parts: a new one plugs in here. The memory limits the driver
+        # enforces (docs/design.md §15) are on unless --memory-limits off; they serve the hook
+        # from the first GPU whose driver partitions memory.
         self.memory_limits = MemoryLimitsPart(
             memory,
             backend=backend,
@@ -182,6 +191,7 @@ class Daemon:
                 on_allocate_duration=self.metrics.observe_allocate,
                 on_allocated=lambda: self.poller.allocated(),  # noqa: PLW0108 (made later)
                 hook_specs=self.hook_specs,
+                mps_namespaces=self.mps_part,
             )
         else:
             # Here, not above: the Kubernetes API client (lightkube, httpx) only in DRA mode.
@@ -197,6 +207,7 @@ class Daemon:
                 on_claims_changed=lambda: self.poller.allocated(),  # noqa: PLW0108 (made later)
                 pod_resources_socket=settings.pod_resources_socket,
                 hooks=self.limit_hooks,
+                mps_namespaces=self.mps_part,
             )
         return frontend
 

@@ -442,6 +442,9 @@ class MpsStatus:
     canary_error: str = ""
     # MPS v3: the namespaces held, by owner.
     namespaces: tuple[MpsNamespace, ...] = ()
+    # MPS clients running as root (PIDs): under multiuser MPS one can raise its own caps or
+    # delete another container's namespace.
+    root_clients: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

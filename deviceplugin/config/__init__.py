@@ -80,6 +80,7 @@ from deviceplugin.config.values import (
     DeviceListStrategy,
     MemoryAction,
     MigStrategy,
+    MpsProtocol,
     RecoveryPolicy,
 )
 
@@ -122,6 +123,7 @@ __all__ = [
     "MigConfig",
     "MigStrategy",
     "MpsConfig",
+    "MpsProtocol",
     "NodeLabelsConfig",
     "RecoveryPolicy",
     "ResourceMemoryLimit",

@@ -44,6 +44,7 @@ from deviceplugin.config.values import (
     DeviceListStrategy,
     MemoryAction,
     MigStrategy,
+    MpsProtocol,
 )
 
 DEFAULT_RESOURCE_NAME = "nvidia.com/vgpu"
@@ -314,6 +315,24 @@ class MpsConfig:
         DEFAULT_MPS_CONTROL_COMMAND,
         Text(min_length=1, not_pattern=r"^\s*$"),
         "The MPS control program, run with -f as the daemon's child and sent commands on stdin.",
+    )
+    protocol: MpsProtocol = key(
+        "protocol",
+        MpsProtocol.AUTO,
+        Choice(MpsProtocol),
+        "The MPS protocol: auto runs MPS v3 (a namespace per container, capped at its share and"
+        " memory) where the driver (R615 and later) and the control command offer it, else v2"
+        " (one slice's limits per client process); v2 always v2; v3 v3, or the start fails.",
+    )
+    canary_command: str | None = key(
+        "canaryCommand",
+        None,
+        Text("a command line", min_length=1),
+        "Under MPS v3, the canary run through each MPS server after a client left without a"
+        " drain and every 5 minutes, to tell a wedged GPU from a healthy one: a CUDA client that"
+        " must exit within 15 s (one that hangs is a wedge: MPS is restarted). Unset: the"
+        " built-in one, a CUDA context made through libcuda.",
+        example="/usr/local/bin/cuda-canary --device 0",
     )
 
 

@@ -54,6 +54,16 @@ class DeviceIdStrategy(StrEnum):
     INDEX = "index"
 
 
+class MpsProtocol(StrEnum):
+    """Which MPS protocol the node's control daemon runs: `auto` MPS v3 (a namespace per
+    container) where the driver and the control command offer it, else v2 (per-slice
+    defaults); `v2` always v2; `v3` v3 or no start."""
+
+    AUTO = "auto"
+    V2 = "v2"
+    V3 = "v3"
+
+
 class MemoryAction(StrEnum):
     KILL = "kill"
     MONITOR = "monitor"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -403,6 +404,14 @@ def _control_command_problem(command: str) -> str | None:
     return None
 
 
+def _canary_command_problem(command: str) -> str | None:
+    try:
+        shlex.split(command)
+    except ValueError as e:
+        return f"is not a command line: {e}"
+    return None
+
+
 _RULES: dict[type, dict[str, Rule]] = {
     ComputeEnforcement: {"period": _window_holds_a_period},
     HealthConfig: {"criticalXids": _xids_listed_once},
@@ -412,6 +421,7 @@ _CHECKS: dict[str, Callable[[str], str | None]] = {
     "resourceName": _resource_name_problem,
     "mps.root": _mps_root_problem,
     "mps.controlCommand": _control_command_problem,
+    "mps.canaryCommand": _canary_command_problem,
     "dra.driverName": driver_name_problem,
 }
 # Sections read by hand: their keys depend on each other.

@@ -42,6 +42,7 @@ from deviceplugin.kubelet.draplugin import ClaimRef, HealthReport, PrepareResult
 from deviceplugin.kubelet.podresources import PodResourcesClient
 from deviceplugin.memlimits.cdihook import LimitHooks
 from deviceplugin.model import AllocationRecord, Inventory, NodeSnapshot
+from deviceplugin.mpsnamespaces import NO_NAMESPACES, ContainerNamespaces
 from deviceplugin.owners import AllocationOwners
 from deviceplugin.state import AllocationBook
 
@@ -63,6 +64,7 @@ class DraDriver:
         on_claims_changed: Callable[[], None] = lambda: None,
         pod_resources: PodResourcesClient | None = None,
         hooks: LimitHooks | None = None,
+        mps_namespaces: ContainerNamespaces = NO_NAMESPACES,
     ) -> None:
         self.settings = settings
         # The daemon's current config (a reload replaces it): new claims get its env settings.
@@ -82,6 +84,7 @@ class DraDriver:
             plans=lambda: plans_by_device(self._built),
             on_change=self._claims_changed,
             hooks=hooks,
+            mps_namespaces=mps_namespaces,
         )
         # Read by the poll worker: replaced whole, never changed in place.
         self._claims: tuple[PreparedClaim, ...] = ()

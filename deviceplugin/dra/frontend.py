@@ -29,6 +29,7 @@ from deviceplugin.kubelet.draplugin import KubeletPlugin
 from deviceplugin.kubelet.podresources import PodResourcesClient
 from deviceplugin.memlimits.cdihook import LimitHooks
 from deviceplugin.model import SOURCE_DRA, Inventory, NodeSnapshot
+from deviceplugin.mpsnamespaces import NO_NAMESPACES, ContainerNamespaces
 from deviceplugin.owners import AllocationOwners
 from deviceplugin.slicing import plan_gpus
 from deviceplugin.state import AllocationBook, Published
@@ -62,6 +63,7 @@ class DraFrontend:
         on_claims_changed: Callable[[], None] = lambda: None,
         pod_resources_socket: Path | None = None,
         hooks: LimitHooks | None = None,
+        mps_namespaces: ContainerNamespaces = NO_NAMESPACES,
     ) -> None:
         self.settings = settings
         # The running config (a reload replaces it): new claims get its env settings, the
@@ -81,6 +83,7 @@ class DraFrontend:
                 None if pod_resources_socket is None else PodResourcesClient(pod_resources_socket)
             ),
             hooks=hooks,
+            mps_namespaces=mps_namespaces,
         )
         self.publisher = SlicePublisher(settings, api, self.driver.devices)
         self.plugin = KubeletPlugin(
@@ -220,6 +223,7 @@ def open_dra_frontend(
     on_claims_changed: Callable[[], None],
     pod_resources_socket: Path,
     hooks: LimitHooks | None = None,
+    mps_namespaces: ContainerNamespaces = NO_NAMESPACES,
 ) -> DraFrontend:
     """The DRA frontend with its API server client; the driver's name is the config's at start
     (it names the kubelet sockets). Raises StartupError."""
@@ -241,4 +245,5 @@ def open_dra_frontend(
         on_claims_changed=on_claims_changed,
         pod_resources_socket=pod_resources_socket,
         hooks=hooks,
+        mps_namespaces=mps_namespaces,
     )

@@ -36,13 +36,15 @@ from deviceplugin.config import Config
 from deviceplugin.dra import cdi
 from deviceplugin.dra.claims import ClaimError, PreparedClaim, claim_edits, read_claim
 from deviceplugin.dra.kubeapi import ApiCallError, KubeApi
+from deviceplugin.dra.mpsclaims import claim_namespace, in_namespace
 from deviceplugin.dra.params import with_memory_limits
 from deviceplugin.dra.refs import escaped, ref_problem, shown, uid_problem
 from deviceplugin.dra.settings import DraSettings, GpuCdi
 from deviceplugin.dra.store import ClaimStore
 from deviceplugin.kubelet.draplugin import ClaimRef, PreparedDevice, PrepareResult
 from deviceplugin.memlimits.cdihook import LimitHooks
-from deviceplugin.model import GpuPlan
+from deviceplugin.model import GpuPlan, MpsNamespace
+from deviceplugin.mpsnamespaces import NO_NAMESPACES, ContainerNamespaces
 
 log = logging.getLogger("deviceplugin.dra.driver")
 
@@ -73,10 +75,13 @@ class ClaimPreparer:
         plans: Callable[[], Mapping[str, GpuPlan]],
         on_change: Callable[[], None],
         hooks: LimitHooks | None = None,
+        mps_namespaces: ContainerNamespaces = NO_NAMESPACES,
     ) -> None:
         self.settings = settings
         # Which claims' specs carry the memory-limit hook (None: none do).
         self._hooks = hooks
+        # Under MPS v3, each claim's namespace, made before its spec is written.
+        self._mps_namespaces = mps_namespaces
         self._config = config
         self._store = store
         self._api = api
@@ -186,8 +191,8 @@ class ClaimPreparer:
         known = self._store.get(ref.uid)
         if known is not None:
             # Prepared before (a retry, a kubelet restart): the same answer; the spec again in
-            # case it was lost.
-            self._write_spec(known)
+            # case it was lost (and its MPS namespace, which a restart of MPS made again).
+            self._write_spec(known, await self._namespace(known))
             return known, False
         if obj is None:  # unprepared since `_fetch` found it prepared
             obj = await self._api.get_claim(ref.namespace, ref.name)
@@ -207,7 +212,7 @@ class ClaimPreparer:
                 f"{label} (uid {ref.uid}) was unprepared while it was being prepared: not "
                 "prepared; the kubelet prepares it again if a pod still needs it"
             )
-        claim = self._write(claim)
+        claim = self._write(claim, await self._namespace(claim))
         per_gpu = ", ".join(
             f"{d.device}: memory={memory} compute={compute:g}"
             for d, memory, compute in claim.per_gpu()
@@ -236,12 +241,15 @@ class ClaimPreparer:
             now_s=time.time(),
         )
 
-    def _write(self, claim: PreparedClaim) -> PreparedClaim:
+    async def _namespace(self, claim: PreparedClaim) -> MpsNamespace | None:
+        return await claim_namespace(self._mps_namespaces, claim, self._config().mps)
+
+    def _write(self, claim: PreparedClaim, ns: MpsNamespace | None) -> PreparedClaim:
         """The claim's spec, then its checkpoint entry; neither when the second fails. The
         claim as written (with its CDI device IDs)."""
         nvidia = self.settings.gpu_cdi == GpuCdi.NVIDIA
         claim = replace(claim, cdi_ids=cdi.cdi_ids(self.settings.driver_name, claim, nvidia=nvidia))
-        self._write_spec(claim)
+        self._write_spec(claim, ns)
         try:
             self._store.put(claim)
         except BaseException:
@@ -250,7 +258,7 @@ class ClaimPreparer:
             raise
         return claim
 
-    def _write_spec(self, claim: PreparedClaim) -> None:
+    def _write_spec(self, claim: PreparedClaim, ns: MpsNamespace | None) -> None:
         config = self._config()
         edits = claim_edits(
             claim,
@@ -258,6 +266,8 @@ class ClaimPreparer:
             config.mps,
             device_nodes=self.settings.gpu_cdi == GpuCdi.DEVICE_NODES,
         )
+        if ns is not None:
+            edits = in_namespace(edits, ns, config.mps)
         hooks = self._hooks.for_grant(claim.allocation_id, claim.gpu_uuids) if self._hooks else []
         cdi.write_spec(self.settings.cdi_dir, self.settings.driver_name, claim, edits, hooks)
 
@@ -386,7 +396,7 @@ class ClaimPreparer:
             claim = await self._read(obj)
             if claim.uid != ref.uid or self._store.get(ref.uid) is not None:
                 return
-            claim = self._write(claim)
+            claim = self._write(claim, await self._namespace(claim))
         except (ClaimError, OSError) as e:
             if ref.uid not in self._kept:
                 self._kept.add(ref.uid)

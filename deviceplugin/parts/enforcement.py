@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     # Imported where used: `serve` starts the enforcer (and psutil) once the kubelet has the
     # first device list.
     from deviceplugin.enforcer import Enforcer
+    from deviceplugin.enforcer.stopping import StopProcess
 
 
 class Enforcement:
@@ -31,6 +32,7 @@ class Enforcement:
         *,
         container_now: Callable[[int], str | None],
         between_polls: Callable[[Callable[[], None]], concurrent.futures.Future[None]],
+        stop_process: StopProcess | None = None,
     ) -> None:
         self._config = config
         self._state_dir = state_dir
@@ -38,6 +40,8 @@ class Enforcement:
         self._container_now = container_now
         # Runs a call on the poll worker, between two polls.
         self._between_polls = between_polls
+        # How a process is stopped for good (with MPS: drained first); None: the plain kill.
+        self._stop_process = stop_process
         self.enforcer: Enforcer | None = None
 
     def enforce(self, snapshot: NodeSnapshot) -> NodeSnapshot:
@@ -54,14 +58,20 @@ class Enforcement:
             await self._replace()
 
     def _make(self) -> Enforcer:
-        from deviceplugin.enforcer import Enforcer, PsutilControl, RecordingControl  # noqa: PLC0415
+        from deviceplugin.enforcer import (  # noqa: PLC0415
+            Enforcer,
+            PsutilControl,
+            RecordingControl,
+            plain_stop,
+        )
 
         cfg = self._config
         state_dir = make_state_dir(self._state_dir)
         # A signal is held back from a process that left its pod container since it was
         # attributed (read afresh right before each SIGKILL or SIGSTOP).
         control = RecordingControl() if cfg.dry_run else PsutilControl(where=self._container_now)
-        enforcer = Enforcer(cfg, state_dir, control=control)
+        stop_process = self._stop_process or plain_stop
+        enforcer = Enforcer(cfg, state_dir, control=control, stop_process=stop_process)
         # Resume whatever a daemon killed outright left stopped, before anything else runs.
         enforcer.recover()
         return enforcer

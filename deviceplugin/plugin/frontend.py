@@ -20,6 +20,7 @@ from deviceplugin.kubelet.checkpoint import CHECKPOINT_FILE, CheckpointReader
 from deviceplugin.memlimits.cdihook import AllocationSpecs
 from deviceplugin.memlimits.sources import AllocationSource
 from deviceplugin.model import SOURCE_DEVICE_PLUGIN, Inventory
+from deviceplugin.mpsnamespaces import NO_NAMESPACES, ContainerNamespaces
 from deviceplugin.owners import AllocationOwners
 from deviceplugin.plugin.lifecycle import PluginLifecycle
 from deviceplugin.plugin.resources import ResourceEndpoint, ResourcePlugins
@@ -51,9 +52,11 @@ class DevicePluginFrontend:
         on_allocate_duration: Callable[[float], None] = lambda seconds: None,
         on_allocated: Callable[[], None] = lambda: None,
         hook_specs: AllocationSpecs | None = None,
+        mps_namespaces: ContainerNamespaces = NO_NAMESPACES,
     ) -> None:
         # The running config: endpoints made from now on answer Allocate with it.
         self._config = config
+        self._mps_namespaces = mps_namespaces
         self._book = book
         self._inventory = inventory
         self._plugin_dir = plugin_dir
@@ -122,6 +125,7 @@ class DevicePluginFrontend:
             on_allocated=self._on_allocated,
             resource_name=resource_name,
             hook_specs=self._hook_specs,
+            mps_namespaces=self._mps_namespaces,
         )
         lifecycle = PluginLifecycle(
             service, plugin_dir=self._plugin_dir, resource_name=resource_name

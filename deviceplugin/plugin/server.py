@@ -21,6 +21,12 @@ from deviceplugin.kubelet.proto import HEALTHY, UNHEALTHY, dp, dp_grpc
 from deviceplugin.logs import brief, brief_list
 from deviceplugin.memlimits.cdihook import AllocationSpecs
 from deviceplugin.model import AllocationRecord, ContainerAllocation, Inventory
+from deviceplugin.mpsnamespaces import (
+    NO_NAMESPACES,
+    ContainerNamespaces,
+    NamespaceRefusedError,
+    provision_all,
+)
 from deviceplugin.preferred import preferred_allocation
 from deviceplugin.state import AllocationBook, Published
 
@@ -85,10 +91,13 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         on_allocated: Callable[[], None] = lambda: None,
         resource_name: str = "",
         hook_specs: AllocationSpecs | None = None,
+        mps_namespaces: ContainerNamespaces = NO_NAMESPACES,
     ) -> None:
         self._config = config
         # The CDI specs that carry each allocation's memory-limit hook (docs/design.md §15).
         self._hook_specs = hook_specs
+        # Under MPS v3, each container's namespace, made before Allocate answers.
+        self._mps_namespaces = mps_namespaces
         self._resource_name = resource_name
         self._inventory = inventory
         self._book = book
@@ -207,6 +216,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"container request {i}: {brief(str(e), MAX_ABORT_CHARS)}",
                 )
+        allocations = await self._with_mps_namespaces(allocations, inventory, context)
         now = self._clock()
         for allocation in allocations:
             self._book.allocated(
@@ -263,6 +273,24 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 )
             hooked.append(a if name is None else replace(a, cdi_devices=(*a.cdi_devices, name)))
         return hooked
+
+    async def _with_mps_namespaces(
+        self,
+        allocations: list[ContainerAllocation],
+        inventory: Inventory,
+        context: grpc.aio.ServicerContext,
+    ) -> list[ContainerAllocation]:
+        """Under MPS v3, each container's answer with its own namespace (deviceplugin.
+        mpsnamespaces); a container that cannot have one is refused, with the whole call."""
+        config = self._config
+        try:
+            return await provision_all(
+                allocations, self._mps_namespaces, inventory, config.allocation, config.mps
+            )
+        except NamespaceRefusedError as e:
+            log.warning("allocate refused: no MPS namespace error=%s", brief(str(e)))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, brief(str(e), MAX_ABORT_CHARS))
+            raise  # abort raises; for the type checker
 
     async def PreStartContainer(  # noqa: N802
         self, request: dp.PreStartContainerRequest, context: grpc.aio.ServicerContext

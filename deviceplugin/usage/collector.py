@@ -20,6 +20,7 @@ from deviceplugin.model import (
     ProcessSample,
 )
 from deviceplugin.usage.memorymetrics import memory_limit_families
+from deviceplugin.usage.mpsmetrics import container_mps_families, mps_families
 
 # A MIG device is a GPU of its own (gpu_uuid is its MIG UUID, gpu_index its GPU's index); its
 # series also name its parent GPU, profile and instance IDs, all "" on a full GPU's series.
@@ -133,7 +134,8 @@ class SnapshotCollector(Collector):
         yield from _enforcement_families(node, snapshot)
         yield _allocation_family(node, snapshot)
         yield from _daemon_families(node, snapshot, now_s)
-        yield from _mps_families(node, snapshot)
+        yield from mps_families(node, snapshot)
+        yield from container_mps_families(node, snapshot)
         yield from memory_limit_families(node, snapshot, GPU_LABELS, gpu_label_values)
 
 
@@ -381,33 +383,6 @@ def _daemon_families(node: str, snapshot: NodeSnapshot | None, now_s: float) -> 
         last_poll,
         age,
     ]
-
-
-def _mps_families(node: str, snapshot: NodeSnapshot | None) -> list[Metric]:
-    """The node's MPS control daemon (series only with mps.enabled)."""
-    mps_up = _gauge(
-        "vgpu_mps_daemon_up",
-        "1 while the node's MPS control daemon runs, else 0; only with mps.enabled.",
-        NODE_LABELS,
-    )
-    mps_restarts = _counter(
-        "vgpu_mps_daemon_restarts",
-        "Times the MPS control daemon was found dead and started again, a count.",
-        NODE_LABELS,
-    )
-    mps_drift = _counter(
-        "vgpu_mps_drift",
-        "Changes made through the MPS control socket by others (a default raised, a quit), "
-        "each undone by the daemon, a count; by change.",
-        (*NODE_LABELS, "change"),
-    )
-    mps = snapshot.health.mps if snapshot is not None else None
-    if mps is not None:
-        mps_up.add_metric([node], _flag(mps.up))
-        mps_restarts.add_metric([node], mps.restarts_total)
-        for change, count in mps.drift_total:
-            mps_drift.add_metric([node, change], count)
-    return [mps_up, mps_restarts, mps_drift]
 
 
 def dra_families(node: str, snapshot: NodeSnapshot | None) -> list[Metric]:

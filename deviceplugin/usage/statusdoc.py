@@ -19,6 +19,7 @@ from deviceplugin.model import (
     DraDevice,
     EnforcementCount,
     GpuUsage,
+    MpsStatus,
     NodeSnapshot,
     ProcessSample,
 )
@@ -27,6 +28,7 @@ from deviceplugin.usage.memorydoc import (
     gpu_memory_fields,
     memory_limits_section,
 )
+from deviceplugin.usage.mpsstatus import container_mps, mps_health
 
 
 def rfc3339(epoch_s: float) -> str:
@@ -66,15 +68,7 @@ def _health(h: DaemonHealth, taken_at_s: float) -> dict[str, Any]:
         "poll_interval_s": h.poll_interval_s,
         "polling_idle": h.polling_idle,
         "pod_resources_ok": h.pod_resources_ok,
-        "mps": None
-        if h.mps is None
-        else {
-            "up": h.mps.up,
-            "pid": h.mps.pid,
-            "restarts_total": h.mps.restarts_total,
-            "pipe_directory": h.mps.pipe_directory,
-            "error": h.mps.error,
-        },
+        "mps": mps_health(h.mps),
     }
 
 
@@ -174,6 +168,7 @@ def _unattributed(p: ProcessSample, pods: dict[int, str]) -> dict[str, Any]:
 def _container(
     c: ContainerUsage,
     mig_devices: frozenset[str] = frozenset(),
+    mps: MpsStatus | None = None,
     memory: MemoryLimitsView | None = None,
 ) -> dict[str, Any]:
     on_mig = c.gpu_uuid in mig_devices
@@ -198,6 +193,8 @@ def _container(
         "duty_cycle_ratio": _num(c.duty_cycle_ratio),
         "throttled_seconds_total": _num(c.throttled_seconds_total),
         "processes": [_process(p) for p in c.processes],
+        # Its MPS v3 namespace and caps (null without one).
+        "mps": container_mps(c.allocation_id, (p.pid for p in c.processes), mps),
     }
 
 
@@ -265,7 +262,8 @@ def snapshot_to_json(snapshot: NodeSnapshot) -> dict[str, Any]:
             for g in snapshot.gpus
         ],
         "containers": [
-            _container(c, mig_devices, snapshot.memory_limits) for c in snapshot.containers
+            _container(c, mig_devices, snapshot.health.mps, snapshot.memory_limits)
+            for c in snapshot.containers
         ],
         "allocations": [_allocation(a) for a in snapshot.allocations],
         "enforcement": [_enforcement(e) for e in snapshot.enforcement],

@@ -12,6 +12,7 @@ from typing import Any
 
 from deviceplugin.logs import escape
 from deviceplugin.slicing import format_bytes
+from deviceplugin.usage.mpsstatus import mps_container_line, mps_flag
 from deviceplugin.usage.statusdoc import snapshot_to_json
 
 ELLIPSIS = "…"
@@ -153,7 +154,7 @@ def _header(doc: Mapping[str, Any], width: int) -> list[str]:
         flags.append(f"MIG devices {_healthy_of(mig)} healthy")
     mps = health.get("mps")
     if isinstance(mps, Mapping):
-        flags.append("MPS up" if mps.get("up") else "MPS DOWN")
+        flags.append(mps_flag(mps))
     if health.get("polling_idle"):
         interval = health.get("poll_interval_s")
         every = f" {interval:g}s" if isinstance(interval, int | float) else ""
@@ -261,6 +262,9 @@ def _gpu_lines(
                 width,
             )
         )
+        mps_line = mps_container_line(c)
+        if mps_line is not None:
+            lines.append(_clip(" " * USAGE_INDENT + mps_line, width))
 
     if mig:
         lines.append(_clip("  compute: not measurable per MIG device (NVML), not enforced", width))

@@ -34,7 +34,7 @@ from deviceplugin._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from deviceplugin._proto.podresources.v1 import api_pb2 as podres
 from deviceplugin._proto.podresources.v1 import api_pb2_grpc as podres_grpc
 from deviceplugin.app import Daemon
-from deviceplugin.config import DeviceIdStrategy
+from deviceplugin.config import Config, DeviceIdStrategy
 from deviceplugin.dra.settings import DraSettings
 from deviceplugin.gpu.fake import FakeBackend, FakeProcess
 from deviceplugin.kubelet.checkpoint import CheckpointReader
@@ -87,9 +87,10 @@ async def dra_daemon(
     trust_host_processes: bool = True,
     dra: DraSettings | None = None,
     device_id_strategy: DeviceIdStrategy | None = None,
+    config: Config | None = None,
 ) -> AsyncIterator[Daemon]:
     settings = dataclasses.replace(
-        node.settings(),
+        node.settings(config),
         dra=dra or _dra(node, api),
         trust_host_processes=trust_host_processes,
         device_id_strategy=device_id_strategy,

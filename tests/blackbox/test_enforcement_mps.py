@@ -8,12 +8,14 @@ that wedged its GPU. Every process signalled here is one the test spawned."""
 
 from __future__ import annotations
 
+import ast
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+import deviceplugin.enforcer
 from deviceplugin.allocation import DeviceLimits, MpsDefaults
 from deviceplugin.enforcer import Enforcer, PsutilControl, RecordingControl
 from deviceplugin.gpu.mps import V3, MpsControlDaemon, MpsOptions
@@ -133,3 +135,36 @@ def test_a_dry_run_drains_nothing(
     assert (client.pid, signal.SIGKILL) in control.sent
     assert client.process.poll() is None
     assert not any("terminate" in str(r.get("command")) for r in records(made.root))
+
+
+def signals_named(path: Path, names: frozenset[str]) -> set[str]:
+    """Where in module `path` a signal of `names` is named: the enclosing class and function
+    names, dotted (`<module>` at the top level)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST, scope: tuple[str, ...]) -> None:
+        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            scope = (*scope, node.name)
+        named = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+        if named in names:
+            found.add(".".join(scope) or "<module>")
+        for child in ast.iter_child_nodes(node):
+            visit(child, scope)
+
+    visit(ast.parse(path.read_text()), ())
+    return found
+
+
+def test_the_enforcer_stops_a_process_for_good_in_one_place() -> None:
+    # Every SIGKILL or SIGTERM the enforcer sends comes from `Enforcer._kill`, which hands it to
+    # its `stop_process` (with MPS: after a drain, the process resumed first); the signal
+    # mechanism (control.py) only lists SIGKILL among the signals it checks the target before.
+    # A new way to stop a process for good (a reclaim of memory) goes through `_kill` too, or
+    # this fails.
+    package = Path(deviceplugin.enforcer.__file__).parent
+    where = {
+        f"{path.name}:{scope}"
+        for path in sorted(package.glob("*.py"))
+        for scope in signals_named(path, frozenset({"SIGKILL", "SIGTERM"}))
+    }
+    assert where == {"enforcer.py:Enforcer._kill.kill", "control.py:<module>"}

@@ -1,7 +1,9 @@
-"""MPS end to end, against a stand-in for nvidia-cuda-mps-control
+"""MPS v2 end to end, against a stand-in for nvidia-cuda-mps-control
 (tests/support/fake_mps_control.py) that daemonises like the real one and records what it was
 asked: the daemon starts the node's control daemon, sets one slice's limits per GPU, starts it
-again when it dies, hands containers the pipe directory, and sends it `quit` on every way out."""
+again when it dies, hands containers the pipe directory, and sends it `quit` on every way out.
+The fake offers MPS v3 too: these configs ask for v2 (`mps.protocol: v2`), the protocol of
+drivers before R615 (tests/blackbox/test_mps_daemon_v3.py runs v3)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Any
 import pytest
 
 from deviceplugin.app import Daemon
-from deviceplugin.config import Config, MpsConfig
+from deviceplugin.config import Config, MpsConfig, MpsProtocol
 from deviceplugin.errors import StartupError
 from deviceplugin.gpu.fake import FakeBackend
 from deviceplugin.gpu.mps import PID_FILE
@@ -44,7 +46,12 @@ def mps_root(node: Node) -> Path:
 def mps_config(node: Node) -> Config:
     return Config(
         enforcement=FAST,
-        mps=MpsConfig(enabled=True, root=str(mps_root(node)), control_command=str(FAKE_CONTROL)),
+        mps=MpsConfig(
+            enabled=True,
+            root=str(mps_root(node)),
+            control_command=str(FAKE_CONTROL),
+            protocol=MpsProtocol.V2,
+        ),
     )
 
 
@@ -146,6 +153,14 @@ async def test_starts_the_control_daemon_with_one_slice_per_gpu(node: Node) -> N
             "restarts_total": 0,
             "pipe_directory": str(mps_root(node) / "pipe"),
             "error": "",
+            "protocol": 2,
+            "drains_total": 0,
+            "undrained_total": 0,
+            "wedges_total": 0,
+            "canary_error": "",
+            "drift_total": {},
+            "root_clients": [],
+            "namespaces": [],
         }
         _, metrics = await asyncio.to_thread(get, f"{base}/metrics")
         assert 'vgpu_mps_daemon_up{node="test-node"} 1.0' in metrics
@@ -175,9 +190,9 @@ async def test_allocate_hands_containers_the_pipe_directory_and_shared_memory(
 
 async def test_a_dead_control_daemon_is_started_again_with_its_defaults(node: Node) -> None:
     async with running_daemon(node, mps_config(node)) as daemon:
+        await registered(node, 8)  # MPS runs by then
         assert daemon.mps is not None
         daemon.mps.check_interval_s = 0.05
-        await registered(node, 8)
         first = control_pid(node)
         assert first is not None
         assert "fake_mps_control" in cmdline(first)
@@ -211,9 +226,9 @@ async def test_a_control_daemon_that_will_not_start_again_is_retried_and_reporte
     node: Node,
 ) -> None:
     async with running_daemon(node, mps_config(node)) as daemon:
+        await registered(node, 8)  # MPS runs by then
         assert daemon.mps is not None
         daemon.mps.check_interval_s = 0.05
-        await registered(node, 8)
         first = control_pid(node)
         assert first is not None
         (mps_root(node) / "fake-fail-start").touch()
@@ -239,9 +254,9 @@ async def test_a_control_daemon_that_will_not_start_again_is_retried_and_reporte
 
 async def test_a_change_of_gpus_is_sent_to_the_running_control_daemon(node: Node) -> None:
     async with running_daemon(node, mps_config(node)) as daemon:
+        await registered(node, 8)  # MPS runs by then
         assert daemon.mps is not None
         daemon.mps.check_interval_s = 0.05
-        await registered(node, 8)
         pid = control_pid(node)
         node.write_gpus([TWO_GPUS[0]])  # the L4 is gone
         a100 = one_slice_defaults()[0]
@@ -318,7 +333,8 @@ async def test_serve_sends_quit_on_sigterm(node: Node) -> None:
     config = node.root / "config.yaml"
     config.write_text(
         "enforcement: {pollInterval: 100ms}\n"
-        f"mps: {{enabled: true, root: {mps_root(node)}, controlCommand: {FAKE_CONTROL}}}\n"
+        f"mps: {{enabled: true, root: {mps_root(node)}, controlCommand: {FAKE_CONTROL},"
+        " protocol: v2}\n"
     )
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "deviceplugin", "serve", "--config", str(config),
@@ -358,7 +374,7 @@ async def test_a_reload_starts_moves_and_stops_the_control_daemon(node: Node) ->
         return (
             "enforcement:\n  pollInterval: 50ms\n"
             f"mps:\n  enabled: {str(enabled).lower()}\n  root: {root}\n"
-            f"  controlCommand: {FAKE_CONTROL}\n"
+            f"  controlCommand: {FAKE_CONTROL}\n  protocol: v2\n"
         )
 
     def pid_in(root: Path) -> int | None:

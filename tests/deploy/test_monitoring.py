@@ -63,6 +63,7 @@ REQUIRED_ALERTS = {
     "VgpuSlicesExhausted",
     "VgpuDraDeviceFull",
     "VgpuDaemonAbsent",
+    "VgpuMpsWedged",
 }
 # dcgm-exporter's series that the recording rules join, with the labels it gives them.
 DCGM_SERIES = {

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin.config import Config, MpsConfig
+from deviceplugin.config import Config, MpsConfig, MpsProtocol
 from deviceplugin.gpu.mps import PID_FILE
 from tests.blackbox.daemon_harness import (
     FAST,
@@ -40,10 +40,17 @@ def mps_root(node: Node) -> Path:
     return node.root / "mps"
 
 
-def mps_config(node: Node) -> Config:
+def mps_config(node: Node, protocol: MpsProtocol = MpsProtocol.V2) -> Config:
+    """MPS v2 unless told: the per-slice defaults a pod can try to raise (the fake control
+    command offers v3 too; tests/blackbox/test_mps_v3.py has v3's namespaces drifting)."""
     return Config(
         enforcement=FAST,
-        mps=MpsConfig(enabled=True, root=str(mps_root(node)), control_command=str(FAKE_CONTROL)),
+        mps=MpsConfig(
+            enabled=True,
+            root=str(mps_root(node)),
+            control_command=str(FAKE_CONTROL),
+            protocol=protocol,
+        ),
     )
 
 
@@ -127,9 +134,9 @@ async def test_a_pid_written_into_the_pid_file_is_never_signalled(
     """The pipe directory is the pods': a PID written into the PID file is not the control
     daemon's, neither for /status nor for the signals at stop."""
     async with running_daemon(node, mps_config(node)) as daemon:
+        await registered(node, 8)  # MPS is started before the registration
         assert daemon.mps is not None
         daemon.mps.check_interval_s = 0.05
-        await registered(node, 8)
         control = pid_in_file(node)
         assert control is not None
         (mps_root(node) / "pipe" / PID_FILE).write_text(f"{host_process.pid}\n")
@@ -148,9 +155,9 @@ async def test_a_quit_from_a_pod_is_a_restart_even_with_a_pid_written_after_it(
     node: Node, host_process: subprocess.Popen[bytes], caplog: pytest.LogCaptureFixture
 ) -> None:
     async with running_daemon(node, mps_config(node)) as daemon:
+        await registered(node, 8)  # MPS is started before the registration
         assert daemon.mps is not None
         assert daemon.http is not None
-        await registered(node, 8)
         first = pid_in_file(node)
         assert first is not None
         as_a_pod(node, "quit")
@@ -184,10 +191,10 @@ async def test_defaults_raised_through_the_control_socket_are_set_again_and_coun
 ) -> None:
     a100, l4 = TWO_GPUS
     async with running_daemon(node, mps_config(node)) as daemon:
+        await registered(node, 8)  # MPS is started before the registration
         assert daemon.mps is not None
         assert daemon.http is not None
         daemon.mps.check_interval_s = 0.05
-        await registered(node, 8)
         control = pid_in_file(node)
         # A pod takes the whole GPU for the next MPS server: all threads, all memory.
         as_a_pod(
@@ -265,13 +272,21 @@ async def test_a_control_daemon_that_ignores_quit_and_sigterm_is_killed(
     assert "sending SIGKILL" in caplog.text
 
 
-async def test_pods_get_the_pipe_directory_read_only(node: Node) -> None:
+@pytest.mark.parametrize("protocol", [MpsProtocol.V2, MpsProtocol.V3])
+async def test_pods_get_the_pipe_directory_read_only(node: Node, protocol: MpsProtocol) -> None:
     """A pod cannot write the PID file, plant a socket or a symlink in the pipe directory: it is
-    mounted read-only (connecting to a socket needs no write access to the mount); /dev/shm,
-    where clients and the MPS server exchange data, stays writable."""
-    async with running_daemon(node, mps_config(node)):
+    mounted read-only (connecting to a socket needs no write access to the mount); under MPS v3
+    only its namespace's directory is, never the node's pipe directory; /dev/shm, where clients
+    and the MPS server exchange data, stays writable."""
+    async with running_daemon(node, mps_config(node, protocol)):
         await registered(node, 8)
         grant = (await node.sim.admit_pod("p", [("c", 1)])).containers[0]
     pipe = str(mps_root(node) / "pipe")
-    assert (pipe, pipe, True) in grant.mounts
+    directory = grant.envs["CUDA_MPS_PIPE_DIRECTORY"]
+    assert (directory, directory, True) in grant.mounts
+    if protocol is MpsProtocol.V2:
+        assert directory == pipe
+    else:
+        assert directory.startswith(pipe + "/")
+        assert not any(host == pipe for _, host, _ in grant.mounts)
     assert ("/dev/shm", str(mps_root(node) / "shm"), False) in grant.mounts

@@ -306,10 +306,18 @@ def test_mps_state_in_the_document_and_the_view() -> None:
         "restarts_total": 2,
         "pipe_directory": "/p",
         "error": "",
+        "protocol": 2,
+        "drains_total": 0,
+        "undrained_total": 0,
+        "wedges_total": 0,
+        "canary_error": "",
+        "drift_total": {},
+        "root_clients": [],
+        "namespaces": [],
     }
-    assert "MPS up" in render_status(doc)[1]
+    assert "MPS v2 up" in render_status(doc)[1]
     doc["health"]["mps"]["up"] = False
-    assert "MPS DOWN" in render_status(doc)[1]
+    assert "MPS v2 DOWN" in render_status(doc)[1]
 
 
 def test_view_of_an_empty_node() -> None:

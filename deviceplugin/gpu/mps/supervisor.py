@@ -43,6 +43,7 @@ from deviceplugin.allocation import DeviceLimits, MpsDefaults
 from deviceplugin.config import MpsConfig
 from deviceplugin.errors import StartupError
 from deviceplugin.gpu.mps.canary import canary_targets, run_canary
+from deviceplugin.gpu.mps.clients import RootClients
 from deviceplugin.gpu.mps.defaults import DRIFT_QUIT, apply_defaults, restore_drifted
 from deviceplugin.gpu.mps.directories import DEFAULT_SHM_PATH, MpsDirectories
 from deviceplugin.gpu.mps.drain import ClientWatch, Drain, Drainer, DrainOutcome
@@ -128,6 +129,7 @@ class MpsControlDaemon:
         )
         self._drainer = Drainer(self.runner, self.protocol, options.drain_timeout_s)
         self._watch = ClientWatch()
+        self._root = RootClients()
         self._next_canary_s = 0.0
         self.status = MpsStatus(
             pipe_directory=str(self.pipe_directory),
@@ -164,6 +166,7 @@ class MpsControlDaemon:
             wedges_total=self._wedges,
             canary_error=self._canary_error,
             namespaces=() if self._book is None else self._book.held(),
+            root_clients=self._root.pids,
         )
 
     def _refresh_status(self) -> None:
@@ -438,17 +441,21 @@ class MpsControlDaemon:
         return drain
 
     def _watch_for_wedges(self) -> None:
-        """With a canary: run it where a client left without a drain, and every
-        `canary_interval_s` everywhere."""
+        """List the clients (those running as root are flagged); with a canary, run it where
+        a client left without a drain, and every `canary_interval_s` everywhere."""
         options = self.options
-        if options.canary is None:
-            return
         now = time.monotonic()
         try:
-            left = self._watch.left_undrained(self._drainer.clients())
+            clients = self._drainer.clients()
         except MpsCommandError as e:
             log.debug("MPS clients not listed error=%s", e)
             return
+        flagged = self._root.pids
+        if self._root.look(clients) != flagged:
+            self._refresh_status()
+        if options.canary is None:
+            return
+        left = self._watch.left_undrained(clients)
         periodic = options.canary_interval_s > 0 and now >= self._next_canary_s
         if not left and not periodic:
             return

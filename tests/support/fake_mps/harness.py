@@ -46,6 +46,39 @@ def eventually_events(root: Path, name: str, count: int = 1) -> list[dict[str, A
     return found
 
 
+def control(root: Path, command: str) -> str:
+    """The answer of one command that must succeed, to the fake control daemon running under
+    `root` (started by whoever: the test, or vgpu's supervisor)."""
+    done = subprocess.run(
+        [str(FAKE_CONTROL)],
+        input=command + "\n",
+        env=fake_env(root),
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def namespace_caps(root: Path, pipe_directory: str) -> dict[str, str]:
+    """What the control daemon says of the MPS v3 namespace whose directory is
+    `pipe_directory` (`active-thread-percentage`, `pinned-memory-limit`, ...)."""
+    server, name = Path(pipe_directory).parts[-2:]
+    answer = control(root, f"namespace get {name} --server={server}")
+    return dict(line.split("=", 1) for line in answer.splitlines() if "=" in line)
+
+
+def namespaces(root: Path) -> set[str]:
+    """Every `<server>/<namespace>` the control daemon has."""
+    found = set()
+    for server in control(root, "server list").split():
+        listed = control(root, f"namespace list --server={server}").split()
+        found |= {f"{server}/{name}" for name in listed}
+    return found
+
+
 class FakeControlDaemon:
     """`fake_mps_control.py [-p 3 -m] -f` in the foreground, as the test's child."""
 
