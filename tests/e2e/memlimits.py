@@ -151,3 +151,22 @@ def wait_nothing_left(cluster: Cluster, uuid: str, timeout_s: float = 30) -> Non
             f"left after {time.monotonic() - started:.1f}s: "
             f"{json.dumps(under_node(cluster, limits_on(cluster, uuid)), indent=1)}"
         ) from None
+
+
+def hook_failures_after_restart(cluster: Cluster, pod: str) -> list[str]:
+    """Kill the container's process (the daemon already stopped): the kubelet creates it again
+    with the same CDI devices, and its hook finds no daemon. The pod's events from the hook."""
+    pid = cluster.container_init_pid(pod, "main")
+    cluster.run_in_namespaces(["kill", "-KILL", str(pid)])
+
+    def failed() -> list[str] | None:
+        events = [e for e in cluster.events(pod) if "vgpu-hook" in e]
+        return events or None
+
+    events: list[str] = wait_until(
+        failed, timeout_s=60, what="the hook's failure in the pod's events"
+    )
+    assert any("cannot reach the vgpu daemon" in e for e in events), events
+    (status,) = cluster.pod(pod)["status"]["containerStatuses"]
+    assert not status["state"].get("running"), status
+    return events
