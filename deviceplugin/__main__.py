@@ -178,6 +178,7 @@ def _daemon_settings(args: argparse.Namespace) -> DaemonSettings:
     (gRPC and the kubelet need absolute ones). Raises ConfigError, StartupError."""
     from deviceplugin.app import DaemonSettings  # noqa: PLC0415
     from deviceplugin.reload import config_hash, read_config  # noqa: PLC0415
+    from deviceplugin.settings import MemoryLimitSettings  # noqa: PLC0415
 
     backend = args.backend
     if backend.startswith("fake:") and backend != "fake:":
@@ -187,6 +188,16 @@ def _daemon_settings(args: argparse.Namespace) -> DaemonSettings:
     if node_config is not None:
         config_path = asyncio.run(node_config.initial())
     loaded = read_config(config_path) if config_path else None
+    probe_root = args.memory_limit_probe_root or ""
+    if probe_root and (
+        not probe_root.startswith("/")
+        or {".", ".."} & set(probe_root.split("/"))
+        or "\0" in probe_root
+    ):
+        raise StartupError(
+            f"--memory-limit-probe-root {probe_root!r} is not a cgroup path from the hierarchy's "
+            "root: give an absolute path without . or .. components (e.g. / or /vgpu)"
+        )
     return DaemonSettings(
         config=loaded.config if loaded else Config(),
         config_path=config_path,
@@ -210,6 +221,17 @@ def _daemon_settings(args: argparse.Namespace) -> DaemonSettings:
             DeviceIdStrategy(args.device_id_strategy) if args.device_id_strategy else None
         ),
         enforce_nvidia_config=args.enforce_nvidia_config == "true",
+        memory_limits=(
+            MemoryLimitSettings(
+                socket=Path(args.memory_limit_socket).absolute(),
+                hook_path=args.memory_limit_hook,
+                cdi_dir=Path(args.cdi_dir).absolute(),
+            )
+            if args.memory_limits == "on"
+            else None
+        ),
+        cgroup_mount=Path(args.cgroup_mount).absolute(),
+        memory_limit_probe_root=probe_root,
     )
 
 

@@ -86,7 +86,7 @@ mounted at `/dev/shm`), without which a client cannot reach the server.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from deviceplugin.config import AllocationConfig, DeviceIdStrategy, DeviceListStrategy, MpsConfig
@@ -221,22 +221,43 @@ def _validate(device_ids: Sequence[str], inventory: Inventory) -> list[Slice]:
     return slices
 
 
-def slice_grants(slices: Sequence[Slice]) -> tuple[DeviceGrant, ...]:
+def burst_limit(request_bytes: int, slices: int, limit_per_slice: int | None, total: int) -> int:
+    """A container's memory limit on a GPU where it holds `slices` slices worth `request_bytes`:
+    `limit_per_slice` times its slices (docs/design.md §15), never below its request nor above
+    the GPU's memory; its request where the resource has no limit per slice."""
+    if limit_per_slice is None:
+        return request_bytes
+    return max(request_bytes, min(total, slices * limit_per_slice))
+
+
+def slice_grants(
+    slices: Sequence[Slice],
+    *,
+    limit_per_slice: int | None = None,
+    totals: Mapping[str, int] | None = None,
+) -> tuple[DeviceGrant, ...]:
     """What `slices` give per GPU, in the order of their GPUs' first slices: the sum of their
-    memory and of their compute shares, and how many they are. Allocate's grants; also what the
-    current plan gives an allocation recovered without them."""
+    memory (the request) and of their compute shares, and how many they are; with
+    `limit_per_slice` (and each GPU's memory in `totals`), a memory limit above the request.
+    Allocate's grants; also what the current plan gives an allocation recovered without them."""
     by_gpu: dict[str, list[Slice]] = {}
     for s in slices:
         by_gpu.setdefault(s.id.gpu_uuid, []).append(s)
-    return tuple(
-        DeviceGrant(
-            uuid,
-            sum(s.memory_limit_bytes for s in held),
-            sum(s.compute_share_ratio for s in held),
-            len(held),
+    grants: list[DeviceGrant] = []
+    for uuid, held in by_gpu.items():
+        request = sum(s.memory_limit_bytes for s in held)
+        total = (totals or {}).get(uuid, request)
+        limit = burst_limit(request, len(held), limit_per_slice, total)
+        grants.append(
+            DeviceGrant(
+                uuid,
+                limit,
+                sum(s.compute_share_ratio for s in held),
+                len(held),
+                None if limit == request else request,
+            )
         )
-        for uuid, held in by_gpu.items()
-    )
+    return tuple(grants)
 
 
 def _gpu_info(inventory: Inventory, first: Slice) -> tuple[GpuInfo, int]:
@@ -346,10 +367,12 @@ def build_container_allocation(
     mps: MpsConfig,
     *,
     several_resources: bool = False,
+    limit_per_slice: int | None = None,
 ) -> ContainerAllocation:
     """What one container gets for `device_ids`. Raises AllocationError naming every bad ID.
     `several_resources`: the node serves more than one resource, so a container may hold slices
-    of several (see the module's docstring)."""
+    of several (see the module's docstring). `limit_per_slice`: the resource's memory limit per
+    slice (burst, `memoryLimits`): the slices are the request, this times them the limit."""
     slices = _validate(device_ids, inventory)
     if cfg.fail_requests_greater_than_one and len(slices) > 1:
         # NVIDIA's plugin's refusal, word for word, so that alerts on it keep matching.
@@ -371,11 +394,13 @@ def build_container_allocation(
         gpu, replicas = _gpu_info(inventory, gpu_slices[0])
         gpus.append(gpu)
         memory = sum(s.memory_limit_bytes for s in gpu_slices)
+        limit = burst_limit(memory, len(gpu_slices), limit_per_slice, gpu.memory_total_bytes)
         # What one process may hold: with MPS, the GPU holds every client process to one slice,
         # whatever the container holds (a client cannot raise the control daemon's limit).
+        # Frameworks are told of the request, not the limit: burst is reclaimed under pressure.
         process = min(s.memory_limit_bytes for s in gpu_slices) if mps.enabled else memory
         share = len(gpu_slices) * 100 // replicas
-        limits.append(DeviceLimits(gpu.uuid, memory, process, share, gpu.memory_total_bytes))
+        limits.append(DeviceLimits(gpu.uuid, limit, process, share, gpu.memory_total_bytes))
     uuids = [g.uuid for g in gpus]
     # What the runtime is told each device is called; the daemon's own keys keep the UUIDs.
     runtime_ids = [runtime_device_id(g, cfg.device_id_strategy) for g in gpus]
@@ -426,7 +451,11 @@ def build_container_allocation(
         devices=devices,
         annotations=annotations,
         cdi_devices=cdi_devices,
-        grants=slice_grants(slices),
+        grants=slice_grants(
+            slices,
+            limit_per_slice=limit_per_slice,
+            totals={g.uuid: g.memory_total_bytes for g in gpus},
+        ),
     )
 
 

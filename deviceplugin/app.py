@@ -27,8 +27,10 @@ from deviceplugin.grants import HeldGrants, allocation_book
 from deviceplugin.health import daemon_health, healthz
 from deviceplugin.lazymetrics import LazyMetrics
 from deviceplugin.live import LiveConfig, ReloadNotes
+from deviceplugin.memlimits.cdihook import AllocationSpecs, LimitHooks
 from deviceplugin.model import DaemonHealth, Inventory
 from deviceplugin.parts.enforcement import Enforcement
+from deviceplugin.parts.memlimits import MemoryLimitsPart
 from deviceplugin.parts.mps import MpsPart
 from deviceplugin.parts.nodelabels import NodeLabelsPart
 from deviceplugin.parts.optional import OptionalParts
@@ -38,7 +40,7 @@ from deviceplugin.poller import Poller
 from deviceplugin.settings import DaemonSettings, check_trust
 from deviceplugin.state import Published
 from deviceplugin.statedir import check_state_file, claim_state_dir, make_state_dir
-from deviceplugin.usage.cgroups import kubelet_layout
+from deviceplugin.usage.cgroups import kubelet_layout, pod_top_cgroups
 from deviceplugin.usage.procs import AllocationResolver
 
 if TYPE_CHECKING:
@@ -88,7 +90,18 @@ class Daemon:
             driver_version=lambda: getattr(backend, "driver_version", None),
         )
         names_wanted = asyncio.Event()
+        # Which grants' CDI specs carry the memory-limit hook (docs/design.md §15).
+        memory = settings.memory_limits
+        self.limit_hooks = LimitHooks(memory.command if memory is not None else None)
+        self.hook_specs = (
+            AllocationSpecs(memory.cdi_dir, self.limit_hooks)
+            if memory is not None and settings.dra is None
+            else None
+        )
         self.frontend = self._frontend(cfg, names_wanted, pod_resources_interval_s)
+        resolver = AllocationResolver(
+            layout=kubelet_layout(settings.kubelet_cgroup_driver, settings.kubelet_cgroup_root)
+        )
         self.poller = Poller(
             backend,
             cfg,
@@ -100,10 +113,9 @@ class Daemon:
             enforce=lambda snapshot: self.enforcement.enforce(snapshot),  # noqa: PLW0108 (made later)
             on_poll_duration=self.metrics.observe_poll,
             trust_host_processes=settings.trust_host_processes,
-            resolver=AllocationResolver(
-                layout=kubelet_layout(settings.kubelet_cgroup_driver, settings.kubelet_cgroup_root)
-            ),
+            resolver=resolver,
             names_wanted=names_wanted,
+            memory_limits=lambda: self.memory_limits.view,
         )
         self.enforcement = Enforcement(
             cfg.enforcement,
@@ -113,15 +125,31 @@ class Daemon:
             # A process stopped for good is drained first while MPS is on.
             stop_process=self.mps_part.stop_client,
         )
-        # The optional supervised parts: a new one (a memory-limit hook) plugs in here.
+        # The optional supervised parts: a new one plugs in here. The memory limits the driver
+        # enforces (docs/design.md §15) are on unless --memory-limits off; they serve the hook
+        # from the first GPU whose driver partitions memory.
+        self.memory_limits = MemoryLimitsPart(
+            memory,
+            backend=backend,
+            state_dir=settings.state_dir,
+            cgroup_mount=settings.cgroup_mount,
+            tree=lambda: resolver.tree,
+            source=self.frontend.limit_source,
+            hooks=self.limit_hooks,
+            snapshot=lambda: self.poller.snapshot,
+            specs=self.hook_specs,
+            live=lambda: {r.allocation_id for r in self.book},
+        )
         self.optional = OptionalParts(
             [
                 self.mps_part,
+                self.memory_limits,
                 NodeLabelsPart(
                     cfg,
                     self.inventory,
                     directory=settings.node_features_dir,
                     default_file=settings.node_features_file,
+                    memory=self.memory_limits.enforcement,
                 ),
             ]
         )
@@ -162,6 +190,7 @@ class Daemon:
                 pod_resources_interval_s=pod_resources_interval_s,
                 on_allocate_duration=self.metrics.observe_allocate,
                 on_allocated=lambda: self.poller.allocated(),  # noqa: PLW0108 (made later)
+                hook_specs=self.hook_specs,
                 mps_namespaces=self.mps_part,
             )
         else:
@@ -177,6 +206,7 @@ class Daemon:
                 snapshot=lambda: self.poller.snapshot,
                 on_claims_changed=lambda: self.poller.allocated(),  # noqa: PLW0108 (made later)
                 pod_resources_socket=settings.pod_resources_socket,
+                hooks=self.limit_hooks,
                 mps_namespaces=self.mps_part,
             )
         return frontend
@@ -274,7 +304,15 @@ async def serve(
         check_state_file(Path(settings.backend.removeprefix("fake:")))
     lock = claim_state_dir(settings.state_dir)
     try:
-        backend = open_backend(settings.backend, settings.config)
+        backend = open_backend(
+            settings.backend,
+            settings.config,
+            cgroup_mount=settings.cgroup_mount,
+            probe_root=settings.memory_limit_probe_root or None,
+            pod_roots=pod_top_cgroups(
+                settings.kubelet_cgroup_driver, settings.kubelet_cgroup_root, settings.cgroup_mount
+            ),
+        )
         try:
             await Daemon(settings, backend, listing_first=True).run(stop, hangup)
         finally:

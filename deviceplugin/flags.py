@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from deviceplugin.enforcement_mode import ENV as ENFORCE_ENV
 from deviceplugin.enforcement_mode import FLAG as ENFORCE_FLAG
 from deviceplugin.kubelet.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
+from deviceplugin.memlimits.cdihook import DEFAULT_HOOK_PATH, DEFAULT_SOCKET
 
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -24,6 +25,7 @@ KUBELET_APIS = ("device-plugin", "dra")
 GPU_CDI = ("nvidia", "device-nodes")
 CGROUP_DRIVERS = ("auto", "cgroupfs", "systemd")
 BOOLEAN = ("true", "false")
+ON_OFF = ("on", "off")
 # What turns a switch on from its environment variable.
 SWITCH_ON = ("1", "true")
 
@@ -289,10 +291,51 @@ SERVE_FLAGS = (
     ),
     Flag(
         "--cdi-dir",
-        "dra: where the CDI spec of each prepared claim is written",
+        "where CDI specs are written: each prepared claim's (dra), and each allocation's that "
+        "carries the memory-limit hook (device plugins)",
         env="VGPU_CDI_DIR",
         default="/var/run/cdi",
         metavar="DIR",
+    ),
+    Flag(
+        "--memory-limits",
+        "on: where a GPU's driver partitions memory (R615, docs/design.md §15), each container's "
+        "limit is set on its own cgroup by the runtime hook before its first instruction; off: "
+        "every GPU's memory is polled",
+        env="VGPU_MEMORY_LIMITS",
+        default="on",
+        choices=ON_OFF,
+    ),
+    Flag(
+        "--memory-limit-socket",
+        "the unix socket the runtime hook asks the daemon on (root only)",
+        env="VGPU_MEMORY_LIMIT_SOCKET",
+        default=str(DEFAULT_SOCKET),
+        metavar="PATH",
+    ),
+    Flag(
+        "--memory-limit-hook",
+        "the runtime hook's path on the host, as the CDI specs name it (the DaemonSet copies it "
+        "there from the image)",
+        env="VGPU_MEMORY_LIMIT_HOOK",
+        default=DEFAULT_HOOK_PATH,
+        metavar="PATH",
+    ),
+    Flag(
+        "--cgroup-mount",
+        "the unified (v2) cgroup hierarchy as this daemon sees it (/sys/fs/cgroup/unified on a "
+        "hybrid host)",
+        env="VGPU_CGROUP_MOUNT",
+        default="/sys/fs/cgroup",
+        metavar="DIR",
+    ),
+    Flag(
+        "--memory-limit-probe-root",
+        "nvml: the cgroup (a path from the hierarchy's root, e.g. /vgpu) under which the daemon "
+        "makes a throw-away cgroup per GPU to confirm its driver's memory partitions",
+        env="VGPU_MEMORY_LIMIT_PROBE_ROOT",
+        default_words="none: every GPU's memory is polled",
+        metavar="CGROUP",
     ),
     Flag(
         "--dra-gpu-cdi",

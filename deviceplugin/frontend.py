@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from deviceplugin.config import Config
+from deviceplugin.memlimits.source import LimitSource
 from deviceplugin.model import Inventory
 from deviceplugin.owners import AllocationOwners
 
@@ -104,4 +105,9 @@ class KubeletFrontend(Protocol):
     async def verdict(self) -> str:
         """Once a reload is applied: why the kubelet's side refuses it ("" when it does not);
         the reload is then undone."""
+        ...
+
+    def limit_source(self) -> LimitSource:
+        """What its allocations give a container's GPU memory, for the memory-limit hook
+        (docs/design.md §15)."""
         ...

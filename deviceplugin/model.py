@@ -9,6 +9,8 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from deviceplugin.limitsview import MemoryLimitsView
+
 SLICE_SEPARATOR = "::"
 MAX_DEVICE_ID_LENGTH = 63  # the kubelet's limit for Device.ID
 
@@ -241,14 +243,22 @@ class DeviceGrant:
     `slices` 1). Never recomputed from a later plan: a reload changes only what new allocations
     get.
 
-    `memory_request_bytes` is what it is guaranteed, at most the limit; None: the limit (every
-    grant today; a request below the limit is room for request/limit sharing)."""
+    `memory_request_bytes` is what it is guaranteed, at most the limit; None: the limit. A
+    request below the limit (burst, docs/design.md §15) is a device-plugin resource's with a
+    limit per slice, or a DRA claim's with a memory limit in its parameters."""
 
     gpu_uuid: str
     memory_limit_bytes: int
     compute_share_ratio: float
     slices: int = 1
     memory_request_bytes: int | None = None
+
+    @property
+    def request_bytes(self) -> int:
+        """What it is guaranteed: its request, or its limit where it has none."""
+        if self.memory_request_bytes is None:
+            return self.memory_limit_bytes
+        return self.memory_request_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +315,9 @@ class ContainerUsage:
     namespace: str = ""
     pod: str = ""
     container: str = ""
+    # What it is guaranteed of the GPU's memory (its request, docs/design.md §15): at most its
+    # limit; None where it is the limit.
+    memory_request_bytes: int | None = None
     # Enforcement state (the enforcer fills these): the fraction of each duty cycle its processes
     # may run (None when not throttled), and the total time they have spent stopped.
     duty_cycle_ratio: float | None = None
@@ -475,3 +488,5 @@ class NodeSnapshot:
     signals_not_sent: tuple[tuple[str, int], ...] = ()
     # How the kubelet is served: SOURCE_DEVICE_PLUGIN (slices) or SOURCE_DRA (devices, claims).
     kubelet_api: str = SOURCE_DEVICE_PLUGIN
+    # The memory limits the driver enforces (docs/design.md §15).
+    memory_limits: MemoryLimitsView = field(default_factory=MemoryLimitsView)

@@ -59,7 +59,11 @@ def label_value(text: str) -> str:
 
 
 def node_labels(
-    inventory: Inventory, *, mig_strategy: str = "none", resource_name: str | None = None
+    inventory: Inventory,
+    *,
+    mig_strategy: str = "none",
+    resource_name: str | None = None,
+    memory_enforcement: str | None = None,
 ) -> dict[str, str]:
     """The labels for this inventory, in the order they are written. With `resource_name`, they
     describe that resource's slices only (the daemon passes `resourceName`: full GPUs, and MIG
@@ -70,7 +74,9 @@ def node_labels(
     - `replicas`: slices per GPU, when every sliced GPU has the same number (else absent);
     - `memory-per-slice-mib`: the smallest slice's memory, in MiB;
     - `product`: the model of the first sliced GPU;
-    - `mig-strategy`: how MIG devices are offered.
+    - `mig-strategy`: how MIG devices are offered;
+    - `memory-enforcement` (when given): `driver` where every GPU's driver holds containers to
+      their memory limits (docs/design.md §15), `poll` where none does, `mixed` between.
     Without a sliced GPU, only `count=0` and `mig-strategy`."""
     if resource_name is not None:
         inventory = inventory.for_resource(resource_name)
@@ -86,6 +92,8 @@ def node_labels(
         if product:
             labels[f"{PREFIX}product"] = product
     labels[f"{PREFIX}mig-strategy"] = mig_strategy
+    if memory_enforcement is not None:
+        labels[f"{PREFIX}memory-enforcement"] = memory_enforcement
     return labels
 
 
@@ -152,6 +160,7 @@ class NodeLabelFile:
         *,
         mig_strategy: str = "none",
         resource_name: str | None = None,
+        memory: Published[str] | None = None,
     ) -> None:
         if not name or "/" in name or name.startswith("."):
             raise ValueError(f"{name!r} is not a feature file name")
@@ -160,6 +169,8 @@ class NodeLabelFile:
         self.path = directory / name
         self._mig_strategy = mig_strategy
         self._resource_name = resource_name
+        # How the node's GPU memory is enforced (the memory-limits part's summary), if known.
+        self._memory = memory
         self._written: str | None = None
         # The file this daemon wrote last, by (device, inode): the only one remove() deletes.
         self._identity: tuple[int, int] | None = None
@@ -170,7 +181,10 @@ class NodeLabelFile:
         logged (once until it succeeds again) and retried at the next change."""
         content = feature_file(
             node_labels(
-                inventory, mig_strategy=self._mig_strategy, resource_name=self._resource_name
+                inventory,
+                mig_strategy=self._mig_strategy,
+                resource_name=self._resource_name,
+                memory_enforcement=self._memory.value if self._memory is not None else None,
             )
         )
         if content == self._written:
@@ -243,19 +257,24 @@ class NodeLabelFile:
         log.info("node feature file removed path=%s", self.path)
 
     async def run(self, inventory: Published[Inventory], stop: asyncio.Event) -> None:
-        """Write for the current inventory, then after each change (and every RETRY_S while
-        writing fails), until `stop`."""
+        """Write for the current inventory, then after each change of it or of the memory
+        enforcement (and every RETRY_S while writing fails), until `stop`."""
         while not stop.is_set():
             version = inventory.version
+            memory_version = self._memory.version if self._memory is not None else 0
             await asyncio.to_thread(self.update, inventory.value)
-            changed = asyncio.ensure_future(inventory.wait_change(version))
-            stopped = asyncio.ensure_future(stop.wait())
+            waits = {
+                asyncio.ensure_future(inventory.wait_change(version)),
+                asyncio.ensure_future(stop.wait()),
+            }
+            if self._memory is not None:
+                waits.add(asyncio.ensure_future(self._memory.wait_change(memory_version)))
             try:
                 await asyncio.wait(
-                    {changed, stopped},
+                    waits,
                     timeout=RETRY_S if self._failing else None,
                     return_when=asyncio.FIRST_COMPLETED,
                 )
             finally:
-                changed.cancel()
-                stopped.cancel()
+                for wait in waits:
+                    wait.cancel()

@@ -73,6 +73,8 @@ class PollCause(enum.StrEnum):
     DMEM_GAP = "dmem-gap"  # a level down to the pods' cgroups lacks +dmem
     NO_PROBE_ROOT = "no-probe-root"  # nowhere to make the cgroup that confirms it
     PROBE_FAILED = "probe-failed"  # the set/get/clear on a throw-away cgroup failed
+    UNHEALTHY = "unhealthy"  # the GPU is unhealthy: a set might not be answered
+    OFF = "off"  # the daemon applies no memory limits (serve --memory-limits off)
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from deviceplugin.frontend import KubeletFrontend
 from deviceplugin.gpu.backend import GpuBackend, no_wake
 from deviceplugin.incremental import InventoryCache
 from deviceplugin.kubelet.limits import DeviceListTooLargeError, device_list_problem
+from deviceplugin.limitsview import MemoryLimitsView
 from deviceplugin.model import (
     SOURCE_DRA,
     AllocationRecord,
@@ -211,12 +212,15 @@ class Poller:
         timeout_s: float | None = None,
         trust_host_processes: bool = False,
         names_wanted: asyncio.Event | None = None,
+        memory_limits: Callable[[], MemoryLimitsView] = MemoryLimitsView,
     ) -> None:
         self._backend = backend
         self._config = config
         self._inventory = inventory
         self._book = book
         self._health = health
+        # The memory limits the driver enforces, as the memory-limits part last saw them.
+        self._memory_limits = memory_limits
         # `is None`, not `or`: a resolver that holds no PID yet has a length of 0.
         self._resolver = resolver if resolver is not None else AllocationResolver()
         # Whether a container of the last snapshot checked has no name yet, and that snapshot's
@@ -412,7 +416,9 @@ class Poller:
                 self.interval_s,
                 "no slice allocated and no GPU process" if idle else "slices or processes in use",
             )
-        self.snapshot = replace(tick.snapshot, health=self._health())
+        self.snapshot = replace(
+            tick.snapshot, health=self._health(), memory_limits=self._memory_limits()
+        )
         self._on_poll_duration(tick.duration_s)
         # Ask pod-resources again when processes carry an allocation this daemon does not know
         # (made before it started) or a container has no name yet (allocated since the last ask).

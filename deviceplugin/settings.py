@@ -11,7 +11,10 @@ from deviceplugin.dra.settings import DraSettings
 from deviceplugin.enforcement_mode import as_run
 from deviceplugin.errors import StartupError
 from deviceplugin.kubelet.proto import DEFAULT_DEVICE_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
+from deviceplugin.memlimits.settings import MemoryLimitSettings
 from deviceplugin.usage.httpserver import TlsFiles
+
+__all__ = ["DaemonSettings", "MemoryLimitSettings", "check_trust"]
 
 if TYPE_CHECKING:
     from deviceplugin.nodeconfig import NodeConfig
@@ -60,6 +63,12 @@ class DaemonSettings:
     # --enforce-nvidia-config: an NVIDIA-format config is enforced; else it runs in monitor
     # mode, a dry run (deviceplugin/enforcement_mode.py).
     enforce_nvidia_config: bool = False
+    # GPU memory limits through the driver (docs/design.md §15); None: every GPU is polled.
+    memory_limits: MemoryLimitSettings | None = None
+    # The unified (v2) cgroup hierarchy as this daemon sees it, and the cgroup under which the
+    # nvml backend may probe each GPU's memory partitions ("": no probe, every GPU polled).
+    cgroup_mount: Path = Path("/sys/fs/cgroup")
+    memory_limit_probe_root: str = ""
 
     def configured(self, config: Config) -> Config:
         """`config` with the flags that win over the config file applied, and in monitor mode

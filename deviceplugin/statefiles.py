@@ -26,6 +26,16 @@ from pathlib import Path
 from deviceplugin.safefs import DIRECTORY_FLAGS, read_bounded
 
 
+def boot_id(path: str = "/proc/sys/kernel/random/boot_id") -> str:
+    """The kernel's ID of this boot, which the records of processes and cgroups carry (a PID or
+    a cgroup of another boot is not this one's); "" where it cannot be read."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def replace_file(
     dir_fd: int, name: str, data: bytes, mode: int, *, sync: bool = True
 ) -> os.stat_result:

@@ -40,6 +40,7 @@ from deviceplugin.config.load import (
     load_config,
     parse_config,
 )
+from deviceplugin.config.memory import MemoryLimitsConfig, ResourceMemoryLimit
 from deviceplugin.config.model import (
     DEFAULT_CONTEXT_RESERVE_BYTES,
     DEFAULT_MPS_CONTROL_COMMAND,
@@ -118,12 +119,14 @@ __all__ = [
     "HealthConfig",
     "MemoryAction",
     "MemoryEnforcement",
+    "MemoryLimitsConfig",
     "MigConfig",
     "MigStrategy",
     "MpsConfig",
     "MpsProtocol",
     "NodeLabelsConfig",
     "RecoveryPolicy",
+    "ResourceMemoryLimit",
     "SliceOverride",
     "SliceRule",
     "SlicingConfig",

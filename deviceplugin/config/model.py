@@ -26,6 +26,7 @@ from deviceplugin.config.keys import (
     required,
     section,
 )
+from deviceplugin.config.memory import MemoryLimitsConfig
 from deviceplugin.config.values import (
     FEATURE_FILE_PATTERN,
     MAX_POLL_INTERVAL_S,
@@ -52,6 +53,8 @@ DEFAULT_REPLICAS = 4
 DEFAULT_CONTEXT_RESERVE_BYTES = 512 * 1024**2
 DEFAULT_MPS_ROOT = "/run/vgpu/mps"
 DEFAULT_MPS_CONTROL_COMMAND = "nvidia-cuda-mps-control"
+# Below this much free memory a GPU is under memory pressure (enforcement.memory).
+DEFAULT_PRESSURE_FREE_BELOW_BYTES = 1024**3
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +214,15 @@ class MemoryEnforcement:
     grace_period_s: float = key(
         "gracePeriod", 2.0, Duration(), "How long a container may stay above its memory limit."
     )
+    pressure_free_below_bytes: int = key(
+        "pressureFreeBelow",
+        DEFAULT_PRESSURE_FREE_BELOW_BYTES,
+        Size(zero=True),
+        "A GPU whose free memory is below this, or too little for its containers below their"
+        " request to reach it, is under memory pressure: the container furthest above its"
+        " request (one whose limit is above its request) loses its largest process, as action"
+        " says; never one within its request. 0: only the second rule.",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,8 +359,9 @@ class NodeLabelsConfig:
         "Keep a node feature discovery feature file of this name in the directory the daemon"
         " was started with, --node-features-dir: NFD v0.15 or newer turns"
         " its lines into node labels nvidia.com/vgpu.count, .replicas, .memory-per-slice-mib,"
-        ' .product, .mig-strategy; all but the last describe resourceName\'s slices. "" keeps'
-        " none; the DaemonSet mounts NFD's features.d directory and names it.",
+        " .product (these four describe resourceName's slices), .mig-strategy and"
+        " .memory-enforcement (driver, poll or mixed: whether the GPUs' drivers enforce memory"
+        ' limits). "" keeps none; the DaemonSet mounts NFD\'s features.d directory and names it.',
     )
     legacy_directory: str = key(
         "path",
@@ -397,6 +410,12 @@ class Config:
         "Node labels through a node feature discovery feature file.",
     )
     mig: MigConfig = section("mig", MigConfig, "GPUs in MIG mode.")
+    memory_limits: MemoryLimitsConfig = section(
+        "memoryLimits",
+        MemoryLimitsConfig,
+        "Memory limits above the request (burst) per resource; the limits the GPU's driver"
+        " enforces (docs/design.md §15).",
+    )
     dra: DraConfig = section(
         "dra",
         DraConfig,

@@ -30,6 +30,7 @@ from deviceplugin.config.keys import (
     XidList,
     keys_of,
 )
+from deviceplugin.config.memory import MemoryLimitsConfig, ResourceMemoryLimit
 from deviceplugin.config.model import (
     DEFAULT_MPS_CONTROL_COMMAND,
     DEFAULT_MPS_ROOT,
@@ -67,6 +68,17 @@ def _names(nodes: tuple[Node, ...]) -> tuple[str, ...]:
 _TOP_KEYS = _names(keys_of(Config))
 _SLICING_KEYS = _names(keys_of(SlicingConfig))
 _OVERRIDE_KEYS = _names(keys_of(SliceOverride))
+_MEMORY_LIMIT_KEYS = _names(keys_of(ResourceMemoryLimit))
+
+
+def _declared_size(cls: type, name: str) -> Size:
+    """The Size a key of `cls` is declared with."""
+    kind = next(n.declared.kind for n in keys_of(cls) if n.name == name)
+    assert isinstance(kind, Size), f"{name} is not a size"
+    return kind
+
+
+_LIMIT_PER_SLICE = _declared_size(ResourceMemoryLimit, "limitPerSlice")
 _MATCH_KEYS = _names(keys_of(GpuMatch))
 _NODE_LABELS_KEYS = _names(keys_of(NodeLabelsConfig))
 # What NVIDIA's format shares with vgpu's: the allocation policies (with NVIDIA's names) and the
@@ -144,6 +156,31 @@ def _slicing(r: _Reader, value: object, path: str) -> SlicingConfig:
         if match is not None and rule is not None:
             overrides.append(SliceOverride(match=match, rule=rule))
     return SlicingConfig(default=default, overrides=tuple(overrides))
+
+
+def _memory_limits(r: _Reader, value: object, path: str) -> MemoryLimitsConfig:
+    """memoryLimits: each resource once, with its limit per slice."""
+    section = r.section(value, path, ("resources",))
+    found: list[ResourceMemoryLimit] = []
+    items_path = _join(path, "resources")
+    for i, item in enumerate(r.items(section.get("resources"), items_path)):
+        item_path = f"{items_path}[{i}]"
+        rule = r.section(item, item_path, _MEMORY_LIMIT_KEYS)
+        if not isinstance(item, dict):
+            continue
+        missing = [k for k in _MEMORY_LIMIT_KEYS if k not in rule]
+        if missing:
+            r.error(item_path, f"needs {' and '.join(missing)}")
+            continue
+        resource = _checked(r, rule["resource"], f"{item_path}.resource", _resource_name_problem)
+        limit = _size(r, rule["limitPerSlice"], f"{item_path}.limitPerSlice", _LIMIT_PER_SLICE)
+        if resource is None or limit is None:
+            continue
+        if any(f.resource == resource for f in found):
+            r.error(item_path, f"resource {resource} is listed twice")
+            continue
+        found.append(ResourceMemoryLimit(resource, limit))
+    return MemoryLimitsConfig(resources=tuple(found))
 
 
 def _mps_root_problem(root: str) -> str | None:
@@ -391,6 +428,7 @@ _CHECKS: dict[str, Callable[[str], str | None]] = {
 _SECTIONS: dict[type, Callable[[_Reader, object, str], Any]] = {
     SlicingConfig: _slicing,
     NodeLabelsConfig: _node_labels,
+    MemoryLimitsConfig: _memory_limits,
 }
 
 

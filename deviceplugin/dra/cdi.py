@@ -4,12 +4,14 @@
 Its container edits carry the docs/design.md §3 environment with the claim's consumed amounts,
 the MPS pipe mount when MPS is on, and, with `gpu_cdi: device-nodes`, the GPU's device nodes.
 With `gpu_cdi: nvidia` the GPU itself comes from NVIDIA's CDI device `nvidia.com/gpu=<uuid>`,
-which Prepare returns beside vgpu's own.
+which Prepare returns beside vgpu's own. Where a GPU of the claim has a driver that enforces
+memory, the edits carry the memory-limit hook too (docs/design.md §15.2).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,14 @@ def cdi_ids(driver_name: str, claim: PreparedClaim, *, nvidia: bool) -> tuple[st
     return own + tuple(f"{NVIDIA_CDI_KIND}={uuid}" for uuid in claim.gpu_uuids)
 
 
-def build_spec(driver_name: str, claim: PreparedClaim, edits: ContainerEdits) -> dict[str, Any]:
+def build_spec(
+    driver_name: str,
+    claim: PreparedClaim,
+    edits: ContainerEdits,
+    hooks: Sequence[Mapping[str, Any]] = (),
+) -> dict[str, Any]:
+    """The claim's spec; `hooks`: the memory-limit hook where its GPU's driver enforces memory
+    (memlimits.cdihook)."""
     container_edits: dict[str, Any] = {"env": [f"{k}={v}" for k, v in edits.env.items()]}
     if edits.mounts:
         container_edits["mounts"] = [
@@ -52,6 +61,8 @@ def build_spec(driver_name: str, claim: PreparedClaim, edits: ContainerEdits) ->
         ]
     if edits.device_nodes:
         container_edits["deviceNodes"] = [{"path": p} for p in edits.device_nodes]
+    if hooks:
+        container_edits["hooks"] = [dict(h) for h in hooks]
     return {
         "cdiVersion": CDI_VERSION,
         "kind": kind(driver_name),
@@ -61,11 +72,15 @@ def build_spec(driver_name: str, claim: PreparedClaim, edits: ContainerEdits) ->
 
 
 def write_spec(
-    cdi_dir: Path, driver_name: str, claim: PreparedClaim, edits: ContainerEdits
+    cdi_dir: Path,
+    driver_name: str,
+    claim: PreparedClaim,
+    edits: ContainerEdits,
+    hooks: Sequence[Mapping[str, Any]] = (),
 ) -> Path:
     """Write (or replace) the claim's spec file; returns its path."""
     name = spec_file_name(driver_name, claim.uid)
-    spec = build_spec(driver_name, claim, edits)
+    spec = build_spec(driver_name, claim, edits, hooks)
     statefiles.write_file(cdi_dir, name, json.dumps(spec, indent=2, sort_keys=True).encode())
     return cdi_dir / name
 

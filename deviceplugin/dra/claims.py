@@ -104,6 +104,13 @@ class ClaimDevice:
     memory_bytes: int
     compute_percent: float
     share_id: str = ""
+    # What it may use of the device's memory, at least what it consumed (its request): the
+    # claim's `vgpu.dev` parameters' memoryLimit (dra.params); None where it is the request.
+    memory_limit_bytes: int | None = None
+
+    @property
+    def limit_bytes(self) -> int:
+        return self.memory_bytes if self.memory_limit_bytes is None else self.memory_limit_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +146,18 @@ class PreparedClaim:
             first, memory, compute = totals.get(d.gpu_uuid, (d, 0, 0.0))
             totals[d.gpu_uuid] = (first, memory + d.memory_bytes, compute + d.compute_percent)
         return [totals[uuid] for uuid in self.gpu_uuids]
+
+    def limits_per_gpu(self) -> dict[str, tuple[int, int]]:
+        """Per GPU, (request, limit) bytes: what the claim consumed there, and what it may use
+        (never more than the device has)."""
+        totals: dict[str, tuple[int, int]] = {}
+        for d in self.devices:
+            request, limit = totals.get(d.gpu_uuid, (0, 0))
+            totals[d.gpu_uuid] = (
+                request + d.memory_bytes,
+                min(d.memory_total_bytes, limit + d.limit_bytes),
+            )
+        return totals
 
 
 def _get(obj: Mapping[str, Any], *path: str) -> Any:
@@ -276,8 +295,12 @@ def claim_edits(
     same as Allocate's (limits_env), with each GPU by UUID, and the same MPS mounts."""
     per_gpu = claim.per_gpu()
     env: dict[str, str] = {ENV_VISIBLE_DEVICES: ",".join(d.gpu_uuid for d, _, _ in per_gpu)}
+    # The limit is what the container may use; frameworks are told of its request.
+    limits_of = claim.limits_per_gpu()
     limits = [
-        DeviceLimits(d.gpu_uuid, memory, memory, int(compute), d.memory_total_bytes)
+        DeviceLimits(
+            d.gpu_uuid, limits_of[d.gpu_uuid][1], memory, int(compute), d.memory_total_bytes
+        )
         for d, memory, compute in per_gpu
     ]
     env.update(limits_env(claim.allocation_id, limits, cfg, mps))
@@ -292,11 +315,16 @@ def claim_edits(
 
 
 def claim_grants(claim: PreparedClaim) -> tuple[DeviceGrant, ...]:
-    """What the claim may use per GPU, in index order: the capacity it consumed there (memory;
-    compute / 100), the figures its CDI spec's environment states."""
-    return tuple(
-        DeviceGrant(d.gpu_uuid, memory, compute / 100.0) for d, memory, compute in claim.per_gpu()
-    )
+    """What the claim may use per GPU, in index order: the capacity it consumed there (compute
+    / 100; memory its request) and its memory limit, the figures its CDI spec's environment
+    states."""
+    limits = claim.limits_per_gpu()
+    grants: list[DeviceGrant] = []
+    for d, memory, compute in claim.per_gpu():
+        limit = limits[d.gpu_uuid][1]
+        request = None if limit == memory else memory
+        grants.append(DeviceGrant(d.gpu_uuid, limit, compute / 100.0, 1, request))
+    return tuple(grants)
 
 
 def claim_record(claim: PreparedClaim, container: str = "") -> AllocationRecord:

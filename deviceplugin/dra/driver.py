@@ -40,6 +40,7 @@ from deviceplugin.dra.store import ClaimStore
 from deviceplugin.dra.users import ClaimUsers, Users
 from deviceplugin.kubelet.draplugin import ClaimRef, HealthReport, PrepareResult
 from deviceplugin.kubelet.podresources import PodResourcesClient
+from deviceplugin.memlimits.cdihook import LimitHooks
 from deviceplugin.model import AllocationRecord, Inventory, NodeSnapshot
 from deviceplugin.mpsnamespaces import NO_NAMESPACES, ContainerNamespaces
 from deviceplugin.owners import AllocationOwners
@@ -62,6 +63,7 @@ class DraDriver:
         snapshot: Callable[[], NodeSnapshot | None] = lambda: None,
         on_claims_changed: Callable[[], None] = lambda: None,
         pod_resources: PodResourcesClient | None = None,
+        hooks: LimitHooks | None = None,
         mps_namespaces: ContainerNamespaces = NO_NAMESPACES,
     ) -> None:
         self.settings = settings
@@ -81,6 +83,7 @@ class DraDriver:
             lock=self._lock,
             plans=lambda: plans_by_device(self._built),
             on_change=self._claims_changed,
+            hooks=hooks,
             mps_namespaces=mps_namespaces,
         )
         # Read by the poll worker: replaced whole, never changed in place.
@@ -157,6 +160,19 @@ class DraDriver:
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, str]:
         return await self._preparer.unprepare(claims)
+
+    @property
+    def claims(self) -> tuple[PreparedClaim, ...]:
+        """The prepared claims (replaced whole on a change)."""
+        return self._claims
+
+    async def reread_claim(self, claim: PreparedClaim, pod_uid: str) -> bool:
+        """Read the claim's pods again (a container of pod `pod_uid`, which the claim was not
+        reserved for when it was prepared, asks for its memory limits); whether they changed."""
+        before = claim.pods
+        await self._reread_pods(claim, frozenset({pod_uid}))
+        current = self.store.get(claim.uid)
+        return current is not None and current.pods != before
 
     async def _reread_pods(self, claim: PreparedClaim, unknown: frozenset[str]) -> bool:
         """Read the claim's pods (`reservedFor`) again: `unknown` pods use it on this node.

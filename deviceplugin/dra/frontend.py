@@ -18,6 +18,7 @@ from deviceplugin import __version__
 from deviceplugin.config import Config
 from deviceplugin.dra.driver import DraDriver
 from deviceplugin.dra.kubeapi import KubeApi, LightkubeApi, load_config
+from deviceplugin.dra.limits import ClaimSource
 from deviceplugin.dra.publisher import SlicePublisher
 from deviceplugin.dra.settings import DraSettings, device_ids_ignored
 from deviceplugin.dra.slices import build_devices, build_slice, slice_problems
@@ -26,6 +27,7 @@ from deviceplugin.errors import StartupError
 from deviceplugin.frontend import FrontendHealth
 from deviceplugin.kubelet.draplugin import KubeletPlugin
 from deviceplugin.kubelet.podresources import PodResourcesClient
+from deviceplugin.memlimits.cdihook import LimitHooks
 from deviceplugin.model import SOURCE_DRA, Inventory, NodeSnapshot
 from deviceplugin.mpsnamespaces import NO_NAMESPACES, ContainerNamespaces
 from deviceplugin.owners import AllocationOwners
@@ -60,6 +62,7 @@ class DraFrontend:
         snapshot: Callable[[], NodeSnapshot | None] = lambda: None,
         on_claims_changed: Callable[[], None] = lambda: None,
         pod_resources_socket: Path | None = None,
+        hooks: LimitHooks | None = None,
         mps_namespaces: ContainerNamespaces = NO_NAMESPACES,
     ) -> None:
         self.settings = settings
@@ -79,6 +82,7 @@ class DraFrontend:
             pod_resources=(
                 None if pod_resources_socket is None else PodResourcesClient(pod_resources_socket)
             ),
+            hooks=hooks,
             mps_namespaces=mps_namespaces,
         )
         self.publisher = SlicePublisher(settings, api, self.driver.devices)
@@ -203,6 +207,10 @@ class DraFrontend:
             return ""
         return await self.publisher.verdict(self.publisher.request(), VERDICT_TIMEOUT_S)
 
+    def limit_source(self) -> ClaimSource:
+        """The prepared claims' memory, for the containers of the pods they are reserved for."""
+        return ClaimSource(self.driver)
+
 
 def open_dra_frontend(
     settings: DraSettings,
@@ -214,6 +222,7 @@ def open_dra_frontend(
     snapshot: Callable[[], NodeSnapshot | None],
     on_claims_changed: Callable[[], None],
     pod_resources_socket: Path,
+    hooks: LimitHooks | None = None,
     mps_namespaces: ContainerNamespaces = NO_NAMESPACES,
 ) -> DraFrontend:
     """The DRA frontend with its API server client; the driver's name is the config's at start
@@ -235,5 +244,6 @@ def open_dra_frontend(
         snapshot=snapshot,
         on_claims_changed=on_claims_changed,
         pod_resources_socket=pod_resources_socket,
+        hooks=hooks,
         mps_namespaces=mps_namespaces,
     )

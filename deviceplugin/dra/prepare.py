@@ -37,10 +37,12 @@ from deviceplugin.dra import cdi
 from deviceplugin.dra.claims import ClaimError, PreparedClaim, claim_edits, read_claim
 from deviceplugin.dra.kubeapi import ApiCallError, KubeApi
 from deviceplugin.dra.mpsclaims import claim_namespace, in_namespace
+from deviceplugin.dra.params import with_memory_limits
 from deviceplugin.dra.refs import escaped, ref_problem, shown, uid_problem
 from deviceplugin.dra.settings import DraSettings, GpuCdi
 from deviceplugin.dra.store import ClaimStore
 from deviceplugin.kubelet.draplugin import ClaimRef, PreparedDevice, PrepareResult
+from deviceplugin.memlimits.cdihook import LimitHooks
 from deviceplugin.model import GpuPlan, MpsNamespace
 from deviceplugin.mpsnamespaces import NO_NAMESPACES, ContainerNamespaces
 
@@ -72,9 +74,12 @@ class ClaimPreparer:
         lock: asyncio.Lock,
         plans: Callable[[], Mapping[str, GpuPlan]],
         on_change: Callable[[], None],
+        hooks: LimitHooks | None = None,
         mps_namespaces: ContainerNamespaces = NO_NAMESPACES,
     ) -> None:
         self.settings = settings
+        # Which claims' specs carry the memory-limit hook (None: none do).
+        self._hooks = hooks
         # Under MPS v3, each claim's namespace, made before its spec is written.
         self._mps_namespaces = mps_namespaces
         self._config = config
@@ -228,7 +233,7 @@ class ClaimPreparer:
         the event loop: every amount is bounded before it is converted, but the claim is the
         API server's, and its reading is no business of the loop's."""
         return await asyncio.to_thread(
-            read_claim,
+            _read_claim,
             obj,
             driver_name=self.settings.driver_name,
             node_name=self.settings.node_name,
@@ -263,7 +268,8 @@ class ClaimPreparer:
         )
         if ns is not None:
             edits = in_namespace(edits, ns, config.mps)
-        cdi.write_spec(self.settings.cdi_dir, self.settings.driver_name, claim, edits)
+        hooks = self._hooks.for_grant(claim.allocation_id, claim.gpu_uuids) if self._hooks else []
+        cdi.write_spec(self.settings.cdi_dir, self.settings.driver_name, claim, edits, hooks)
 
     def _undo(self, uids: Sequence[str]) -> None:
         for uid in uids:
@@ -442,6 +448,19 @@ class ClaimPreparer:
             log.info(
                 "CDI spec removed: its claim is not prepared here and %s uid=%s", why, shown(uid)
             )
+
+
+def _read_claim(
+    obj: dict[str, Any],
+    *,
+    driver_name: str,
+    node_name: str,
+    plans: Mapping[str, GpuPlan],
+    now_s: float,
+) -> PreparedClaim:
+    """The claim's allocation on this node's devices, with the memory limits of its parameters."""
+    claim = read_claim(obj, driver_name=driver_name, node_name=node_name, plans=plans, now_s=now_s)
+    return with_memory_limits(claim, obj, driver_name)
 
 
 def _metadata(obj: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -147,6 +147,7 @@ def claims_to_json(claims: Sequence[PreparedClaim]) -> list[dict[str, Any]]:
                     "minor": d.minor,
                     "memory_total_bytes": d.memory_total_bytes,
                     "memory_bytes": d.memory_bytes,
+                    "memory_limit_bytes": d.memory_limit_bytes,
                     "compute_percent": d.compute_percent,
                     "share_id": d.share_id,
                 }
@@ -196,6 +197,11 @@ def _device(d: object, where: str) -> ClaimDevice:
     if not isinstance(d, dict):
         raise ValueError(f"{where} is not an object")
     total = _integer(d, "memory_total_bytes", where, 1, MAX_MEMORY_BYTES)
+    memory = _integer(d, "memory_bytes", where, 0, total)
+    # None (and in a checkpoint of a daemon before memory limits): the memory consumed.
+    limit = None
+    if d.get("memory_limit_bytes") is not None:
+        limit = _integer(d, "memory_limit_bytes", where, memory, total)
     return ClaimDevice(
         request=_text(d, "request", where),
         device=_text(d, "device", where),
@@ -203,9 +209,10 @@ def _device(d: object, where: str) -> ClaimDevice:
         gpu_index=_integer(d, "gpu_index", where, 0, MAX_GPU_INDEX),
         minor=_integer(d, "minor", where, 0, MAX_MINOR),
         memory_total_bytes=total,
-        memory_bytes=_integer(d, "memory_bytes", where, 0, total),
+        memory_bytes=memory,
         compute_percent=_number(d, "compute_percent", where, low=0.0, high=100.0),
         share_id=_text(d, "share_id", where, default=""),
+        memory_limit_bytes=limit,
     )
 
 

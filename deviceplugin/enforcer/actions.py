@@ -10,6 +10,7 @@ from deviceplugin.enforcer.decisions import (
     COMPUTE,
     KILL,
     MEMORY,
+    RECLAIM,
     THROTTLE,
     ContainerKey,
     Kill,
@@ -53,13 +54,15 @@ class ActionLog:
         """A SIGKILL for a memory violation, and what became of it; in a dry run (monitor mode
         too) the kill it would have sent, counted as would_kill."""
         key = (d.allocation_id, d.gpu_uuid)
-        action = would(KILL) if dry else KILL
+        kind = RECLAIM if d.reclaim else KILL
+        action = would(kind) if dry else kind
         self.count(key, MEMORY, action)
         ns, pod, container, index = self.names_of(key)
         log.warning(
-            "memory limit exceeded action=%s namespace=%s pod=%s container=%s "
-            "allocation=%s gpu=%s gpu_index=%d pid=%d used_bytes=%d limit_bytes=%d "
-            "process_used_bytes=%d over_for_s=%.2f sent=%s dry_run=%s",
+            "%s action=%s namespace=%s pod=%s container=%s "
+            "allocation=%s gpu=%s gpu_index=%d pid=%d used_bytes=%d %s=%d "
+            "process_used_bytes=%d over_for_s=%.2f sent=%s dry_run=%s reason=%r",
+            "memory reclaimed under pressure" if d.reclaim else "memory limit exceeded",
             action,
             ns,
             pod,
@@ -69,11 +72,13 @@ class ActionLog:
             index,
             d.pid,
             d.used_bytes,
+            "request_bytes" if d.reclaim else "limit_bytes",
             d.limit_bytes,
             d.process_used_bytes,
             d.over_for_s,
             _DRY_OUTCOME if dry else _KILL_OUTCOME[result],
             dry,
+            d.reason,
         )
 
     def throttled(self, d: SetDuty, dry: bool) -> None:

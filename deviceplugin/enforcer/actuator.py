@@ -12,13 +12,13 @@ from deviceplugin.enforcer.control import (
     ProcessControl,
     PsutilControl,
     SignalResult,
-    boot_id,
     cgroup_now,
     run_state,
     start_ticks,
 )
 from deviceplugin.enforcer.dutycycle import DutyCycler
 from deviceplugin.enforcer.recording import RecordingControl
+from deviceplugin.statefiles import boot_id
 
 __all__ = [
     "CREATE_TIME_TOLERANCE_S",

@@ -66,15 +66,6 @@ def run_state(pid: int, proc_root: str = "/proc") -> str | None:
     return fields[_STATE_FIELD].decode("ascii", "replace")
 
 
-def boot_id(path: str = "/proc/sys/kernel/random/boot_id") -> str:
-    """The kernel's ID of this boot; "" where it cannot be read."""
-    try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
 class SignalResult(enum.Enum):
     """What became of a signal."""
 

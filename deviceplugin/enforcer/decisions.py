@@ -12,13 +12,16 @@ ContainerKey = tuple[str, str]  # (allocation ID, GPU UUID)
 MEMORY = "memory"
 COMPUTE = "compute"
 KILL = "kill"
+RECLAIM = "reclaim"
 THROTTLE = "throttle"
 MONITOR = "monitor"
 
 
 @dataclass(frozen=True, slots=True)
 class Kill:
-    """SIGKILL `pid`, the container's largest process on the GPU (memory action `kill`)."""
+    """SIGKILL `pid`, the container's largest process on the GPU (memory action `kill`); with
+    `reclaim`, memory taken back under pressure from a container above its request
+    (`limit_bytes` is then its request, enforcer.pressure)."""
 
     allocation_id: str
     gpu_uuid: str
@@ -28,6 +31,7 @@ class Kill:
     process_used_bytes: int
     over_for_s: float
     reason: str
+    reclaim: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,7 @@ from deviceplugin.enforcer.decisions import (
     kill_timeout_for,
 )
 from deviceplugin.enforcer.memory import MemoryState, decide_memory
+from deviceplugin.enforcer.pressure import PressureState, decide_pressure
 from deviceplugin.model import ContainerUsage, NodeSnapshot, ProcessSample
 
 __all__ = [
@@ -79,6 +80,7 @@ class EnforcementPolicy:
         self.tuning = tuning or ControllerTuning()
         self.kill_timeout_s = kill_timeout_for(config)
         self._memory: dict[ContainerKey, MemoryState] = {}
+        self._pressure: dict[str, PressureState] = {}
         self._compute: dict[ContainerKey, ComputeState] = {}
         self._unattributed_util: dict[str, float] = {}
         self._stale_since_s: float | None = None
@@ -147,6 +149,11 @@ class EnforcementPolicy:
         healthy_gpus = {g.info.uuid for g in snapshot.gpus if g.reading.healthy}
         mig_devices = {g.info.uuid for g in snapshot.gpus if g.info.is_mig_device}
         unattributed = {g.info.uuid: g.unattributed for g in snapshot.gpus}
+        memory = {
+            g.info.uuid: (g.info.memory_total_bytes, g.reading.memory_used_bytes)
+            for g in snapshot.gpus
+            if g.reading.memory_used_bytes is not None
+        }
         by_gpu, seen = _by_gpu(snapshot.containers)
         for gpu_uuid, containers in by_gpu.items():
             if gpu_uuid not in healthy_gpus:
@@ -154,7 +161,13 @@ class EnforcementPolicy:
                 self.revision += 1
                 decisions.extend(self._release_gpu(containers, "GPU unhealthy or not reported"))
                 continue
-            inputs = (tuple(containers), unattributed.get(gpu_uuid, ()), excluded_inputs)
+            gpu_memory = memory.get(gpu_uuid)
+            inputs = (
+                tuple(containers),
+                unattributed.get(gpu_uuid, ()),
+                excluded_inputs,
+                gpu_memory,
+            )
             repeated = self._last_inputs.get(gpu_uuid) == inputs
             if repeated and gpu_uuid in self._settled:
                 continue  # a tick on these inputs changed nothing, and would change nothing now
@@ -170,6 +183,7 @@ class EnforcementPolicy:
                 now_s,
                 # (NVML measures no utilisation per MIG device: no compute share to enforce.)
                 compute=gpu_uuid not in mig_devices,
+                memory=gpu_memory,
             )
             decisions.extend(gpu_decisions)
             if (
@@ -192,9 +206,11 @@ class EnforcementPolicy:
         now_s: float,
         *,
         compute: bool,
+        memory: tuple[int, int] | None = None,
     ) -> list[Decision]:
-        """One GPU's tick: the memory rule per container, then the compute controller, on each
-        container's processes less the `excluded` PIDs."""
+        """One GPU's tick: the memory rule per container, the pressure rule (`memory`: the GPU's
+        memory total and used), then the compute controller, on each container's processes less
+        the `excluded` PIDs."""
         decisions: list[Decision] = []
         own: dict[ContainerKey, tuple[ProcessSample, ...]] = {}
         for c in containers:
@@ -208,6 +224,18 @@ class EnforcementPolicy:
                     processes,
                     now_s,
                     states=self._memory,
+                    config=self.config,
+                    kill_timeout_s=self.kill_timeout_s,
+                )
+            )
+        if memory is not None:
+            decisions.extend(
+                decide_pressure(
+                    (gpu_uuid, *memory),
+                    containers,
+                    own,
+                    now_s,
+                    state=self._pressure.setdefault(gpu_uuid, PressureState()),
                     config=self.config,
                     kill_timeout_s=self.kill_timeout_s,
                 )
@@ -248,6 +276,8 @@ class EnforcementPolicy:
             del self._unattributed_util[uuid]
         for uuid in [u for u in self._last_inputs if u not in by_gpu]:
             del self._last_inputs[uuid]
+        for uuid in [u for u in self._pressure if u not in by_gpu]:
+            del self._pressure[uuid]
         self._settled.intersection_update(by_gpu)
         return decisions
 
@@ -258,7 +288,13 @@ class EnforcementPolicy:
         any of it depends on the clock (a container over its memory limit, a kill pending). A
         tick that decided nothing and changed nothing is a fixed point: the policy is a function
         of its state and inputs, so the same inputs again would decide nothing again."""
-        parts: list[object] = [self._unattributed_util.get(gpu_uuid)]
+        pressure = self._pressure.get(gpu_uuid)
+        if pressure is not None and pressure.killed:
+            return None
+        parts: list[object] = [
+            self._unattributed_util.get(gpu_uuid),
+            pressure.recorded if pressure is not None else None,
+        ]
         for c in containers:
             key = (c.allocation_id, c.gpu_uuid)
             memory = self._memory.get(key)

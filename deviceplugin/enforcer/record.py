@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from deviceplugin import statefiles
-from deviceplugin.enforcer.control import boot_id
 from deviceplugin.safefs import RefusedFileError, read_bounded
-from deviceplugin.statefiles import write_file
+from deviceplugin.statefiles import boot_id, write_file
 
 log = logging.getLogger("deviceplugin.enforcer.enforcer")
 

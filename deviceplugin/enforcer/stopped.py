@@ -14,10 +14,10 @@ from deviceplugin.enforcer.control import (
     ProcessControl,
     PsutilControl,
     SignalResult,
-    boot_id,
     run_state,
 )
 from deviceplugin.enforcer.record import load_stopped_record, move_aside, write_stopped_record
+from deviceplugin.statefiles import boot_id
 
 log = logging.getLogger("deviceplugin.enforcer.enforcer")
 

@@ -88,18 +88,31 @@ def no_wake() -> None:
     """The `set_wake` callback of a backend whose poll loop is not running."""
 
 
-def open_backend(spec: str, config: Config | None = None) -> GpuBackend:
+def open_backend(
+    spec: str,
+    config: Config | None = None,
+    *,
+    cgroup_mount: Path = Path("/sys/fs/cgroup"),
+    probe_root: str | None = None,
+    pod_roots: tuple[str, ...] = (),
+) -> GpuBackend:
     """`fake:PATH` or `nvml`. Raises BackendError with what to do instead. `config` (default:
-    the defaults) sets the nvml backend's health checks and call timeout."""
+    the defaults) sets the nvml backend's health checks and call timeout. Memory partitions
+    (docs/design.md §15): `cgroup_mount` is the unified hierarchy as the daemon sees it; the nvml
+    backend probes each GPU under `probe_root` (None: no probe, every GPU polled) and checks dmem
+    down to `pod_roots`."""
     if spec.startswith("fake:"):
         from deviceplugin.gpu.fake import FakeBackend  # noqa: PLC0415 (only the chosen backend)
 
         path = spec.removeprefix("fake:")
         if not path:
             raise BackendError("--backend fake:PATH needs the path of a state file")
-        return FakeBackend(Path(path))
+        return FakeBackend(Path(path), cgroup_root=cgroup_mount)
     if spec == "nvml":
         from deviceplugin.gpu.nvml import open_nvml_backend  # noqa: PLC0415 (pynvml only here)
+        from deviceplugin.gpu.nvml.partitions import CgroupHost  # noqa: PLC0415
 
-        return open_nvml_backend(config or Config())
+        return open_nvml_backend(
+            config or Config(), CgroupHost(cgroup_mount, probe_root, pod_roots)
+        )
     raise BackendError(f"unknown backend {spec!r}: use nvml or fake:PATH")

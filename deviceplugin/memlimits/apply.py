@@ -23,11 +23,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from deviceplugin.errors import MemoryLimitError
 from deviceplugin.memlimits.book import CallTimeoutError, LimitBook
 from deviceplugin.memlimits.record import AppliedLimit, GrantLimits, LeafRecord
+from deviceplugin.memlimits.source import LimitRefusedError, LimitSource
 from deviceplugin.partitions import GpuLimit, PartitionMode, PartitionSupport
 from deviceplugin.safefs import open_directory
 from deviceplugin.usage.cgroups import (
@@ -42,25 +42,6 @@ log = logging.getLogger(__name__)
 
 _MAX_CGROUP_FILE_BYTES = 64 << 10
 _MAX_PROCS_BYTES = 1 << 20
-
-
-class LimitRefusedError(Exception):
-    """The source gives the container nothing under that grant; the message says why."""
-
-
-class LimitSource(Protocol):
-    """What the allocations say (the device-plugin side or the DRA driver). Called on the event
-    loop: answers from memory, without blocking."""
-
-    def limits_for(self, grant_id: str, container: PodContainer) -> Mapping[str, GpuLimit]:
-        """Per GPU UUID, the memory the grant gives the container. Raises LimitRefusedError when
-        the grant is unknown or held by another pod."""
-        ...
-
-    def still_holds(self, grant_id: str, container: PodContainer) -> bool:
-        """Whether the container still holds the grant (asked at start of what an earlier
-        daemon set)."""
-        ...
 
 
 class ApplyError(Exception):
@@ -147,7 +128,7 @@ class LimitApplier:
     async def apply(self, pid: int, grant_id: str) -> ApplyOutcome:
         container = self.resolve(pid)
         try:
-            limits = dict(self.source.limits_for(grant_id, container))
+            limits = dict(await self.source.limits_for(grant_id, container.pod_uid))
         except LimitRefusedError as e:
             raise ApplyError("refused", f"grant {grant_id}: {e}") from e
         support = await self.book.call("memory_partitioning", self.book.backend.memory_partitioning)

@@ -31,9 +31,9 @@ from pathlib import Path
 from asyncinotify import Inotify, Mask, Watch
 
 from deviceplugin.errors import MemoryLimitError
-from deviceplugin.memlimits.apply import LimitSource
 from deviceplugin.memlimits.book import LimitBook
 from deviceplugin.memlimits.record import AppliedLimit, LeafRecord
+from deviceplugin.memlimits.source import LimitSource
 from deviceplugin.partitions import PartitionMode, cgroup_ancestors
 from deviceplugin.safefs import open_directory
 from deviceplugin.usage.cgroups import PodContainer
@@ -104,8 +104,10 @@ class LimitReconciler:
             for leaf in self.book.record:
                 state = self.state(leaf)
                 if state is LeafState.RUNNING:
-                    container = PodContainer(leaf.pod_uid, leaf.container_id, leaf.cgroup)
-                    held = all(self.source.still_holds(g.grant_id, container) for g in leaf.grants)
+                    pod = leaf.pod_uid
+                    held = all(
+                        [await self.source.still_holds(g.grant_id, pod) for g in leaf.grants]
+                    )
                     if held:
                         self._leaf_action("kept", leaf, "its container still holds it")
                         continue

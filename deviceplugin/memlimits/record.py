@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from deviceplugin import statefiles
-from deviceplugin.enforcer.control import boot_id
 from deviceplugin.partitions import GpuLimit, PartitionMode, rfc3339
+from deviceplugin.statefiles import boot_id
 
 log = logging.getLogger(__name__)
 

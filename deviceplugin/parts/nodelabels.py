@@ -30,8 +30,10 @@ class NodeLabelsPart:
         *,
         directory: Path | None,
         default_file: str = "",
+        memory: Published[str] | None = None,
     ) -> None:
         self._inventory = inventory
+        self._memory = memory
         # Where node labels may be written (--node-features-dir), and the file's name where
         # the config names none (--node-features-file).
         self._directory = directory
@@ -96,4 +98,5 @@ class NodeLabelsPart:
             name,
             mig_strategy=config.mig.strategy.value,
             resource_name=config.resource_name,
+            memory=self._memory,
         )

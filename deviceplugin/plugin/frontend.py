@@ -17,6 +17,8 @@ from deviceplugin import __version__
 from deviceplugin.config import Config
 from deviceplugin.frontend import FrontendHealth
 from deviceplugin.kubelet.checkpoint import CHECKPOINT_FILE, CheckpointReader
+from deviceplugin.memlimits.cdihook import AllocationSpecs
+from deviceplugin.memlimits.sources import AllocationSource
 from deviceplugin.model import SOURCE_DEVICE_PLUGIN, Inventory
 from deviceplugin.mpsnamespaces import NO_NAMESPACES, ContainerNamespaces
 from deviceplugin.owners import AllocationOwners
@@ -49,6 +51,7 @@ class DevicePluginFrontend:
         pod_resources_interval_s: float = POD_RESOURCES_INTERVAL_S,
         on_allocate_duration: Callable[[float], None] = lambda seconds: None,
         on_allocated: Callable[[], None] = lambda: None,
+        hook_specs: AllocationSpecs | None = None,
         mps_namespaces: ContainerNamespaces = NO_NAMESPACES,
     ) -> None:
         # The running config: endpoints made from now on answer Allocate with it.
@@ -60,6 +63,7 @@ class DevicePluginFrontend:
         self._names_wanted = names_wanted
         self._on_allocate_duration = on_allocate_duration
         self._on_allocated = on_allocated
+        self._hook_specs = hook_specs
         # One plugin endpoint per resource; the primary one (resourceName) always exists.
         primary = self._make_endpoint(config.resource_name, Published(Inventory()))
         self.resources = ResourcePlugins(primary, self._make_endpoint)
@@ -120,6 +124,7 @@ class DevicePluginFrontend:
             # so that the container's series and any action on it carry its pod's name.
             on_allocated=self._on_allocated,
             resource_name=resource_name,
+            hook_specs=self._hook_specs,
             mps_namespaces=self._mps_namespaces,
         )
         lifecycle = PluginLifecycle(
@@ -219,3 +224,11 @@ class DevicePluginFrontend:
 
     async def verdict(self) -> str:
         return ""
+
+    def limit_source(self) -> AllocationSource:
+        """The allocation book's grants, for the pods the kubelet's checkpoint gives them to
+        (a reader of its own: it is read off the event loop)."""
+        reader = CheckpointReader(
+            self._plugin_dir / CHECKPOINT_FILE, lambda: self.resources.known_names
+        )
+        return AllocationSource(self._book, reader.read)

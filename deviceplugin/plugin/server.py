@@ -6,9 +6,11 @@ calls the GPU backend: Allocate and GetPreferredAllocation answer from the inven
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 import grpc
 
@@ -17,6 +19,7 @@ from deviceplugin.config import Config, MigStrategy
 from deviceplugin.errors import AllocationError
 from deviceplugin.kubelet.proto import HEALTHY, UNHEALTHY, dp, dp_grpc
 from deviceplugin.logs import brief, brief_list
+from deviceplugin.memlimits.cdihook import AllocationSpecs
 from deviceplugin.model import AllocationRecord, ContainerAllocation, Inventory
 from deviceplugin.mpsnamespaces import (
     NO_NAMESPACES,
@@ -87,9 +90,12 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         on_allocate_duration: Callable[[float], None] = lambda seconds: None,
         on_allocated: Callable[[], None] = lambda: None,
         resource_name: str = "",
+        hook_specs: AllocationSpecs | None = None,
         mps_namespaces: ContainerNamespaces = NO_NAMESPACES,
     ) -> None:
         self._config = config
+        # The CDI specs that carry each allocation's memory-limit hook (docs/design.md §15).
+        self._hook_specs = hook_specs
         # Under MPS v3, each container's namespace, made before Allocate answers.
         self._mps_namespaces = mps_namespaces
         self._resource_name = resource_name
@@ -194,6 +200,9 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                         self._config.allocation,
                         self._config.mps,
                         several_resources=self._config.mig.strategy == MigStrategy.MIXED,
+                        limit_per_slice=self._config.memory_limits.limit_per_slice(
+                            self._resource_name or self._config.resource_name
+                        ),
                     )
                 )
             except AllocationError as e:
@@ -225,7 +234,9 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
                 brief_list(allocation.slice_ids),
                 brief_list(allocation.gpu_uuids),
             )
-        # What each container was granted is kept before it gets it (deviceplugin.grants).
+        # What each container was granted is kept before it gets it (deviceplugin.grants), and
+        # the spec of the hook that sets its memory limits written.
+        allocations = await self._with_limit_hooks(allocations, context)
         await self._book.kept()
         response = dp.AllocateResponse(
             container_responses=[allocate_response(a) for a in allocations]
@@ -233,6 +244,35 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):
         self._on_allocate_duration(time.perf_counter() - started)
         self._on_allocated()
         return response
+
+    async def _with_limit_hooks(
+        self, allocations: list[ContainerAllocation], context: grpc.aio.ServicerContext
+    ) -> list[ContainerAllocation]:
+        """Each allocation on a GPU whose driver enforces memory with the CDI device of its
+        memory-limit hook, its spec written first (off the event loop). A spec that cannot be
+        written fails the call: the limit would not be applied."""
+        specs = self._hook_specs
+        if specs is None:
+            return allocations
+        hooked: list[ContainerAllocation] = []
+        for a in allocations:
+            try:
+                name = await asyncio.to_thread(specs.write, a.allocation_id, a.gpu_uuids)
+            except OSError as e:
+                log.error(
+                    "allocate failed: the memory-limit hook's CDI spec cannot be written "
+                    "allocation_id=%s cdi_dir=%s error=%s",
+                    a.allocation_id,
+                    specs.cdi_dir,
+                    e,
+                )
+                await context.abort(
+                    grpc.StatusCode.INTERNAL,
+                    f"the CDI spec of allocation {a.allocation_id}'s memory-limit hook cannot be "
+                    f"written in {specs.cdi_dir}: {e}",
+                )
+            hooked.append(a if name is None else replace(a, cdi_devices=(*a.cdi_devices, name)))
+        return hooked
 
     async def _with_mps_namespaces(
         self,

@@ -254,6 +254,17 @@ def pods_root(cgroup: str) -> str | None:
     return None
 
 
+def pod_top_cgroups(driver: str, root: str, mount: Path) -> tuple[str, ...]:
+    """The kubelet's top cgroups of pods (paths from the hierarchy's root) under the layout of
+    the command line; with the driver read at start (`auto`), each candidate that exists under
+    `mount`, the unified hierarchy."""
+    prefix = _root_prefix(root or "/")
+    candidates = {CGROUPFS: f"{prefix}/kubepods", SYSTEMD: f"{prefix}/kubepods.slice"}
+    if driver in candidates:
+        return (candidates[driver],)
+    return tuple(c for c in candidates.values() if (mount / c.lstrip("/")).is_dir())
+
+
 def _short(text: str) -> str:
     return repr(text if len(text) <= 200 else text[:197] + "...")
 

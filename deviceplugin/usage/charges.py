@@ -155,6 +155,7 @@ class _Accumulator:
     record: AllocationRecord
     slices: int = 0
     memory_limit_bytes: int = 0
+    memory_request_bytes: int = 0
     compute_share_ratio: float = 0.0
     memory_used_bytes: int = 0
     sm_util_percent: float = 0.0
@@ -163,6 +164,7 @@ class _Accumulator:
     def grant(self, grant: DeviceGrant) -> None:
         self.slices += grant.slices
         self.memory_limit_bytes += grant.memory_limit_bytes
+        self.memory_request_bytes += grant.request_bytes
         self.compute_share_ratio += grant.compute_share_ratio
 
     def add(self, process: ProcessSample) -> None:
@@ -171,9 +173,10 @@ class _Accumulator:
         self.sm_util_percent += process.sm_util_percent or 0.0
 
 
-# ContainerUsage's fields before `sm_utilization_ratio`, and after it up to `container`.
+# ContainerUsage's fields before `sm_utilization_ratio`, and after it up to
+# `memory_request_bytes`.
 UsageHead = tuple[str, str, int, int, int, int]
-UsageTail = tuple[float, tuple[ProcessSample, ...], str, str, str]
+UsageTail = tuple[float, tuple[ProcessSample, ...], str, str, str, int | None]
 Charged = tuple[tuple[str, str], float, UsageHead, UsageTail]
 
 
@@ -447,5 +450,9 @@ class _Ledger:
             record.namespace,
             record.pod,
             record.container,
+            # None where it is the limit: the snapshot of a container without burst is as before.
+            None
+            if acc.memory_request_bytes == acc.memory_limit_bytes
+            else acc.memory_request_bytes,
         )
         return key, ratio_of(acc.sm_util_percent), head, tail

@@ -19,6 +19,7 @@ from deviceplugin.model import (
     NodeSnapshot,
     ProcessSample,
 )
+from deviceplugin.usage.memorymetrics import memory_limit_families
 from deviceplugin.usage.mpsmetrics import container_mps_families, mps_families
 
 # A MIG device is a GPU of its own (gpu_uuid is its MIG UUID, gpu_index its GPU's index); its
@@ -44,6 +45,7 @@ BUILD_LABELS = ("node", "version")
 # scrape, so that rate() and a dashboard panel see the first action as an increase.
 ENFORCEMENT_ACTIONS = (
     ("memory", "kill"),
+    ("memory", "reclaim"),
     ("memory", "monitor"),
     ("compute", "throttle"),
     ("compute", "monitor"),
@@ -134,6 +136,7 @@ class SnapshotCollector(Collector):
         yield from _daemon_families(node, snapshot, now_s)
         yield from mps_families(node, snapshot)
         yield from container_mps_families(node, snapshot)
+        yield from memory_limit_families(node, snapshot, GPU_LABELS, gpu_label_values)
 
 
 def _gpu_families(node: str, snapshot: NodeSnapshot | None) -> list[Metric]:
@@ -284,8 +287,8 @@ def _enforcement_families(node: str, snapshot: NodeSnapshot | None) -> list[Metr
     enforcement = _counter(
         "vgpu_enforcement_actions",
         "Enforcement actions taken on the container, by kind (memory, compute) and action "
-        "(kill, throttle, monitor; in a dry run or monitor mode would_kill, would_throttle), "
-        "a count.",
+        "(kill, reclaim, throttle, monitor; in a dry run or monitor mode would_kill, "
+        "would_reclaim, would_throttle), a count.",
         ENFORCEMENT_LABELS,
     )
     not_sent = _counter(

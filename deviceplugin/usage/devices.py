@@ -27,7 +27,8 @@ def dra_devices(
     for record in allocations:
         for grant in record.grants:
             uuid = grant.gpu_uuid
-            memory[uuid] = memory.get(uuid, 0) + grant.memory_limit_bytes
+            # What the scheduler accounted: the memory consumed (a limit above it is burst).
+            memory[uuid] = memory.get(uuid, 0) + grant.request_bytes
             compute[uuid] = compute.get(uuid, 0.0) + grant.compute_share_ratio
             claims[uuid] = claims.get(uuid, 0) + 1
     devices: dict[str, DraDevice] = {}

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
+from deviceplugin.limitsview import MemoryLimitsView
 from deviceplugin.model import (
     SOURCE_DRA,
     AllocationRecord,
@@ -21,6 +22,11 @@ from deviceplugin.model import (
     MpsStatus,
     NodeSnapshot,
     ProcessSample,
+)
+from deviceplugin.usage.memorydoc import (
+    container_memory_fields,
+    gpu_memory_fields,
+    memory_limits_section,
 )
 from deviceplugin.usage.mpsstatus import container_mps, mps_health
 
@@ -78,7 +84,8 @@ def _claims_on(allocations: Iterable[AllocationRecord]) -> dict[str, list[dict[s
                     "namespace": a.namespace,
                     "pod": a.pod,
                     "container": a.container,
-                    "memory_bytes": g.memory_limit_bytes,
+                    "memory_bytes": g.request_bytes,
+                    "memory_limit_bytes": g.memory_limit_bytes,
                     "compute_ratio": _num(g.compute_share_ratio),
                 }
             )
@@ -101,7 +108,10 @@ def _dra(device: DraDevice | None, claims: list[dict[str, Any]]) -> dict[str, An
 
 
 def _gpu(
-    g: GpuUsage, dra_mode: bool = False, claims: list[dict[str, Any]] | None = None
+    g: GpuUsage,
+    dra_mode: bool = False,
+    claims: list[dict[str, Any]] | None = None,
+    memory: MemoryLimitsView | None = None,
 ) -> dict[str, Any]:
     info = g.info
     pods = dict(g.unattributed_pods)
@@ -127,6 +137,8 @@ def _gpu(
         "xid_errors": {str(xid): count for xid, count in g.reading.xid_errors},
         "memory_total_bytes": info.memory_total_bytes,
         "memory_used_bytes": g.reading.memory_used_bytes,
+        # How its memory is enforced: by its driver (driver-dmem|driver-misc) or poll, and why.
+        **gpu_memory_fields(memory or MemoryLimitsView(), info.uuid),
         "sm_utilization_ratio": _num(g.sm_utilization_ratio),
         # Device-plugin mode: its slices by state; null in DRA mode, which has no slices.
         "slices": None
@@ -154,7 +166,10 @@ def _unattributed(p: ProcessSample, pods: dict[int, str]) -> dict[str, Any]:
 
 
 def _container(
-    c: ContainerUsage, mig_devices: frozenset[str] = frozenset(), mps: MpsStatus | None = None
+    c: ContainerUsage,
+    mig_devices: frozenset[str] = frozenset(),
+    mps: MpsStatus | None = None,
+    memory: MemoryLimitsView | None = None,
 ) -> dict[str, Any]:
     on_mig = c.gpu_uuid in mig_devices
     return {
@@ -167,6 +182,8 @@ def _container(
         "slices": c.slices,
         "memory_used_bytes": c.memory_used_bytes,
         "memory_limit_bytes": c.memory_limit_bytes,
+        # Its request, who holds it to its limit and since when, the driver's count of its use.
+        **container_memory_fields(memory or MemoryLimitsView(), c),
         # None on a MIG device: NVML has no utilisation there, and none is made up.
         "sm_utilization_ratio": None if on_mig else _num(c.sm_utilization_ratio),
         "compute_share_ratio": _num(c.compute_share_ratio),
@@ -194,6 +211,7 @@ def _allocation(a: AllocationRecord) -> dict[str, Any]:
             {
                 "gpu_uuid": g.gpu_uuid,
                 "memory_limit_bytes": g.memory_limit_bytes,
+                "memory_request_bytes": g.request_bytes,
                 "compute_share_ratio": _num(g.compute_share_ratio),
                 "slices": g.slices,
             }
@@ -239,10 +257,16 @@ def snapshot_to_json(snapshot: NodeSnapshot) -> dict[str, Any]:
         "taken_at_s": snapshot.taken_at_s,
         "stale": snapshot.stale,
         "health": _health(snapshot.health, snapshot.taken_at_s),
-        "gpus": [_gpu(g, dra_mode, claims.get(g.info.uuid)) for g in snapshot.gpus],
+        "gpus": [
+            _gpu(g, dra_mode, claims.get(g.info.uuid), snapshot.memory_limits)
+            for g in snapshot.gpus
+        ],
         "containers": [
-            _container(c, mig_devices, snapshot.health.mps) for c in snapshot.containers
+            _container(c, mig_devices, snapshot.health.mps, snapshot.memory_limits)
+            for c in snapshot.containers
         ],
         "allocations": [_allocation(a) for a in snapshot.allocations],
         "enforcement": [_enforcement(e) for e in snapshot.enforcement],
+        # The memory limits the driver enforces (docs/design.md §15).
+        "memory_limits": memory_limits_section(snapshot.memory_limits),
     }

@@ -218,6 +218,9 @@ def _gpu_lines(
         lines.append(_clip(f"  reason: {reason}", width))
     if isinstance(dra, Mapping):
         lines.append(_clip("  " + _claimed(dra), width))
+    enforcement = _memory_enforcement(g)
+    if enforcement:
+        lines.append(_clip(f"  memory limits: {enforcement}", width))
 
     total = _int(g.get("memory_total_bytes"))
     used_raw = g.get("memory_used_bytes")
@@ -234,7 +237,7 @@ def _gpu_lines(
     )
 
     for c in containers:
-        tail_parts = [_held(c, claims)]
+        tail_parts = [_held(c, claims), *_memory_terms(c)]
         share = _float(c.get("compute_share_ratio"))
         entitled = _float(c.get("entitlement_ratio"))
         if entitled is not None:
@@ -275,6 +278,28 @@ def _gpu_lines(
         )
     )
     return lines
+
+
+def _memory_enforcement(g: Mapping[str, Any]) -> str:
+    """Who holds the GPU's containers to their memory limits: `driver-dmem`, `driver-misc`, or
+    `poll (<cause>)` (the reason is in /status); "" from a daemon that does not say."""
+    mode = g.get("memory_enforcement")
+    if not mode:
+        return ""
+    cause = g.get("memory_enforcement_cause")
+    return f"poll ({_text(cause)})" if mode == "poll" and cause else _text(mode)
+
+
+def _memory_terms(c: Mapping[str, Any]) -> list[str]:
+    """A container's request where below its limit (`req 10Gi`), and `driver` once the GPU's
+    driver holds it to its limit."""
+    terms: list[str] = []
+    request = c.get("memory_request_bytes")
+    if request is not None and _int(request) < _int(c.get("memory_limit_bytes")):
+        terms.append(f"req {format_bytes(_int(request))}")
+    if str(c.get("memory_enforced_by") or "").startswith("driver-"):
+        terms.append("driver")
+    return terms
 
 
 def _claimed(dra: Mapping[str, Any]) -> str:

@@ -18,6 +18,7 @@ from deviceplugin.config import Config, DeviceIdStrategy, EnforcementConfig
 from deviceplugin.dra.frontend import DraFrontend
 from deviceplugin.gpu.backend import GpuBackend
 from deviceplugin.gpu.fake import FakeBackend, FakeGpu, FakeProcess, FakeState, write_state_file
+from deviceplugin.memlimits.settings import MemoryLimitSettings
 from deviceplugin.model import NodeReading
 from deviceplugin.partitions import MemoryLimits, PartitionSupport
 from deviceplugin.plugin.frontend import DevicePluginFrontend
@@ -115,6 +116,7 @@ async def running_daemon(
     kubelet_cgroup_root: str = "",
     device_id_strategy: DeviceIdStrategy | None = None,
     enforce_nvidia_config: bool = False,
+    memory_limits: MemoryLimitSettings | None = None,
 ) -> AsyncIterator[Daemon]:
     """Run a daemon until the block ends (on `backend`, default: the node's fake GPUs, closed at
     the end either way); fail the test if it died on its own. `kubelet_cgroup_root`: the
@@ -130,6 +132,8 @@ async def running_daemon(
         settings = dataclasses.replace(settings, device_id_strategy=device_id_strategy)
     if enforce_nvidia_config:  # --enforce-nvidia-config true
         settings = dataclasses.replace(settings, enforce_nvidia_config=True)
+    if memory_limits is not None:  # --memory-limits on, its socket and CDI directory
+        settings = dataclasses.replace(settings, memory_limits=memory_limits)
     if backend is None:
         backend = FakeBackend(node.state_file)
     daemon = Daemon(settings, backend, pod_resources_interval_s=pod_resources_interval_s)

@@ -136,6 +136,24 @@ def test_a_bad_cgroup_driver_in_the_environment_is_named() -> None:
     assert "'bogus' is not one of auto, cgroupfs, systemd" in result.stderr
 
 
+@pytest.mark.parametrize("root", ["vgpu", "/vgpu/../kubepods.slice", "/./x"])
+def test_a_memory_limit_probe_root_that_is_not_a_plain_cgroup_path_is_refused(
+    root: str, tmp_path: Path
+) -> None:
+    """The probe makes a cgroup under it: a relative path or one with . or .. could leave the
+    hierarchy, so the daemon does not start and says which value and what it wants."""
+    result = run_cli(
+        "serve",
+        "--backend",
+        f"fake:{tmp_path / 'gpus.json'}",
+        "--device-plugin-dir",
+        str(tmp_path),
+        env={"VGPU_MEMORY_LIMIT_PROBE_ROOT": root},
+    )
+    assert result.returncode == 2
+    assert f"--memory-limit-probe-root {root!r} is not a cgroup path" in result.stderr
+
+
 @pytest.mark.parametrize("spelling", ["warning", "WARNING", "Warning"])
 def test_log_levels_are_spelled_alike_in_any_case(spelling: str) -> None:
     daemon = run_cli("serve", "--log-level", spelling, "--help")

@@ -9,6 +9,7 @@ that wedged its GPU. Every process signalled here is one the test spawned."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -168,3 +169,31 @@ def test_the_enforcer_stops_a_process_for_good_in_one_place() -> None:
         for scope in signals_named(path, frozenset({"SIGKILL", "SIGTERM"}))
     }
     assert where == {"enforcer.py:Enforcer._kill.kill", "control.py:<module>"}
+
+
+def test_a_reclaim_under_pressure_of_an_mps_client_is_drained_first(
+    made: Supervisors, tmp_path: Path, enforcers: list[Enforcer]
+) -> None:
+    """Memory reclaimed under pressure takes the same stop path as a memory kill: container A
+    (request 10 GiB, limit 20 GiB) uses 15 GiB, within its limit, while the GPU has half a GiB
+    free; its client is terminated through the control daemon, then killed."""
+    daemon, client = mps_client(made)
+    enforcer = enforcer_for(tmp_path, daemon, enforcers)
+    snapshot = hand_snapshot([client.pid], util=0.0, memory_gib=15)
+    (gpu,) = snapshot.gpus
+    (container,) = snapshot.containers
+    pressured = dataclasses.replace(
+        snapshot,
+        gpus=(
+            dataclasses.replace(
+                gpu, reading=dataclasses.replace(gpu.reading, memory_used_bytes=int(79.5 * 2**30))
+            ),
+        ),
+        containers=(dataclasses.replace(container, memory_request_bytes=10 * 2**30),),
+    )
+    enforcer.on_snapshot(pressured)
+    assert client.process.wait(timeout=10) == -signal.SIGKILL
+    assert terminated_before_its_end(made.root, client.pid)
+    assert daemon.status.drains_total == 1
+    counts = {(c.kind, c.action): c.count for c in enforcer.counts()}
+    assert counts[("memory", "reclaim")] == 1

@@ -94,8 +94,8 @@ async def test_the_hook_returns_once_the_limits_are_set_and_recorded(rig: LimitR
     assert leaf["applied"]["GPU-dmem"]["mode"] == "driver-dmem"
     assert set(leaf["applied"]) == {"GPU-dmem", "GPU-misc"}
     assert rig.book.counts["set"] == 2
-    # The source was asked about this container, found from /proc alone.
-    assert [(g, c.cgroup) for g, c in rig.source.asked] == [("alloc-1", LEAF)]
+    # The source was asked about this container's pod, found from /proc alone.
+    assert rig.source.asked == [("alloc-1", POD_UID)]
 
 
 async def test_two_devices_of_one_container_get_the_sum_on_their_gpu(rig: LimitRig) -> None:

@@ -144,6 +144,7 @@ def test_every_container_has_its_enforcement_counters_at_zero_from_the_start(
     assert got == {
         ("memory", "kill"): 0.0,
         ("memory", "monitor"): 0.0,
+        ("memory", "reclaim"): 0.0,
         ("compute", "throttle"): 0.0,
         ("compute", "monitor"): 0.0,
     }

@@ -3,6 +3,7 @@ each change replaces the file whole (by a rename), never rewrites it in place.""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 from pathlib import Path
@@ -17,6 +18,7 @@ from deviceplugin.config import (
     SliceRule,
     SlicingConfig,
 )
+from deviceplugin.memlimits.settings import MemoryLimitSettings
 from deviceplugin.nodelabels import label_value
 from tests.blackbox.daemon_harness import (
     FAST,
@@ -64,6 +66,7 @@ async def test_the_feature_file_names_the_slices_and_follows_gpu_health(node: No
         "nvidia.com/vgpu.memory-per-slice-mib": str(20 * 1024),
         "nvidia.com/vgpu.product": "NVIDIA-A100-SXM4-80GB",
         "nvidia.com/vgpu.mig-strategy": "none",
+        "nvidia.com/vgpu.memory-enforcement": "poll",  # memory limits are off here
     }
     async with running_daemon(node, labels_config("vgpu")) as daemon:
         await registered(node, 8)
@@ -101,8 +104,38 @@ async def test_mixed_gpus_leave_replicas_out_and_give_the_smallest_slice(node: N
             "nvidia.com/vgpu.memory-per-slice-mib": str(8 * 1024),
             "nvidia.com/vgpu.product": "NVIDIA-A100-SXM4-80GB",
             "nvidia.com/vgpu.mig-strategy": "none",
+            "nvidia.com/vgpu.memory-enforcement": "poll",
         }
         await eventually(lambda: file_reads(features, want), what="labels for mixed GPUs")
+
+
+async def test_the_memory_enforcement_label_follows_the_gpus_drivers(node: Node) -> None:
+    """With memory limits on and both GPUs' drivers partitioning memory, the node reads
+    `driver`; one GPU unhealthy (polled) makes it `mixed`, and back."""
+    features = features_dir(node) / "vgpu"
+    partitioned = [
+        dataclasses.replace(gpu(i), driver_version="615.71", memory_partitions="dmem")
+        for i in (0, 1)
+    ]
+    node.write_gpus(tuple(partitioned))
+    settings = MemoryLimitSettings(
+        socket=node.root / "run" / "hook.sock", cdi_dir=node.root / "cdi"
+    )
+    label = "nvidia.com/vgpu.memory-enforcement"
+
+    def reads(value: str) -> bool:
+        try:
+            return read_labels(features).get(label) == value
+        except FileNotFoundError:
+            return False
+
+    async with running_daemon(node, labels_config("vgpu"), memory_limits=settings):
+        await registered(node, 8)
+        await eventually(lambda: reads("driver"), what="driver-enforced")
+        node.write_gpus((partitioned[0], dataclasses.replace(partitioned[1], healthy=False)))
+        await eventually(lambda: reads("mixed"), what="one GPU polled")
+        node.write_gpus(tuple(partitioned))
+        await eventually(lambda: reads("driver"), what="driver-enforced again")
 
 
 async def test_no_path_writes_no_file(node: Node) -> None:

@@ -482,6 +482,7 @@ async def test_a_reload_to_the_mixed_mig_strategy_registers_the_profiles_and_mov
             "nvidia.com/vgpu.memory-per-slice-mib": str(24 * 1024 // 4),
             "nvidia.com/vgpu.product": "NVIDIA-L4",
             "nvidia.com/vgpu.mig-strategy": "mixed",
+            "nvidia.com/vgpu.memory-enforcement": "poll",  # memory limits are off here
         }
         await eventually(lambda: read_labels(new_labels) == want, what="the new feature file")
         assert not old_labels.exists()

@@ -701,3 +701,39 @@ def test_the_pinned_helm_and_kubectl_come_first_on_path() -> None:
         found = shutil.which(tool)
         assert found is not None, f"{tool} is not on PATH"
         assert Path(found).parent == fetch_k8s_tools.cache_dir(), found
+
+
+# --- memory limits -------------------------------------------------------------------------------
+
+
+def test_memory_limits_off_leaves_no_hook_socket_or_writable_cgroups() -> None:
+    """memoryLimits.enabled=false: the daemon polls every GPU (VGPU_MEMORY_LIMITS=off); no init
+    container puts a hook on the host, no socket or CDI directory is mounted, and the host's
+    cgroup hierarchy is read-only again."""
+    docs = render(sets=("memoryLimits.enabled=false",))
+    spec = pod_spec(docs)
+    assert "initContainers" not in spec
+    env = env_of(docs)
+    assert env["VGPU_MEMORY_LIMITS"] == "off"
+    assert "VGPU_CDI_DIR" not in env
+    volumes, mounts = volumes_and_mounts(docs)
+    assert not {"hook-bin", "hook-socket", "cdi"} & set(volumes)
+    assert mounts["host-cgroup"]["readOnly"] is True
+
+
+def test_memory_limits_put_the_hook_where_the_daemon_names_it() -> None:
+    docs = render(sets=("memoryLimits.hookDir=/usr/local/vgpu", "memoryLimits.probeRoot=/vgpu"))
+    spec = pod_spec(docs)
+    (init,) = spec["initContainers"]
+    volumes, _ = volumes_and_mounts(docs)
+    assert volumes["hook-bin"]["hostPath"]["path"] == "/usr/local/vgpu"
+    env = env_of(docs)
+    assert env["VGPU_MEMORY_LIMIT_HOOK"] == "/usr/local/vgpu/vgpu-hook"
+    assert env["VGPU_MEMORY_LIMIT_PROBE_ROOT"] == "/vgpu"
+    (mount,) = init["volumeMounts"]
+    assert init["command"][-1].endswith(f"{mount['mountPath']}/vgpu-hook")
+
+
+@pytest.mark.parametrize("bad", ["memoryLimits.hookDir=opt/x", "memoryLimits.probeRoot=/a/../b"])
+def test_memory_limit_paths_that_are_not_plain_absolute_paths_are_refused(bad: str) -> None:
+    assert "/memoryLimits/" in refused(sets=(bad,))

@@ -217,6 +217,10 @@ def test_the_container_command_is_accepted_by_the_cli(monkeypatch: pytest.Monkey
         "VGPU_STATE_DIR": "state_dir",
         "VGPU_NODE_FEATURES_DIR": "node_features_dir",
         "VGPU_NODE_FEATURES_FILE": "node_features_file",
+        "VGPU_CDI_DIR": "cdi_dir",
+        "VGPU_MEMORY_LIMIT_HOOK": "memory_limit_hook",
+        "VGPU_CGROUP_MOUNT": "cgroup_mount",
+        "VGPU_MEMORY_LIMIT_PROBE_ROOT": "memory_limit_probe_root",
         "NODE_NAME": "node_name",
     }
     for name, value in env.items():
@@ -290,10 +294,49 @@ def test_mounts_serve_the_paths_the_daemon_uses() -> None:
         if "hostPath" in v
         and v["hostPath"]["path"] not in {plugin_dir, pod_resources_dir, state_dir, feature_dir}
     }
-    assert others == {"/dev/null", "/sys/fs/cgroup", "/var/log/containers"}
+    assert others == {
+        "/dev/null",
+        "/sys/fs/cgroup",
+        "/var/log/containers",
+        "/run/vgpu",
+        "/var/run/cdi",
+        "/opt/vgpu/libexec",
+    }
     assert "/var/run/nvidia-container-devices/all" in mounts
     assert mounts["/var/log/containers"]["readOnly"] is True
-    assert mounts["/host/sys/fs/cgroup"]["readOnly"] is True
+    # Writable for the memory limits' probe (a throw-away cgroup per GPU), under the mount the
+    # daemon is told of, and the probe root a plain path there.
+    assert env["VGPU_CGROUP_MOUNT"] == "/host/sys/fs/cgroup"
+    assert host_path("/host/sys/fs/cgroup") == {"path": "/sys/fs/cgroup", "type": "Directory"}
+    assert env["VGPU_MEMORY_LIMIT_PROBE_ROOT"] == "/"
+    # The hook's socket where the CDI specs' hook dials it (the CLI's default), and the CDI
+    # directory the node's runtime reads.
+    defaults = build_parser().parse_args(["serve"])
+    assert host_path(str(Path(defaults.memory_limit_socket).parent)) == {
+        "path": "/run/vgpu",
+        "type": "DirectoryOrCreate",
+    }
+    assert host_path(env["VGPU_CDI_DIR"]) == {"path": "/var/run/cdi", "type": "DirectoryOrCreate"}
+
+
+def test_the_runtime_hook_is_installed_on_the_host_where_the_cdi_specs_name_it() -> None:
+    """An init container copies the image's static hook to the host path the daemon's CDI specs
+    name (the CLI's --memory-limit-hook default), renaming it into place."""
+    spec = daemonset()["spec"]["template"]["spec"]
+    (init,) = spec["initContainers"]
+    assert init["image"] == container()["image"]
+    hook = build_parser().parse_args(["serve"]).memory_limit_hook
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    (mount,) = init["volumeMounts"]
+    assert volumes[mount["name"]]["hostPath"]["path"] == str(Path(hook).parent)
+    script = init["command"][-1]
+    host_hook = f"{mount['mountPath']}/{Path(hook).name}"
+    assert script.startswith(f"install -m 0755 {hook} ")
+    assert script.endswith(f"mv -f {mount['mountPath']}/.vgpu-hook.new {host_hook}")
+    sc = init["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
 
 
 def test_security_context_is_the_narrowest_that_works() -> None:

@@ -18,13 +18,14 @@ from typing import Any
 import pytest
 
 from deviceplugin.gpu.fake import FakeBackend
-from deviceplugin.memlimits.apply import LimitApplier, LimitRefusedError
+from deviceplugin.memlimits.apply import LimitApplier
 from deviceplugin.memlimits.book import LimitBook
 from deviceplugin.memlimits.hookserver import HookServer
 from deviceplugin.memlimits.reconcile import LimitReconciler
 from deviceplugin.memlimits.record import LimitRecord
+from deviceplugin.memlimits.source import LimitRefusedError
 from deviceplugin.partitions import GpuLimit
-from deviceplugin.usage.cgroups import CgroupLayout, KubeletTree, PodContainer
+from deviceplugin.usage.cgroups import CgroupLayout, KubeletTree
 from tests.support.cgroup_tree import gpu_entry
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,20 +80,20 @@ class TableSource:
 
     def __init__(self) -> None:
         self.grants: dict[str, Grant] = {}
-        self.asked: list[tuple[str, PodContainer]] = []
+        self.asked: list[tuple[str, str]] = []
 
-    def limits_for(self, grant_id: str, container: PodContainer) -> Mapping[str, GpuLimit]:
-        self.asked.append((grant_id, container))
+    async def limits_for(self, grant_id: str, pod_uid: str) -> Mapping[str, GpuLimit]:
+        self.asked.append((grant_id, pod_uid))
         grant = self.grants.get(grant_id)
         if grant is None:
             raise LimitRefusedError("no allocation or claim has this ID on this node")
-        if grant.pod_uid != container.pod_uid:
-            raise LimitRefusedError(f"it is held by pod {grant.pod_uid}, not {container.pod_uid}")
+        if grant.pod_uid != pod_uid:
+            raise LimitRefusedError(f"it is held by pod {grant.pod_uid}, not {pod_uid}")
         return grant.limits
 
-    def still_holds(self, grant_id: str, container: PodContainer) -> bool:
+    async def still_holds(self, grant_id: str, pod_uid: str) -> bool:
         grant = self.grants.get(grant_id)
-        return grant is not None and grant.held and grant.pod_uid == container.pod_uid
+        return grant is not None and grant.held and grant.pod_uid == pod_uid
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,10 @@ VGPU = SCHEMA["$defs"]["vgpu"]
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
 # An override needs a match and a rule; tests that place a key inside one start from this.
 OVERRIDE = {"match": {"index": 0}, "replicas": 2}
+# A memory limit needs its resource and its limit per slice.
+MEMORY_LIMIT = {"resource": "nvidia.com/vgpu", "limitPerSlice": "20Gi"}
+# The item a key's list starts from, by the list's key.
+ITEMS: dict[str, dict[str, Any]] = {"overrides": OVERRIDE, "resources": MEMORY_LIMIT}
 # A duration every duration key accepts: above each minimum, between period and window.
 SOME_DURATION = "300ms"
 
@@ -63,8 +67,12 @@ def place(path: Path, value: object) -> dict[str, Any]:
         if key == "[]":
             continue
         if i + 1 < len(path) and path[i + 1] == "[]":
-            item = copy.deepcopy(OVERRIDE)
-            if path[-1] in ("replicas", "memoryPerSlice") and len(path) == i + 3:
+            item = copy.deepcopy(ITEMS[key])
+            if (
+                key == "overrides"
+                and path[-1] in ("replicas", "memoryPerSlice")
+                and len(path) == i + 3
+            ):
                 del item["replicas"]
             here[key] = [item]
             here = item
@@ -171,6 +179,9 @@ def samples(path: Path, schema: dict[str, Any]) -> tuple[list[object], list[obje
     if path == ("dra", "driverName"):
         good += ["vgpu.dev", "gpu.example.com"]
         bad += ["Not_A_Name", "", "vgpu.dev.", 5]
+    if path[-2:] == ("[]", "resource"):  # memoryLimits.resources[].resource
+        good += ["nvidia.com/vgpu", "example.com/gpu"]
+        bad += ["gpu", "kubernetes.io/gpu", "", 5]
     if path[-1] == "overrides":
         good += [[], None, [OVERRIDE]]
         bad += [[{"replicas": 2}], [{"match": {}, "replicas": 2}], [{"match": {"index": 0}}]]

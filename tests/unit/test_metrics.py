@@ -296,6 +296,12 @@ EXPECTED_LABELS: dict[str, set[str]] = {
     "vgpu_kubelet_registration_failures_total": NODE_ONLY,
     "vgpu_pod_resources_up": NODE_ONLY,
     "vgpu_build_info": NODE_ONLY | {"version"},
+    # the memory limits the driver enforces (docs/design.md §15)
+    "vgpu_gpu_memory_enforcement": GPU | {"mode", "cause"},
+    "vgpu_container_gpu_memory_request_bytes": CONTAINER,
+    "vgpu_container_gpu_memory_enforced_by": CONTAINER | {"by"},
+    "vgpu_memory_limit_actions_total": NODE_ONLY | {"action"},
+    "vgpu_memory_limit_hook_served": NODE_ONLY,
 }
 # prometheus_client's own creation-time series of each histogram.
 CREATED = {"vgpu_allocate_duration_seconds_created", "vgpu_poll_duration_seconds_created"}

@@ -58,6 +58,7 @@ def test_document_key_order_is_stable() -> None:
         "containers",
         "allocations",
         "enforcement",
+        "memory_limits",
     ]
     assert json.dumps(doc) == json.dumps(snapshot_to_json(sample_snapshot()))
 

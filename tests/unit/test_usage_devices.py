@@ -129,6 +129,7 @@ def test_status_has_per_device_claimed_and_free_and_the_claims_on_it_but_no_slic
                 "pod": "p15",
                 "container": "main",
                 "memory_bytes": 15 * GiB,
+                "memory_limit_bytes": 15 * GiB,
                 "compute_ratio": 0.3,
             },
             {
@@ -138,6 +139,7 @@ def test_status_has_per_device_claimed_and_free_and_the_claims_on_it_but_no_slic
                 "pod": "p25",
                 "container": "main",
                 "memory_bytes": 25 * GiB,
+                "memory_limit_bytes": 25 * GiB,
                 "compute_ratio": 0.25,
             },
         ],
@@ -151,6 +153,7 @@ def test_status_has_per_device_claimed_and_free_and_the_claims_on_it_but_no_slic
         {
             "gpu_uuid": DRA_GPU.uuid,
             "memory_limit_bytes": 15 * GiB,
+            "memory_request_bytes": 15 * GiB,
             "compute_share_ratio": 0.3,
             "slices": 1,
         }

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from deviceplugin.errors import BackendError, StateFileError
 from deviceplugin.gpu.cgrouptree import DirectoryTree
+from deviceplugin.gpu.fake.charging import ProcessCharges
 from deviceplugin.gpu.fake.memlimits import FakeMemoryLimits, stores
 from deviceplugin.gpu.fake.partitionstate import FakePartitions, default_path
 from deviceplugin.gpu.fake.sampler import (
@@ -109,6 +110,8 @@ class FakeBackend:
         )
         self._partitions.sync(stores(self._state))
         self._limits = FakeMemoryLimits(self._partitions, lambda: self._state)
+        # A process gets only what its cgroup's hard limits leave (charging).
+        self._charges = ProcessCharges(self._partitions, Path(proc_root))
         self._signature: _Signature | None = _signature(st)
         self._problem: str | None = None
         # Utilisation: the latest instantaneous value per (gpu uuid, pid), and its integral
@@ -183,6 +186,7 @@ class FakeBackend:
 
         readings: list[GpuReading] = []
         for gpu in sorted(state.gpus, key=lambda g: g.index):
+            gpu = self._charges.apply(gpu)  # noqa: PLW2901 (what the driver let them allocate)
             if not gpu.healthy and self._healthy_before.get(gpu.uuid, True):
                 self._unhealthy_transitions[gpu.uuid] = (
                     self._unhealthy_transitions.get(gpu.uuid, 0) + 1

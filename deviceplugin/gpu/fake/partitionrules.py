@@ -179,6 +179,21 @@ class PartitionRules:
         """misc: the memory of the cgroups whose nearest hard-limited ancestor-or-self is this."""
         return sum(n for c, n in self.usage.items() if self._nearest_limited(c) == limited)
 
+    def headroom(self, cgroup: str) -> int:
+        """The most a process in `cgroup` can allocate now: the GPU's free memory, bounded on
+        dmem by every limited ancestor-or-self, on misc by the nearest limited one."""
+        room = self.capacity_bytes - sum(self.usage.values())
+        if self.store == "dmem":
+            for node in (cgroup, *cgroup_ancestors(cgroup)):
+                found = self.limits.get(node)
+                if found is not None and found.hard_bytes != LIMIT_MAX:
+                    room = min(room, found.hard_bytes - self.used_below(node))
+        else:
+            nearest = self._nearest_limited(cgroup)
+            if nearest is not None:
+                room = min(room, self.limits[nearest].hard_bytes - self._charged_to(nearest))
+        return max(0, room)
+
     def charge(self, cgroup: str, nbytes: int) -> bool:
         """An allocation of `nbytes` by a process in `cgroup`; False (out of memory) where a hard
         limit or the GPU's memory would be passed."""

@@ -12,11 +12,15 @@ file (`<state file>.memory-limits.json` by default), atomically:
                                      "set_at": "2026-12-04T22:23:01.123456Z",
                                      "set_at_s": 1796422981.123456}}}},
      "events": [{"at": "...Z", "at_s": ..., "gpu": "GPU-...", "cgroup": "...",
-                 "action": "set|clear|removed", "soft_bytes": ..., "hard_bytes": ...}]}
+                 "action": "set|clear|removed", "soft_bytes": ..., "hard_bytes": ...},
+                {"at": ..., "gpu": ..., "cgroup": ..., "action": "refused", "pid": ...,
+                 "asked_bytes": ..., "granted_bytes": ...}]}
 
 `limits` lists every cgroup with anything set (on dmem, the ancestors carrying leaves' soft
-shares too); `events` the last 1000 changes, oldest first. The file is read back when the backend
-starts, as the driver would still hold the limits when the daemon restarts, so that a restarted
+shares too); `events` the last 1000 changes, oldest first, and each allocation the driver cut
+short at a hard limit (`refused`: a process asked for more than its cgroup may have,
+`charging`). The file is read back when the backend starts, as the driver would still hold the
+limits when the daemon restarts, so that a restarted
 daemon finds what one killed outright left behind. A cgroup that is gone is dropped (on dmem its
 ancestors keep their share: the leak) when the next call, or `forget_removed`, notices.
 """
@@ -61,6 +65,11 @@ class FakePartitions:
         self._lock = threading.Lock()
         self._rules: dict[str, PartitionRules] = {}
         self._saved_limits, self._events = self._load()
+        # Moves with every change of the limits (and of a refusal): what was charged before
+        # still holds while it stands still.
+        self.generation = 0
+        # Per (GPU, PID) the memory it asked for that the driver refused last (logged once).
+        self._refused: dict[tuple[str, int], int] = {}
 
     def _load(self) -> tuple[dict[str, tuple[Store, dict[str, Limit]]], list[dict[str, Any]]]:
         try:
@@ -126,7 +135,49 @@ class FakePartitions:
             rules.set(cgroup, soft_bytes, hard_bytes)
             cleared = soft_bytes == 0 and hard_bytes == LIMIT_MAX
             self._event(uuid, cgroup, "clear" if cleared else "set", soft_bytes, hard_bytes)
+            self.generation += 1
             self._save()
+
+    def allocate(self, uuid: str, asked: list[tuple[int, str, int]]) -> dict[int, int] | None:
+        """The processes of a GPU with a store, each (PID, cgroup, memory it asks for), charged
+        in that order as the driver charges allocations: per PID what it got, the hard limits
+        (and the GPU's memory) bounding it; an ask cut short is the driver's out-of-memory,
+        recorded once as a `refused` event. None for a GPU with no store (nothing bounds it)."""
+        with self._lock:
+            rules = self._rules.get(uuid)
+            if rules is None:
+                return None
+            self._forget_removed_locked()
+            rules.usage.clear()
+            granted: dict[int, int] = {}
+            for pid, cgroup, nbytes in asked:
+                got = min(nbytes, rules.headroom(cgroup))
+                rules.charge(cgroup, got)
+                granted[pid] = got
+                if got < nbytes and self._refused.get((uuid, pid)) != nbytes:
+                    self._refused[(uuid, pid)] = nbytes
+                    self._refusal(uuid, cgroup, pid, nbytes, got)
+                elif got == nbytes:
+                    self._refused.pop((uuid, pid), None)
+            return granted
+
+    def _refusal(self, uuid: str, cgroup: str, pid: int, asked: int, got: int) -> None:
+        now = self.clock()
+        self._events.append(
+            {
+                "at": rfc3339(now),
+                "at_s": now,
+                "gpu": uuid,
+                "cgroup": cgroup,
+                "action": "refused",
+                "pid": pid,
+                "asked_bytes": asked,
+                "granted_bytes": got,
+            }
+        )
+        del self._events[:-MAX_EVENTS]
+        self.generation += 1
+        self._save()
 
     def get(self, uuid: str, cgroup: str) -> tuple[int, int, int]:
         with self._lock:
@@ -144,6 +195,7 @@ class FakePartitions:
                 self._event(uuid, cgroup, "removed", limit.soft_bytes, limit.hard_bytes)
                 changed = True
         if changed:
+            self.generation += 1
             self._save()
 
     def _event(self, uuid: str, cgroup: str, action: str, soft: int, hard: int) -> None:

@@ -353,7 +353,10 @@ class NvmlBackend(HealthChecks, MemoryLimitCalls):
         self._event_set = None
 
 
-def open_nvml_backend(config: Config) -> NvmlBackend:
+def open_nvml_backend(config: Config, cgroups: CgroupHost | None = None) -> NvmlBackend:
     """The nvml backend for a daemon with this config: its health section, and a call timeout of
-    one poll interval, so that a hung GPU delays the others by at most one poll."""
-    return NvmlBackend(config.health, call_timeout_s=config.enforcement.poll_interval_s)
+    one poll interval, so that a hung GPU delays the others by at most one poll; `cgroups`: where
+    memory partitions are probed (none: every GPU polled)."""
+    return NvmlBackend(
+        config.health, call_timeout_s=config.enforcement.poll_interval_s, cgroups=cgroups
+    )
