@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import shutil
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from deviceplugin.app import Daemon
@@ -228,8 +228,10 @@ async def _live(
     view: LiveView,
     *,
     seen: NodeSnapshot | None,
+    extra: Callable[[float], list[str]] | None = None,
 ) -> None:
-    """Until Ctrl-C or the duration: grow the notebook past its limit once, reap exited
+    """Until Ctrl-C or the duration: grow the notebook past its limit once (and `extra`, given
+    the seconds since the start, says what else happened: its event lines), reap exited
     workloads, report each enforcement action as it happens (a killed process's exit only after
     its kill), and keep the status view current."""
     loop = asyncio.get_running_loop()
@@ -255,6 +257,9 @@ async def _live(
                 f"{format_bytes(memory)} of GPU memory, over its limit",
                 "",
             )
+        told = [] if extra is None else extra(now - started)
+        if told:
+            view.event(*told)
         exits.extend((now, pid, owner, code) for pid, owner, code in workloads.reap())
         snapshot = daemon.poller.snapshot
         if snapshot is not None:

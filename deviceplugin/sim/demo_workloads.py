@@ -25,11 +25,13 @@ from deviceplugin.config import (
 )
 from deviceplugin.gpu.examples import DEMO_GPUS, GiB, MiB
 from deviceplugin.gpu.fake import (
+    FakeGpu,
     FakeProcess,
     FakeState,
     write_state_file,
 )
 from deviceplugin.sim.kubelet import PodGrant
+from deviceplugin.sim.records import ContainerGrant
 from deviceplugin.slicing import format_bytes
 
 MIG_SMALL = "nvidia.com/mig-1g.10gb"
@@ -91,6 +93,23 @@ DEMO_MIG_WORKLOADS: dict[tuple[str, str], tuple[int, float]] = {
 # A second into the live view the notebook grows past its 10Gi: killed after the grace period.
 GROW_AFTER_S = 1.0
 GROWN = (("default", "notebook", "jupyter"), 14 * GiB)
+# The pod whose container the GPU's driver holds to its limit (docs/design.md §15), where the demo
+# can make it a real cgroup (deviceplugin/sim/demo_limits.py): admitted last, it lands on the L4,
+# whose driver then partitions memory as R615's does with the dmem store. Its process starts
+# with (memory, SM demand in %); a second into the live view it asks for more than its limit.
+DRIVER_LIMITED_POD: tuple[str, tuple[tuple[str, int], ...]] = ("capped", (("trainer", 1),))
+DRIVER_LIMITED_WORK = (4 * GiB, 20.0)
+DRIVER_LIMITED_ASKS = 9 * GiB
+
+
+def demo_gpus(partitioned: bool) -> tuple[FakeGpu, ...]:
+    """The demo's GPUs; with `partitioned` the L4's driver partitions memory (dmem)."""
+    if not partitioned:
+        return DEMO_GPUS
+    l4 = dataclasses.replace(DEMO_GPUS[1], driver_version="615.71", memory_partitions="dmem")
+    return (DEMO_GPUS[0], l4, *DEMO_GPUS[2:])
+
+
 # A process on the node that no pod asked slices for: counted as unattributed, never touched.
 HOST_PROCESS = (2 * GiB, 30.0)
 
@@ -112,8 +131,9 @@ class DemoWorkloads:
     container's Allocate env, as a container's processes do, and is listed in the state file
     for as long as it lives, as the driver lists a GPU process."""
 
-    def __init__(self, state_file: Path) -> None:
+    def __init__(self, state_file: Path, gpus: tuple[FakeGpu, ...] = DEMO_GPUS) -> None:
         self._state_file = state_file
+        self._gpus = gpus
         # pid -> (process, GPU UUID, what it does, whose it is)
         self._work: dict[int, tuple[subprocess.Popen[bytes], str, FakeProcess, str]] = {}
 
@@ -145,7 +165,7 @@ class DemoWorkloads:
                         f"  take {JAX_DEFAULT_FRACTION:.0%} ({format_bytes(unhinted)}) and be "
                         "killed after the grace period",
                     ]
-                if work is not None:
+                if work is not None and not any(w[3] == owner for w in self._work.values()):
                     self._add(uuid, dict(c.envs), *work, owner=owner)
         self._add(DEMO_GPUS[1].uuid, {}, *HOST_PROCESS, owner="host")
         self.write()
@@ -153,11 +173,20 @@ class DemoWorkloads:
 
     def _add(
         self, gpu_uuid: str, envs: dict[str, str], memory: int, demand: float, *, owner: str
-    ) -> None:
+    ) -> int:
+        """Start `owner`'s process (listed in the state file from the next `write`); its pid."""
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **envs}
         # Dies with the demo, even when the demo is SIGKILLed (and even while stopped).
         proc = subprocess.Popen([sys.executable, "-c", _WORKLOAD, str(os.getpid())], env=env)
         self._work[proc.pid] = (proc, gpu_uuid, FakeProcess(proc.pid, memory, demand), owner)
+        return proc.pid
+
+    def start_one(self, pod: PodGrant, container: ContainerGrant, work: tuple[int, float]) -> int:
+        """Start one container's process, not yet listed (it asks for no GPU memory until the
+        next `write`, as `start` does); its pid."""
+        uuid = container.device_ids[0].rsplit("::", 1)[0]
+        owner = f"{pod.namespace}/{pod.name}/{container.name}"
+        return self._add(uuid, dict(container.envs), *work, owner=owner)
 
     def grow(self, owner: str, memory: int) -> int | None:
         """Make `owner`'s process use `memory`; returns its pid, or None when `owner` has no
@@ -199,7 +228,7 @@ class DemoWorkloads:
                     for d in g.mig_devices
                 ),
             )
-            for g in DEMO_GPUS
+            for g in self._gpus
         )
         write_state_file(self._state_file, FakeState(gpus=gpus))
 

@@ -1,5 +1,6 @@
-"""The demo leaves nothing behind however it ends: no stopped process, no orphan, no directory;
-closing its terminal (SIGHUP) stops it as cleanly as Ctrl-C, and even SIGKILL leaves nothing."""
+"""The demo leaves nothing behind however it ends: no stopped process, no orphan, no directory,
+no cgroup (where, as root, it made its driver-limited container's); closing its terminal (SIGHUP)
+stops it as cleanly as Ctrl-C, and even SIGKILL leaves nothing."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from deviceplugin.sim.demo_limits import cgroup2_mount
 
 
 def _state(pid: int) -> str | None:
@@ -38,6 +41,7 @@ def test_the_demo_leaves_nothing_behind(sig: signal.Signals) -> None:
     try:
         assert demo.stdout is not None
         workdir: Path | None = None
+        cgroups: Path | None = None  # the demo's cgroup subtree, when it made one
         lines: list[str] = []
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -47,6 +51,11 @@ def test_the_demo_leaves_nothing_behind(sig: signal.Signals) -> None:
             found = re.search(r"kubelet in (/\S+)", line)
             if found:
                 workdir = Path(found.group(1))
+            subtree = re.search(r"in the kubelet's layout: /(vgpu-demo-[0-9a-f]+)/", line)
+            mount = cgroup2_mount()
+            if subtree and mount is not None:
+                cgroups = mount / subtree.group(1)
+                assert cgroups.is_dir()
             if line.startswith("running for"):
                 break
         assert workdir is not None
@@ -62,12 +71,17 @@ def test_the_demo_leaves_nothing_behind(sig: signal.Signals) -> None:
             assert code == 0, demo.stderr.read() if demo.stderr else ""
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            if all(_gone(c.pid) for c in children) and not workdir.exists():
+            if (
+                all(_gone(c.pid) for c in children)
+                and not workdir.exists()
+                and (cgroups is None or not cgroups.exists())
+            ):
                 break
             time.sleep(0.05)
         left = {c.pid: _state(c.pid) for c in children if not _gone(c.pid)}
         assert left == {}, f"processes left behind: {left}"
         assert not workdir.exists(), f"{workdir} left behind"
+        assert cgroups is None or not cgroups.exists(), f"{cgroups} left behind"
     finally:
         for child in children:
             try:
