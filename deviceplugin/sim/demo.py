@@ -372,8 +372,16 @@ def _start_janitor(workdir: Path, *cgroups: Path) -> int:
 
 def run_demo(duration_s: float | None, out: TextIO) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="vgpu-demo-", dir="/tmp"))
-    limits, why = DriverLimits.prepare(demo_subtree_name())
-    janitor = _start_janitor(workdir, *([limits.top] if limits is not None else []))
+    limits: DriverLimits | None = None
+    try:
+        limits, why = DriverLimits.prepare(demo_subtree_name())
+        janitor = _start_janitor(workdir, *([limits.top] if limits is not None else []))
+    except BaseException:
+        # No janitor to clean up after us: what was made so far goes now.
+        shutil.rmtree(workdir, ignore_errors=True)
+        if limits is not None:
+            _remove_cgroups(limits.top)
+        raise
     try:
         return asyncio.run(_demo(duration_s, out, workdir, limits, why))
     finally:
