@@ -23,17 +23,21 @@ from typing import Any
 
 import pytest
 
-from deviceplugin.gpu.fake import FakeProcess, FakeState
+from deviceplugin.gpu.fake import FakeMigDevice, FakeProcess, FakeState
+from tests.blackbox.daemon_harness import gpu as fake_gpu
 from tests.e2e.harness import Cluster, ContainerdOptions, Daemon, wait_until
 from tests.e2e.memlimits import (
     GPU,
     GPUS,
     GiB,
     build_hook,
+    container_status,
     enforced,
+    gpu_status,
     hook_failures_after_restart,
     limit_args,
     limits_on,
+    partitioned,
     seeing_pod,
     seen_by,
     started_at_wall_s,
@@ -257,6 +261,64 @@ def test_an_unhealthy_gpu_is_polled(node: Cluster, dra: Daemon) -> None:
         lambda: dra.status()["gpus"][0]["memory_enforcement"] == "driver-dmem",
         timeout_s=20,
         what="enforced by the driver again",
+    )
+
+
+# A driver that partitions memory, but the GPU is in MIG mode: partitions are for whole GPUs.
+MIG_GPU = dataclasses.replace(
+    partitioned(fake_gpu(1, name="NVIDIA A100-SXM4-80GB", memory_gib=80)),
+    mig_enabled=True,
+    mig_devices=(FakeMigDevice("MIG-e2e-mem-1", 1, 0, "3g.40gb", 40 * GiB),),
+    mig_block=True,
+)
+
+
+def test_a_claim_on_a_mig_device_is_polled_and_gets_no_hook(node: Cluster, dra: Daemon) -> None:
+    """A claim for a MIG device: its CDI spec carries no hook, its container is polled, and
+    /status says why (`mig`); the whole GPU beside it stays enforced by the driver."""
+    dra.write_config(CONFIG + "mig: {strategy: single}\n")
+    node.write_gpus(FakeState(gpus=(GPU, MIG_GPU)))
+    templated = False
+    try:
+        body = template("mig8", "8Gi")
+        (request,) = body["spec"]["spec"]["devices"]["requests"]
+        request["exactly"]["selectors"] = [
+            {"cel": {"expression": f'device.attributes["{DRIVER}"].type == "mig"'}}
+        ]
+        _post(node, f"{RESOURCE_API}/namespaces/{NS}/resourceclaimtemplates", body)
+        templated = True
+        wait_until(
+            lambda: any(g["uuid"] == "MIG-e2e-mem-1" for g in dra.status()["gpus"]),
+            timeout_s=30,
+            what="the MIG device",
+        )
+        node.create_pod(claim_seeing_pod(node, "on-mig", template_name="mig8"))
+        node.wait_running("on-mig")
+        claim = claim_of(node, "on-mig")
+        (result,) = claim["status"]["allocation"]["devices"]["results"]
+        assert result["device"] == "gpu-1-mig-1-0"
+        assert spec_hooks(node, claim["metadata"]["uid"]) == []
+        status = wait_until(
+            lambda: container_status(dra, "on-mig"), timeout_s=20, what="on-mig in /status"
+        )
+        assert status["memory_enforced_by"] == "poll"
+        # The memory-limits part publishes its view of a new device at its next pass.
+        device = wait_until(
+            lambda: (d := gpu_status(dra, "MIG-e2e-mem-1"))["memory_enforcement_cause"] and d,
+            timeout_s=20,
+            what="the MIG device's memory enforcement",
+        )
+        assert (device["memory_enforcement"], device["memory_enforcement_cause"]) == ("poll", "mig")
+        assert gpu_status(dra, GPU.uuid)["memory_enforcement"] == "driver-dmem"
+        assert node.container_cgroup("on-mig", "main") not in limits_on(node, GPU.uuid)
+    finally:
+        if templated:
+            node.delete_pod("on-mig")
+            node.api.delete(f"{RESOURCE_API}/namespaces/{NS}/resourceclaimtemplates/mig8")
+        dra.write_config(CONFIG)
+        node.write_gpus(GPUS)
+    wait_until(
+        lambda: len(dra.status()["gpus"]) == 1, timeout_s=30, what="the node back to one GPU"
     )
 
 
