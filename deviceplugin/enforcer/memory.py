@@ -8,7 +8,9 @@ as freed), and the container is checked again. `monitor`: one record per violati
 
 from __future__ import annotations
 
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from deviceplugin.config import EnforcementConfig, MemoryAction
 from deviceplugin.enforcer.decisions import (
@@ -55,9 +57,7 @@ def decide_memory(
         state.recorded = False
         return []
     listed = {p.pid: p for p in processes}
-    for pid in [pid for pid in state.killed if pid not in listed]:
-        del state.killed[pid]  # gone from the GPU: its memory is free
-    if any(now_s - t < kill_timeout_s for t in state.killed.values()):
+    if kill_pending(state, listed, now_s, kill_timeout_s):
         return []  # wait for the killed process to go before looking again
     dying_bytes = sum(listed[pid].used_memory_bytes or 0 for pid in state.killed)
     used = c.memory_used_bytes - dying_bytes
@@ -71,37 +71,65 @@ def decide_memory(
     # Polls come a little early or late; one due at the end of the grace period counts.
     if over_for_s + _POLL_JITTER_RATIO * config.poll_interval_s < (config.memory.grace_period_s):
         return []
+    reason = f"over the memory limit for {over_for_s:.1f}s"
+    return take_largest(
+        state,
+        processes,
+        key,
+        used=used,
+        limit=limit,
+        over_for_s=over_for_s,
+        reason=reason,
+        now_s=now_s,
+        config=config,
+    )
+
+
+class TakenState(Protocol):
+    """What a rule that kills a container's largest process keeps between snapshots."""
+
+    killed: dict[int, float]
+    recorded: bool
+
+
+def kill_pending(
+    state: TakenState, listed: Container[int], now_s: float, kill_timeout_s: float
+) -> bool:
+    """Forget the killed processes gone from the GPU (their memory is free); whether one is
+    still there and within `kill_timeout_s` of its kill (nothing more is taken meanwhile)."""
+    for pid in [pid for pid in state.killed if pid not in listed]:
+        del state.killed[pid]
+    return any(now_s - t < kill_timeout_s for t in state.killed.values())
+
+
+def take_largest(
+    state: TakenState,
+    processes: Iterable[ProcessSample],
+    key: ContainerKey,
+    *,
+    used: int,
+    limit: int,
+    over_for_s: float,
+    reason: str,
+    now_s: float,
+    config: EnforcementConfig,
+    reclaim: bool = False,
+) -> list[Decision]:
+    """Kill the container's largest process not already killed (`key`: the container on the
+    GPU; `used`: its bytes there, `limit` what they are held to: its limit, or its request), or
+    with `monitor` record the episode once."""
     candidates = [p for p in processes if p.pid not in state.killed]
     victim = max(candidates, key=lambda p: (p.used_memory_bytes or 0, p.pid), default=None)
-    reason = f"over the memory limit for {over_for_s:.1f}s"
     if config.memory.action is MemoryAction.MONITOR:
         if state.recorded:
             return []
         state.recorded = True
-        return [
-            Record(
-                MEMORY,
-                MONITOR,
-                c.allocation_id,
-                c.gpu_uuid,
-                victim.pid if victim is not None else None,
-                float(used),
-                float(limit),
-                reason,
-            )
-        ]
+        pid = victim.pid if victim is not None else None
+        return [Record(MEMORY, MONITOR, key[0], key[1], pid, float(used), float(limit), reason)]
     if victim is None:
         return []
     state.killed[victim.pid] = now_s
+    process_used = victim.used_memory_bytes or 0
     return [
-        Kill(
-            c.allocation_id,
-            c.gpu_uuid,
-            victim.pid,
-            used,
-            limit,
-            victim.used_memory_bytes or 0,
-            over_for_s,
-            reason,
-        )
+        Kill(key[0], key[1], victim.pid, used, limit, process_used, over_for_s, reason, reclaim)
     ]

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deviceplugin.config import EnforcementConfig, MemoryAction
-from deviceplugin.enforcer.decisions import MEMORY, MONITOR, ContainerKey, Decision, Kill, Record
+from deviceplugin.config import EnforcementConfig
+from deviceplugin.enforcer.decisions import ContainerKey, Decision
+from deviceplugin.enforcer.memory import kill_pending, take_largest
 from deviceplugin.model import ContainerUsage, ProcessSample
 
 
@@ -62,9 +63,7 @@ def decide_pressure(
     container's processes there, the excluded PIDs left out."""
     uuid, total, used = gpu
     listed = {p.pid for processes in own.values() for p in processes}
-    for pid in [pid for pid in state.killed if pid not in listed]:
-        del state.killed[pid]  # gone from the GPU: its memory is free
-    if any(now_s - t < kill_timeout_s for t in state.killed.values()):
+    if kill_pending(state, listed, now_s, kill_timeout_s):
         return []  # wait for the reclaimed process to go before looking again
     free = max(0, total - used)
     owed = owed_bytes(containers)
@@ -77,42 +76,19 @@ def decide_pressure(
         return []  # no one above its request: nothing is reclaimed from a guaranteed container
     victim_container, burst = max(over, key=lambda item: (item[1], item[0].allocation_id))
     key = (victim_container.allocation_id, victim_container.gpu_uuid)
-    candidates = [p for p in own.get(key, ()) if p.pid not in state.killed]
-    victim = max(candidates, key=lambda p: (p.used_memory_bytes or 0, p.pid), default=None)
-    request = request_of(victim_container)
     reason = (
         f"memory pressure: {free} bytes free on the GPU (reclaim below {threshold}; "
         f"{owed} owed to containers below their request), {burst} bytes above its request"
     )
-    if config.memory.action is MemoryAction.MONITOR:
-        if state.recorded:
-            return []
-        state.recorded = True
-        return [
-            Record(
-                MEMORY,
-                MONITOR,
-                key[0],
-                uuid,
-                victim.pid if victim is not None else None,
-                float(victim_container.memory_used_bytes),
-                float(request),
-                reason,
-            )
-        ]
-    if victim is None:
-        return []
-    state.killed[victim.pid] = now_s
-    return [
-        Kill(
-            key[0],
-            uuid,
-            victim.pid,
-            victim_container.memory_used_bytes,
-            request,
-            victim.used_memory_bytes or 0,
-            0.0,
-            reason,
-            reclaim=True,
-        )
-    ]
+    return take_largest(
+        state,
+        own.get(key, ()),
+        (victim_container.allocation_id, uuid),
+        used=victim_container.memory_used_bytes,
+        limit=request_of(victim_container),
+        over_for_s=0.0,
+        reason=reason,
+        now_s=now_s,
+        config=config,
+        reclaim=True,
+    )
