@@ -134,7 +134,8 @@ class FakePartitions:
             rules = self._rules[uuid]
             rules.set(cgroup, soft_bytes, hard_bytes)
             cleared = soft_bytes == 0 and hard_bytes == LIMIT_MAX
-            self._event(uuid, cgroup, "clear" if cleared else "set", soft_bytes, hard_bytes)
+            action = "clear" if cleared else "set"
+            self._event(uuid, cgroup, action, soft_bytes=soft_bytes, hard_bytes=hard_bytes)
             self.generation += 1
             self._save()
 
@@ -162,20 +163,7 @@ class FakePartitions:
             return granted
 
     def _refusal(self, uuid: str, cgroup: str, pid: int, asked: int, got: int) -> None:
-        now = self.clock()
-        self._events.append(
-            {
-                "at": rfc3339(now),
-                "at_s": now,
-                "gpu": uuid,
-                "cgroup": cgroup,
-                "action": "refused",
-                "pid": pid,
-                "asked_bytes": asked,
-                "granted_bytes": got,
-            }
-        )
-        del self._events[:-MAX_EVENTS]
+        self._event(uuid, cgroup, "refused", pid=pid, asked_bytes=asked, granted_bytes=got)
         self.generation += 1
         self._save()
 
@@ -192,24 +180,20 @@ class FakePartitions:
         changed = False
         for uuid, rules in self._rules.items():
             for cgroup, limit in rules.forget_removed():
-                self._event(uuid, cgroup, "removed", limit.soft_bytes, limit.hard_bytes)
+                soft, hard = limit.soft_bytes, limit.hard_bytes
+                self._event(uuid, cgroup, "removed", soft_bytes=soft, hard_bytes=hard)
                 changed = True
         if changed:
             self.generation += 1
             self._save()
 
-    def _event(self, uuid: str, cgroup: str, action: str, soft: int, hard: int) -> None:
+    def _event(self, uuid: str, cgroup: str, action: str, **figures: int) -> None:
+        """One event of the fake driver's file (`figures`: the limits set, or what a refused
+        allocation asked and got), the newest MAX_EVENTS kept."""
         now = self.clock()
         self._events.append(
-            {
-                "at": rfc3339(now),
-                "at_s": now,
-                "gpu": uuid,
-                "cgroup": cgroup,
-                "action": action,
-                "soft_bytes": soft,
-                "hard_bytes": hard,
-            }
+            {"at": rfc3339(now), "at_s": now, "gpu": uuid, "cgroup": cgroup, "action": action}
+            | figures
         )
         del self._events[:-MAX_EVENTS]
 
