@@ -13,7 +13,7 @@ import dataclasses
 import json
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,14 +96,22 @@ def claim_pod(name: str, template: str) -> dict[str, Any]:
     return pod
 
 
-def start_dra(cluster: Cluster, config: str = CONFIG) -> Daemon:
-    """Our daemon as a DRA driver on the node (fake GPUs), registered with the kubelet."""
+def start_dra(
+    cluster: Cluster,
+    config: str = CONFIG,
+    *,
+    gpus: FakeState = GPUS,
+    args: Sequence[str] = (),
+) -> Daemon:
+    """Our daemon as a DRA driver on the node (fake GPUs; `args`: more of serve's flags),
+    registered with the kubelet."""
     daemon = cluster.start_daemon(
         config=config,
-        gpus=GPUS,
+        gpus=gpus,
         args=[
             "--kubelet-api", "dra",
             "--kubeconfig", str(cluster.paths.pki / "admin.kubeconfig"),
+            *args,
         ],
     )  # fmt: skip
     daemon.wait_http()
@@ -125,6 +133,22 @@ def node(dra: Daemon) -> Iterator[Cluster]:
     yield cluster
     for pod in cluster.pods():
         cluster.delete_pod(pod["metadata"]["name"])
+    wait_until(lambda: not spec_files(cluster), timeout_s=30, what="every claim unprepared")
+
+
+def clean_claims(cluster: Cluster, gpus: FakeState) -> None:
+    """After a test: the fake GPUs as `gpus`, every pod and claim deleted, every claim
+    unprepared."""
+    cluster.write_gpus(gpus)
+    for pod in cluster.pods():
+        cluster.delete_pod(pod["metadata"]["name"])
+    claims = f"{RESOURCE_API}/namespaces/{NS}/resourceclaims"
+    for claim in cluster.api.get(claims)["items"]:
+        try:
+            cluster.api.delete(f"{claims}/{claim['metadata']['name']}")
+        except ApiError as exc:
+            if exc.status != 404:  # a template's claim, gone with its pod
+                raise
     wait_until(lambda: not spec_files(cluster), timeout_s=30, what="every claim unprepared")
 
 

@@ -37,7 +37,6 @@ from tests.e2e.harness import (
     standin_nvidia_spec,
     wait_until,
 )
-from tests.e2e.netns import ApiError
 from tests.e2e.runtime import STANDIN_SPEC, standin_env_name
 from tests.e2e.test_dra import (
     DRIVER,
@@ -48,6 +47,7 @@ from tests.e2e.test_dra import (
     _install,
     claim_of,
     claim_pod,
+    clean_claims,
     spec_files,
     start_dra,
 )
@@ -169,19 +169,8 @@ def dra(cluster: Cluster) -> Iterator[Daemon]:
 def node(dra: Daemon) -> Iterator[Cluster]:
     """The cluster, cleaned after the test: the fake GPU idle, every pod and claim deleted,
     every claim unprepared."""
-    cluster = dra.cluster
-    yield cluster
-    cluster.write_gpus(GPUS)
-    for pod in cluster.pods():
-        cluster.delete_pod(pod["metadata"]["name"])
-    claims = f"{RESOURCE_API}/namespaces/{NS}/resourceclaims"
-    for claim in cluster.api.get(claims)["items"]:
-        try:
-            cluster.api.delete(f"{claims}/{claim['metadata']['name']}")
-        except ApiError as exc:
-            if exc.status != 404:  # a template's claim, gone with its pod
-                raise
-    wait_until(lambda: not spec_files(cluster), timeout_s=30, what="every claim unprepared")
+    yield dra.cluster
+    clean_claims(dra.cluster, GPUS)
 
 
 def test_a_claim_over_its_memory_is_killed_its_neighbour_untouched(

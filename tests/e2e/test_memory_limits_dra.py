@@ -44,8 +44,16 @@ from tests.e2e.memlimits import (
     under_node,
     wait_nothing_left,
 )
-from tests.e2e.netns import ApiError
-from tests.e2e.test_dra import DRIVER, NS, RESOURCE_API, _install, _post, claim_of, spec_files
+from tests.e2e.test_dra import (
+    DRIVER,
+    NS,
+    RESOURCE_API,
+    _install,
+    _post,
+    claim_of,
+    clean_claims,
+)
+from tests.e2e.test_dra import start_dra as start_dra_driver
 
 RUNTIME = "containerd"
 CONTAINERD_OPTIONS = ContainerdOptions()
@@ -113,36 +121,15 @@ def dra(cluster: Cluster) -> Iterator[Daemon]:
 
 
 def start_dra(cluster: Cluster, hook: Path) -> Daemon:
-    daemon = cluster.start_daemon(
-        config=CONFIG,
-        gpus=GPUS,
-        args=[
-            "--kubelet-api", "dra",
-            "--kubeconfig", str(cluster.paths.pki / "admin.kubeconfig"),
-            *limit_args(cluster, hook),
-        ],
-    )  # fmt: skip
-    daemon.wait_http()
-    wait_until(lambda: daemon.status()["health"]["registered"], timeout_s=30, what="registered")
+    daemon = start_dra_driver(cluster, CONFIG, gpus=GPUS, args=limit_args(cluster, hook))
     wait_until(lambda: daemon.status()["memory_limits"]["served"], timeout_s=20, what="hook served")
     return daemon
 
 
 @pytest.fixture
 def node(dra: Daemon) -> Iterator[Cluster]:
-    cluster = dra.cluster
-    yield cluster
-    cluster.write_gpus(GPUS)
-    for pod in cluster.pods():
-        cluster.delete_pod(pod["metadata"]["name"])
-    claims = f"{RESOURCE_API}/namespaces/{NS}/resourceclaims"
-    for claim in cluster.api.get(claims)["items"]:
-        try:
-            cluster.api.delete(f"{claims}/{claim['metadata']['name']}")
-        except ApiError as e:
-            if e.status != 404:  # a template's claim goes with its pod
-                raise
-    wait_until(lambda: not spec_files(cluster), timeout_s=30, what="every claim unprepared")
+    yield dra.cluster
+    clean_claims(dra.cluster, GPUS)
 
 
 def spec_hooks(cluster: Cluster, uid: str) -> list[dict[str, Any]]:
